@@ -1,0 +1,33 @@
+# One idempotent install step shared by `make run` and `make test`.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.lptrain-installed
+
+.PHONY: install run test lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	# CPU torch from local disk on a fresh machine; an existing torch (e.g. a GPU build) is kept.
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install torch==2.13.0
+	$(BIN)/pip install -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: install
+	$(BIN)/lptrain pretrain --recipe tiny_cpu.yaml
+
+test: install
+	$(BIN)/python -m pytest -q
+
+lint: install
+	$(BIN)/ruff check lptrain tests bench
+
+bench: install
+	$(BIN)/python bench/quantize.py
+	$(BIN)/python bench/model_step.py
+	$(BIN)/python bench/data.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

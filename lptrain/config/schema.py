@@ -1,0 +1,241 @@
+"""Typed configuration schema: one dataclass per section.
+
+Every field carries a one-line help text in its metadata (``field(metadata={"help": ...})``);
+that text is the documentation shown by ``--help`` and ``show-config --explain``. Canonical
+key names and defaults follow ``flag-rules.md``. Values that other settings determine
+(``ddp.grad_reduce_in_fp32``, ``ddp.bucket_size``, ...) default to ``None`` here and are
+filled in by :func:`lptrain.config.derive.derive`, never computed ad hoc deeper in the code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any, Optional
+
+
+def opt(default: Any, help: str) -> Any:
+    """A dataclass field with a scalar default and its one-line documentation."""
+    return field(default=default, metadata={"help": help})
+
+
+def opt_factory(factory: Any, help: str) -> Any:
+    """A dataclass field with a mutable default (list, nested section) and its documentation."""
+    return field(default_factory=factory, metadata={"help": help})
+
+
+@dataclass
+class RunConfig:
+    """Identity and placement of one run."""
+
+    name: str = opt("lptrain", "Run name, used for the output folder and the W&B run.")
+    output_dir: str = opt("runs/${run.name}", "Folder for resolved config, logs, plots and metrics.")
+    device: str = opt("auto", "Compute device: auto (cuda when available, else cpu), cpu or cuda.")
+
+
+@dataclass
+class MoEConfig:
+    """Mixture-of-experts layers (``num_experts == 0`` means a dense model)."""
+
+    num_experts: int = opt(0, "Number of routed experts per MoE layer; 0 = dense model.")
+    router_topk: int = opt(2, "Experts chosen per token.")
+    moe_layer_freq: int = opt(1, "Every k-th layer is MoE (1 = all layers); the rest are dense.")
+    ffn_hidden_size: Optional[int] = opt(None, "Expert MLP hidden size; null = model.ffn_hidden_size.")
+    grouped_gemm: bool = opt(False, "Run all local experts as one grouped GEMM instead of a loop.")
+    single_grouped_weight: bool = opt(
+        False, "Store all experts' fc1 (and fc2) as one contiguous grouped parameter."
+    )
+    load_balancing_type: str = opt("aux_loss", "Load balancing: aux_loss, seq_aux_loss or none.")
+    aux_loss_coeff: float = opt(0.0, "Coefficient of the load-balancing auxiliary loss.")
+    z_loss_coeff: float = opt(0.0, "Coefficient of the router z-loss (0 = off).")
+    score_function: str = opt("softmax", "Router score function: softmax or sigmoid.")
+    enable_expert_bias: bool = opt(
+        False, "Aux-loss-free balancing: a per-expert bias updated from token counts (sigmoid)."
+    )
+    bias_update_rate: float = opt(1e-3, "Step size of the aux-loss-free expert bias update.")
+    expert_model_parallel_size: int = opt(1, "Expert-parallel group size (experts split across ranks).")
+
+
+@dataclass
+class ModelConfig:
+    """GPT decoder shape."""
+
+    num_layers: int = opt(2, "Number of transformer layers.")
+    hidden_size: int = opt(64, "Model (residual stream) width.")
+    ffn_hidden_size: Optional[int] = opt(None, "SwiGLU hidden size; null = 4 * hidden_size rounded.")
+    num_attention_heads: int = opt(4, "Query heads per layer.")
+    num_query_groups: Optional[int] = opt(None, "Key/value heads (GQA); null = num_attention_heads.")
+    seq_length: int = opt(128, "Training sequence length in tokens.")
+    vocab_size: int = opt(259, "Vocabulary size (byte tokenizer: 256 bytes + BOS/EOS/PAD = 259).")
+    make_vocab_size_divisible_by: int = opt(
+        1, "Pad the embedding/output rows to a multiple of this (GEMM alignment)."
+    )
+    rotary_base: float = opt(10000.0, "RoPE base frequency.")
+    norm_epsilon: float = opt(1e-5, "RMSNorm epsilon.")
+    tie_embeddings: bool = opt(False, "Share the token embedding and the output head weight.")
+    init_method_std: float = opt(0.02, "Std of the normal weight initialisation.")
+    moe: MoEConfig = opt_factory(MoEConfig, "Mixture-of-experts settings.")
+
+
+@dataclass
+class PrecisionConfig:
+    """Compute/storage precision and the quantized-GEMM recipe."""
+
+    params_dtype: str = opt("bf16", "Model parameter dtype: bf16 or fp32.")
+    backend: str = opt("auto", "auto (te with CUDA+TE, else emulated), te or emulated.")
+    fp8_format: Optional[str] = opt(None, "FP8 format: null (off), e4m3 or hybrid (E4M3 fwd, E5M2 bwd).")
+    fp8_recipe: str = opt("delayed", "FP8 recipe: delayed, tensorwise, blockwise or mxfp8.")
+    fp4_format: Optional[str] = opt(None, "FP4 format: null (off) or e2m1.")
+    fp4_recipe: str = opt("nvfp4", "FP4 recipe: nvfp4.")
+    fp8_param_gather: bool = opt(False, "Keep primary weights in FP8 and all-gather them in FP8.")
+    fp4_param_gather: bool = opt(False, "Keep primary weights in FP4 and all-gather them in FP4.")
+    fp8_margin: int = opt(0, "Delayed scaling: scale margin (powers of two of headroom).")
+    fp8_amax_history_len: int = opt(1, "Delayed scaling: length of the amax history window.")
+    fp8_amax_compute_algo: str = opt("most_recent", "Delayed scaling: most_recent or max.")
+    first_last_layers_bf16: bool = opt(False, "Run the first/last layers without quantized GEMMs.")
+    num_layers_at_start_in_bf16: int = opt(1, "Layers at the start kept in bf16.")
+    num_layers_at_end_in_bf16: int = opt(1, "Layers at the end kept in bf16.")
+    amax_epsilon: float = opt(0.0, "Floor under block/tensor amax before the scale division.")
+    nvfp4_rht: bool = opt(True, "NVFP4: random Hadamard transform on the wgrad operands.")
+    nvfp4_stochastic_rounding: bool = opt(True, "NVFP4: stochastic rounding of gradients.")
+    nvfp4_2d_weights: bool = opt(True, "NVFP4: 16x16 block scales for weights.")
+
+
+@dataclass
+class DDPConfig:
+    """Data-parallel engine: buffers, buckets, gradient reduction and param gather."""
+
+    use_distributed_optimizer: bool = opt(False, "Shard optimizer state over data-parallel ranks.")
+    overlap_grad_reduce: bool = opt(False, "Overlap gradient reduction with backward, per bucket.")
+    overlap_param_gather: bool = opt(False, "Overlap parameter all-gather with the next forward.")
+    grad_reduce_in_fp32: Optional[bool] = opt(
+        None, "Reduce grads in fp32; null = derived (true when params_dtype is bf16)."
+    )
+    bucket_size: Optional[int] = opt(
+        None, "Bucket size in elements; null = derived (max(40M, 1M*dp), one bucket w/o overlap)."
+    )
+    num_distributed_optimizer_instances: int = opt(1, "Partial sharding: optimizer instances.")
+    reuse_grad_buf_for_mxfp8_param_ag: bool = opt(
+        False, "MXFP8 param gather rides a bf16 view of the grad buffer."
+    )
+    average_in_collective: bool = opt(False, "Average in the collective instead of pre-scaling.")
+    check_for_nan_in_grad: bool = opt(True, "Check each bucket's grads for NaN/Inf before reducing.")
+
+
+@dataclass
+class MuonConfig:
+    """Muon hyperparameters (for 2-D hidden matrices)."""
+
+    momentum: float = opt(0.95, "Momentum coefficient, in [0, 1).")
+    nesterov: bool = opt(True, "Use Nesterov momentum.")
+    ns_steps: int = opt(5, "Newton-Schulz iterations (>= 1).")
+    coefficients: str = opt("quintic", "Newton-Schulz coefficients: simple, quintic or polar_express.")
+    scale_mode: str = opt("spectral", "Update scaling: shape_scaling, spectral or unit_rms_norm.")
+    extra_scale_factor: float = opt(1.0, "Extra multiplier on the orthogonalized update.")
+    split_qkv: bool = opt(True, "Orthogonalize Q, K and V separately.")
+    scalar_optimizer: str = opt("adamw", "Optimizer for non-matrix params (embeddings, norms): adamw.")
+
+
+@dataclass
+class OptimizerConfig:
+    """Optimizer and learning-rate schedule."""
+
+    name: str = opt("adamw", "Optimizer: adamw or muon.")
+    lr: float = opt(3e-4, "Peak learning rate.")
+    min_lr: float = opt(3e-5, "Final learning rate of the decay.")
+    weight_decay: float = opt(0.1, "Decoupled weight decay.")
+    adam_beta1: float = opt(0.9, "AdamW beta1.")
+    adam_beta2: float = opt(0.95, "AdamW beta2.")
+    adam_eps: float = opt(1e-8, "AdamW epsilon.")
+    clip_grad: float = opt(1.0, "Global gradient-norm clip (0 = off).")
+    lr_schedule: str = opt("cosine", "LR decay: cosine, linear, constant or wsd.")
+    warmup_iters: int = opt(10, "Linear warmup iterations.")
+    decay_iters: Optional[int] = opt(None, "Decay length; null = train.train_iters.")
+    layer_wise_param_layout: str = opt("compact", "Layer-wise optimizer layout: compact or padded.")
+    use_layer_wise_optimizer: Optional[bool] = opt(
+        None, "Derived: Muon + distributed optimizer use the layer-wise distributed optimizer."
+    )
+    muon: MuonConfig = opt_factory(MuonConfig, "Muon settings.")
+
+
+@dataclass
+class DataConfig:
+    """Training data."""
+
+    source: str = opt("builtin:python-stdlib", "Dataset: builtin:python-stdlib or an index prefix.")
+    paths: list[str] = opt_factory(list, "Index prefixes of prepared datasets for a blend.")
+    weights: list[float] = opt_factory(list, "Blend weights, one per path (empty = by size).")
+    cache_dir: str = opt("~/.cache/lptrain", "Where built-in datasets are prepared and reused.")
+    tokenizer: str = opt("byte", "Tokenizer: byte or a path to a tokenizers JSON file.")
+    split_valid_fraction: float = opt(0.02, "Fraction of documents held out for validation.")
+    seed: int = opt(1234, "Seed for the document split and the shuffling.")
+    num_workers: int = opt(0, "DataLoader worker processes.")
+
+
+@dataclass
+class TrainConfig:
+    """Training loop."""
+
+    seed: int = opt(1234, "Seed for parameter init (independent of world size and layout).")
+    micro_batch_size: int = opt(4, "Sequences per micro-batch per rank.")
+    global_batch_size: int = opt(8, "Sequences per optimizer step over all ranks.")
+    train_iters: int = opt(100, "Optimizer steps to run.")
+    eval_interval: Optional[int] = opt(None, "Evaluate every N steps (null = only at the end).")
+    eval_iters: int = opt(10, "Batches per evaluation.")
+    log_interval: Optional[int] = opt(10, "Log metrics every N steps.")
+    exit_interval: Optional[int] = opt(None, "Stop after N steps in this job (for requeue).")
+    gradient_accumulation_fusion: bool = opt(
+        True, "Quantized linears accumulate wgrad straight into main_grad."
+    )
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpoint save/load."""
+
+    save: Optional[str] = opt(None, "Folder to save checkpoints to (null = no saving).")
+    load: Optional[str] = opt(None, "Folder to resume from (null = checkpoint.save if it holds one).")
+    save_interval: Optional[int] = opt(None, "Save every N steps.")
+    keep_latest: int = opt(2, "Checkpoints kept (at least 2, the newest may be half-written).")
+    sharding_type: str = opt(
+        "dp_reshardable", "dp_reshardable, fully_reshardable or fully_sharded_model_space."
+    )
+    async_save: bool = opt(False, "Save in the background.")
+
+
+@dataclass
+class LoggingConfig:
+    """Metrics and logging."""
+
+    wandb: bool = opt(False, "Log to Weights & Biases.")
+    wandb_project: str = opt("lptrain", "W&B project.")
+    wandb_mode: str = opt("offline", "W&B mode: online, offline or disabled.")
+    plots: bool = opt(True, "Write PNG plots (loss curves, memory) into the run folder.")
+    progress: bool = opt(True, "Show a rich progress bar.")
+
+
+@dataclass
+class LPTrainConfig:
+    """The whole run configuration; its sections map one-to-one to recipe YAML sections."""
+
+    run: RunConfig = opt_factory(RunConfig, "Run identity.")
+    model: ModelConfig = opt_factory(ModelConfig, "Model shape.")
+    precision: PrecisionConfig = opt_factory(PrecisionConfig, "Precision and quantization recipe.")
+    ddp: DDPConfig = opt_factory(DDPConfig, "Data-parallel engine.")
+    optimizer: OptimizerConfig = opt_factory(OptimizerConfig, "Optimizer and LR schedule.")
+    data: DataConfig = opt_factory(DataConfig, "Training data.")
+    train: TrainConfig = opt_factory(TrainConfig, "Training loop.")
+    checkpoint: CheckpointConfig = opt_factory(CheckpointConfig, "Checkpointing.")
+    logging: LoggingConfig = opt_factory(LoggingConfig, "Metrics and logging.")
+
+
+def iter_fields(cls: type = LPTrainConfig, prefix: str = "") -> list[tuple[str, Any, str]]:
+    """All leaf fields as ``(dotted_key, type, help)``, in declaration order."""
+    out: list[tuple[str, Any, str]] = []
+    for f in fields(cls):
+        key = f"{prefix}{f.name}"
+        sub = f.default_factory() if callable(f.default_factory) else None  # type: ignore[misc]
+        if sub is not None and is_dataclass(sub):
+            out.extend(iter_fields(type(sub), key + "."))
+        else:
+            out.append((key, f.type, f.metadata.get("help", "")))
+    return out
