@@ -1,0 +1,218 @@
+"""Batch iterators for training and validation, and their construction from ``DataConfig``.
+
+:func:`build_train_valid_loaders` resolves ``data.paths``/``data.weights`` (a blend) or
+``data.source`` (``builtin:NAME`` or an index prefix), checks tokenizer identity and the model
+vocabulary, splits every dataset by documents (``split_valid_fraction``, ``seed``) and returns
+two :class:`BatchIterator` objects. Each yields ``{"tokens", "labels"}`` LongTensors of shape
+``[micro_batch_size, seq_length]`` forever and exposes its position (``consumed_samples``, in
+global samples) through ``state_dict()``/``load_state_dict()`` for checkpoints. The validation
+iterator continues where it stopped; to evaluate the same batches every time, reset it with
+``valid_iter.load_state_dict({"consumed_samples": 0})`` before each evaluation.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from lptrain.data.blend import BlendedStream
+from lptrain.data.builtin import ensure_builtin_dataset
+from lptrain.data.errors import DataError
+from lptrain.data.gpt_dataset import GPTDataset, split_documents
+from lptrain.data.indexed import IndexedDataset
+from lptrain.data.sampler import GlobalBatchSampler
+
+_DEFAULT_CACHE = "~/.cache/lptrain"  # DataConfig.cache_dir's default; LPTRAIN_CACHE_DIR overrides it
+
+
+class _PositionDataset(torch.utils.data.Dataset):
+    """Map-style view for a torch DataLoader: a list of positions -> one collated micro-batch."""
+
+    def __init__(self, stream: BlendedStream) -> None:
+        self.stream = stream
+
+    def __getitem__(self, positions: Any) -> dict[str, torch.Tensor]:
+        return collate(self.stream, positions)
+
+
+def collate(stream: BlendedStream, positions: Any) -> dict[str, torch.Tensor]:
+    """Read the samples at ``positions`` into ``tokens``/``labels`` (labels shifted by one)."""
+    buf = np.empty((len(positions), stream.seq_length + 1), dtype=np.int64)
+    for row, p in enumerate(positions):
+        stream.sample_into(int(p), buf[row])
+    # numpy copies + from_numpy: several times cheaper than two small torch ops per batch.
+    return {
+        "tokens": torch.from_numpy(np.ascontiguousarray(buf[:, :-1])),
+        "labels": torch.from_numpy(np.ascontiguousarray(buf[:, 1:])),
+    }
+
+
+class BatchIterator:
+    """Infinite iterator of this rank's micro-batches with a checkpointable position.
+
+    ``num_workers > 0`` reads through a ``torch.utils.data.DataLoader`` (prefetching); the
+    position still counts only the batches handed to the caller, so a checkpoint never skips
+    prefetched-but-unused samples.
+    """
+
+    def __init__(self, stream: BlendedStream, sampler: GlobalBatchSampler, num_workers: int = 0) -> None:
+        self.stream = stream
+        self.sampler = sampler
+        self.num_workers = num_workers
+        self._it: Iterator[dict[str, torch.Tensor]] | None = None
+
+    @property
+    def consumed_samples(self) -> int:
+        return self.sampler.consumed_samples
+
+    def _worker_iter(self) -> Iterator[dict[str, torch.Tensor]]:
+        start = self.sampler.consumed_samples
+        ahead = GlobalBatchSampler(
+            self.sampler.global_batch_size,
+            self.sampler.micro_batch_size,
+            self.sampler.dp_rank,
+            self.sampler.dp_size,
+            start,
+        )
+        loader = torch.utils.data.DataLoader(
+            _PositionDataset(self.stream),
+            sampler=ahead,
+            batch_size=None,
+            num_workers=self.num_workers,
+            persistent_workers=False,
+        )
+        return iter(loader)
+
+    def __iter__(self) -> BatchIterator:
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        if self.num_workers <= 0:
+            return collate(self.stream, self.sampler.next_positions())
+        if self._it is None:
+            self._it = self._worker_iter()
+        batch = next(self._it)
+        self.sampler.consumed_samples += self.sampler.micro_batch_size * self.sampler.dp_size
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """``consumed_samples`` (global) plus the stream fingerprint it refers to."""
+        return {**self.sampler.state_dict(), "stream": self.stream.fingerprint}
+
+    def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
+        """Resume at ``state["consumed_samples"]`` (any DP size or micro-batch size).
+
+        With ``strict``, a state saved for another stream (other data, split, seed, seq_length
+        or blend weights) raises :class:`DataError` instead of resuming at a meaningless position.
+        """
+        saved = state.get("stream")
+        if strict and saved is not None and saved != self.stream.fingerprint:
+            raise DataError(
+                "data state was saved for a different sample stream (dataset, split, seed, "
+                "seq_length or blend weights changed); pass strict=False to resume at "
+                f"consumed_samples={state['consumed_samples']} anyway"
+            )
+        self.sampler.load_state_dict(state)
+        self._it = None
+
+
+def resolve_prefixes(data_cfg: Any) -> list[str]:
+    """Index prefixes named by the config (``paths`` wins over ``source``).
+
+    ``builtin:NAME`` is prepared on first use into ``data.cache_dir``; while that is left at its
+    default, ``$LPTRAIN_CACHE_DIR`` (when set) is used instead.
+    """
+    paths = list(getattr(data_cfg, "paths", None) or [])
+    if paths:
+        return [str(p) for p in paths]
+    source = str(data_cfg.source)
+    if source.startswith("builtin:"):
+        cache = getattr(data_cfg, "cache_dir", None)
+        if not cache or (cache == _DEFAULT_CACHE and os.environ.get("LPTRAIN_CACHE_DIR")):
+            cache = None  # default: $LPTRAIN_CACHE_DIR, else ~/.cache/lptrain
+        max_mb = float(getattr(data_cfg, "builtin_max_mb", 32.0))
+        return [
+            ensure_builtin_dataset(
+                source.split(":", 1)[1], cache_dir=cache, tokenizer=data_cfg.tokenizer, max_bytes=int(max_mb * 1e6)
+            )
+        ]
+    return [source]
+
+
+def open_dataset(prefix: str, tokenizer: str, vocab_size: int) -> IndexedDataset:
+    """Open and check one dataset against the configured tokenizer and model vocabulary."""
+    from lptrain.data.tokenizer import load_tokenizer
+
+    ds = IndexedDataset(prefix)
+    want = load_tokenizer(tokenizer)
+    got = ds.header["tokenizer"]
+    if got.get("sha256") != want.sha256:
+        raise DataError(
+            f"dataset {prefix} was tokenized with {got.get('name')} (sha256 {str(got.get('sha256'))[:12]}) "
+            f"but data.tokenizer is {want.name} (sha256 {want.sha256[:12]})"
+        )
+    ds.check_vocab(vocab_size)
+    return ds
+
+
+def build_streams(
+    data_cfg: Any, seq_length: int, vocab_size: int
+) -> tuple[BlendedStream, BlendedStream | None]:
+    """Train and validation streams (validation is None when ``split_valid_fraction == 0``)."""
+    prefixes = resolve_prefixes(data_cfg)
+    weights = list(getattr(data_cfg, "weights", None) or [])
+    if weights and len(weights) != len(prefixes):
+        raise DataError(f"data.weights has {len(weights)} entries for {len(prefixes)} data.paths")
+    train_parts: list[GPTDataset] = []
+    valid_parts: list[GPTDataset] = []
+    for k, prefix in enumerate(prefixes):
+        ds = open_dataset(prefix, data_cfg.tokenizer, vocab_size)
+        seed = int(data_cfg.seed) + 1000 * k
+        tr, va = split_documents(len(ds), float(data_cfg.split_valid_fraction), seed)
+        train_parts.append(GPTDataset(ds, tr, seq_length, seed, f"{prefix} (train)"))
+        if len(va):
+            valid_parts.append(GPTDataset(ds, va, seq_length, seed + 1, f"{prefix} (valid)"))
+    train = BlendedStream(train_parts, weights or None)
+    valid = BlendedStream(valid_parts, weights or None) if valid_parts else None
+    return train, valid
+
+
+def build_train_valid_loaders(
+    data_cfg: Any,
+    seq_length: int,
+    micro_batch_size: int,
+    global_batch_size: int,
+    dp_rank: int,
+    dp_size: int,
+    vocab_size: int,
+) -> tuple[BatchIterator, BatchIterator | None]:
+    """``(train_iter, valid_iter)`` for this DP rank; restore positions with ``load_state_dict``."""
+    train, valid = build_streams(data_cfg, seq_length, vocab_size)
+    workers = int(getattr(data_cfg, "num_workers", 0) or 0)
+
+    def make(stream: BlendedStream) -> BatchIterator:
+        sampler = GlobalBatchSampler(global_batch_size, micro_batch_size, dp_rank, dp_size)
+        return BatchIterator(stream, sampler, workers)
+
+    return make(train), (make(valid) if valid is not None else None)
+
+
+def data_state(train_iter: BatchIterator, valid_iter: BatchIterator | None) -> dict[str, Any]:
+    """The data position to put in a checkpoint."""
+    return {
+        "train": train_iter.state_dict(),
+        "valid": valid_iter.state_dict() if valid_iter is not None else None,
+    }
+
+
+def load_data_state(
+    state: dict[str, Any], train_iter: BatchIterator, valid_iter: BatchIterator | None
+) -> None:
+    """Restore :func:`data_state` output (works across a change of DP size)."""
+    train_iter.load_state_dict(state["train"])
+    if valid_iter is not None and state.get("valid") is not None:
+        valid_iter.load_state_dict(state["valid"])

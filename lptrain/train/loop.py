@@ -1,0 +1,235 @@
+"""Single-process pretraining loop: the default CPU job (`lptrain pretrain --recipe tiny_cpu.yaml`).
+
+Walk of one run: factory (precision) -> model -> data -> fp32 master weights + AdamW -> loop
+(micro-batches, NaN guard, clip, step, LR schedule) -> eval -> metrics JSONL + loss-curve PNG.
+
+This is the data-parallel-free baseline. The distributed engine (buffers, distributed
+optimizer, Muon, checkpointing) plugs in through its own issues; until then a recipe that
+needs it is refused here with a message naming the key, never run half-way.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Iterator
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lptrain.config.schema import LPTrainConfig
+from lptrain.optim.schedule import lr_at
+
+
+class TrainingDivergedError(RuntimeError):
+    """A loss or gradient went NaN/Inf; the message names the step and the tensor."""
+
+
+def _unsupported_here(cfg: LPTrainConfig) -> list[str]:
+    """Settings this single-process loop cannot honour yet, as ``key=value`` strings."""
+    out = []
+    if cfg.optimizer.name != "adamw":
+        out.append(f"optimizer.name={cfg.optimizer.name}")
+    if cfg.precision.fp8_param_gather:
+        out.append("precision.fp8_param_gather=true")
+    if cfg.precision.fp4_param_gather:
+        out.append("precision.fp4_param_gather=true")
+    if cfg.ddp.use_distributed_optimizer:
+        out.append("ddp.use_distributed_optimizer=true")
+    return out
+
+
+def _check_finite_grads(model: torch.nn.Module, step: int) -> None:
+    for name, p in model.named_parameters():
+        g = p.grad
+        if g is not None and not bool(torch.isfinite(g).all()):
+            bad = int((~torch.isfinite(g)).sum())
+            raise TrainingDivergedError(
+                f"step {step}: gradient of '{name}' has {bad} non-finite value(s); stopping"
+            )
+
+
+class _MasterAdamW:
+    """AdamW over fp32 master copies of (possibly bf16) model params.
+
+    Why: updating bf16 params in place loses small updates to rounding; the masters keep
+    full precision and the model params are refreshed from them after every step.
+    """
+
+    def __init__(self, model: torch.nn.Module, cfg: LPTrainConfig) -> None:
+        o = cfg.optimizer
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.masters = [p.detach().float().clone() for p in self.params]
+        decay = [m for p, m in zip(self.params, self.masters) if p.ndim >= 2]
+        no_decay = [m for p, m in zip(self.params, self.masters) if p.ndim < 2]
+        self.opt = torch.optim.AdamW(
+            [
+                {"params": decay, "weight_decay": o.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=o.lr,
+            betas=(o.adam_beta1, o.adam_beta2),
+            eps=o.adam_eps,
+        )
+        self.clip = o.clip_grad
+
+    def step(self, lr: float) -> float:
+        for p, m in zip(self.params, self.masters):
+            m.grad = None if p.grad is None else p.grad.float()
+        norm = torch.nn.utils.clip_grad_norm_(
+            self.masters, self.clip if self.clip > 0 else float("inf")
+        )
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        self.opt.step()
+        with torch.no_grad():
+            for p, m in zip(self.params, self.masters):
+                p.copy_(m.to(p.dtype))
+                p.grad = None
+        return float(norm)
+
+
+def _evaluate(model: torch.nn.Module, batches: Iterator[dict[str, torch.Tensor]], n: int, ctx) -> float:
+    model.eval()
+    total = 0.0
+    with torch.no_grad():
+        for _ in range(n):
+            b = next(batches)
+            with ctx():
+                loss, _ = model(b["tokens"], labels=b["labels"])
+            total += float(loss)
+    model.train()
+    return total / max(1, n)
+
+
+def _write_plot(records: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in records if "loss" in r]
+    losses = [r["loss"] for r in records if "loss" in r]
+    evals = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(steps, losses, label="train loss")
+    if evals:
+        ax.plot(*zip(*evals), "o-", label="validation loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def pretrain(cfg: LPTrainConfig, output_dir: str | Path) -> dict[str, Any]:
+    """Run the single-process pretraining loop; returns a summary dict (also written to disk)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from lptrain.data import build_train_valid_loaders
+    from lptrain.model import build_model
+    from lptrain.precision.factory import build_factory
+
+    console = Console()
+    missing = _unsupported_here(cfg)
+    if missing:
+        raise SystemExit(
+            "lptrain pretrain: this build runs single-process AdamW only; "
+            f"not yet supported: {', '.join(missing)}"
+        )
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.train.seed)
+    t = cfg.train
+    num_micro = t.global_batch_size // t.micro_batch_size
+
+    factory = build_factory(
+        cfg.precision,
+        num_layers=cfg.model.num_layers,
+        fuse_wgrad_accumulation=False,
+    )
+    model = build_model(cfg, factory)
+    autocast = getattr(factory, "autocast", None) or nullcontext
+    train_it, valid_it = build_train_valid_loaders(
+        cfg.data,
+        seq_length=cfg.model.seq_length,
+        micro_batch_size=t.micro_batch_size,
+        global_batch_size=t.global_batch_size,
+        dp_rank=0,
+        dp_size=1,
+        vocab_size=cfg.model.vocab_size,
+    )
+    opt = _MasterAdamW(model, cfg)
+    decay_iters = cfg.optimizer.decay_iters or t.train_iters
+    n_params = sum(p.numel() for p in model.parameters())
+    console.print(
+        f"[bold]lptrain[/] {cfg.run.name}: {n_params / 1e6:.2f}M params, "
+        f"{t.train_iters} steps x {t.global_batch_size} seqs x {cfg.model.seq_length} tokens"
+    )
+
+    records: list[dict[str, Any]] = []
+    metrics_path = out / "metrics.jsonl"
+    tokens_per_step = t.global_batch_size * cfg.model.seq_length
+    t0 = time.perf_counter()
+    with metrics_path.open("w") as mf, Progress(
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        disable=not cfg.logging.progress,
+    ) as progress:
+        task = progress.add_task("training", total=t.train_iters)
+        for step in range(t.train_iters):
+            lr = lr_at(
+                step,
+                lr=cfg.optimizer.lr,
+                min_lr=cfg.optimizer.min_lr,
+                warmup_iters=cfg.optimizer.warmup_iters,
+                decay_iters=decay_iters,
+                schedule=cfg.optimizer.lr_schedule,
+            )
+            step_loss = 0.0
+            for _ in range(num_micro):
+                b = next(train_it)
+                with autocast():
+                    loss, aux = model(b["tokens"], labels=b["labels"])
+                if not math.isfinite(float(loss)):
+                    raise TrainingDivergedError(f"step {step}: loss is {float(loss)}; stopping")
+                total = loss + sum(aux.values()) if aux else loss
+                (total / num_micro).backward()
+                step_loss += float(loss) / num_micro
+            _check_finite_grads(model, step)
+            grad_norm = opt.step(lr)
+            rec: dict[str, Any] = {"step": step + 1, "loss": step_loss, "lr": lr, "grad_norm": grad_norm}
+            eval_now = t.eval_interval and (step + 1) % t.eval_interval == 0
+            if eval_now or step + 1 == t.train_iters:
+                rec["val_loss"] = _evaluate(model, valid_it, t.eval_iters, autocast)
+            records.append(rec)
+            mf.write(json.dumps(rec) + "\n")
+            progress.update(task, advance=1, description=f"training loss {step_loss:.3f}")
+    elapsed = time.perf_counter() - t0
+    summary = {
+        "steps": t.train_iters,
+        "first_loss": records[0]["loss"],
+        "final_loss": records[-1]["loss"],
+        "val_loss": records[-1].get("val_loss"),
+        "tokens_per_s": tokens_per_step * t.train_iters / elapsed,
+        "seconds": elapsed,
+    }
+    if cfg.logging.plots:
+        _write_plot(records, out / "loss.png")
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    console.print(
+        f"done in {elapsed:.1f}s: loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}, "
+        f"val {summary['val_loss']:.3f}, {summary['tokens_per_s']:.0f} tokens/s; "
+        f"metrics, loss.png in {out}"
+    )
+    return summary
