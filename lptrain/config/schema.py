@@ -7,6 +7,9 @@ key names and defaults follow ``flag-rules.md``. Values that other settings dete
 filled in by :func:`lptrain.config.derive.derive`, never computed ad hoc deeper in the code.
 """
 
+# opt_factory() is a dataclasses.field(default_factory=...) wrapper, not a shared default.
+# ruff: noqa: RUF009
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, is_dataclass
@@ -61,7 +64,7 @@ class ModelConfig:
 
     num_layers: int = opt(2, "Number of transformer layers.")
     hidden_size: int = opt(64, "Model (residual stream) width.")
-    ffn_hidden_size: Optional[int] = opt(None, "SwiGLU hidden size; null = 4 * hidden_size rounded.")
+    ffn_hidden_size: Optional[int] = opt(None, "SwiGLU hidden size; null = derived (4 * hidden_size).")
     num_attention_heads: int = opt(4, "Query heads per layer.")
     num_query_groups: Optional[int] = opt(None, "Key/value heads (GQA); null = num_attention_heads.")
     seq_length: int = opt(128, "Training sequence length in tokens.")
@@ -165,6 +168,7 @@ class DataConfig:
     paths: list[str] = opt_factory(list, "Index prefixes of prepared datasets for a blend.")
     weights: list[float] = opt_factory(list, "Blend weights, one per path (empty = by size).")
     cache_dir: str = opt("~/.cache/lptrain", "Where built-in datasets are prepared and reused.")
+    builtin_max_mb: float = opt(32.0, "Cap on a built-in corpus: its first N MB in sorted file order.")
     tokenizer: str = opt("byte", "Tokenizer: byte or a path to a tokenizers JSON file.")
     split_valid_fraction: float = opt(0.02, "Fraction of documents held out for validation.")
     seed: int = opt(1234, "Seed for the document split and the shuffling.")

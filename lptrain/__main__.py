@@ -1,0 +1,5 @@
+"""``python -m lptrain`` runs the command line."""
+
+from lptrain.cli import main
+
+main()

@@ -1,0 +1,53 @@
+"""The one place where values that other settings determine are filled in.
+
+``derive(cfg, world)`` returns a copy with every ``null``-means-derived field set, so the
+rest of the code reads plain values and ``show-config`` shows what will actually run.
+It is idempotent (a derived config derives to itself) and never raises on a nonsensical
+config: the rule checker reports those, and it runs on the derived config.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from lptrain.config.schema import LPTrainConfig
+from lptrain.config.world import World
+
+# DDP bucket size floor in elements (Megatron: max(40M, 1M * dp)).
+MIN_BUCKET_SIZE = 40_000_000
+BUCKET_SIZE_PER_RANK = 1_000_000
+
+
+def default_bucket_size(dp: int) -> int:
+    return max(MIN_BUCKET_SIZE, BUCKET_SIZE_PER_RANK * max(dp, 1))
+
+
+def derive(cfg: LPTrainConfig, world: World) -> LPTrainConfig:
+    """A copy of ``cfg`` with derived values filled in (explicit values are kept)."""
+    out = copy.deepcopy(cfg)
+    prec, ddp, opt, model = out.precision, out.ddp, out.optimizer, out.model
+
+    # precision.backend=auto: Transformer Engine when CUDA and TE are there, else emulated.
+    if prec.backend == "auto":
+        prec.backend = "te" if (world.cuda and world.te_version) else "emulated"
+
+    # Gradients of bf16 params are reduced in fp32 unless the recipe says otherwise.
+    if ddp.grad_reduce_in_fp32 is None:
+        ddp.grad_reduce_in_fp32 = prec.params_dtype == "bf16"
+
+    # One bucket without overlap (nothing to pipeline); Megatron's size with it.
+    if ddp.bucket_size is None and ddp.overlap_grad_reduce:
+        ddp.bucket_size = default_bucket_size(world.dp)
+
+    # MUON-LAYERWISE: Newton-Schulz needs whole matrices, so Muon with a distributed
+    # optimizer shards by parameter (the layer-wise optimizer), not by byte range.
+    if opt.use_layer_wise_optimizer is None:
+        opt.use_layer_wise_optimizer = opt.name == "muon" and ddp.use_distributed_optimizer
+
+    if model.ffn_hidden_size is None:
+        model.ffn_hidden_size = 4 * model.hidden_size
+    if model.num_query_groups is None:
+        model.num_query_groups = model.num_attention_heads
+    if model.moe.ffn_hidden_size is None:
+        model.moe.ffn_hidden_size = model.ffn_hidden_size
+    return out

@@ -1,0 +1,157 @@
+"""Configuration rules as data, and the facts they share.
+
+A :class:`Rule` is ``(id, severity, keys, when, message, fix)`` plus the documentation
+columns of the catalog (``condition``, ``why``). ``when(cfg, world)`` runs on a *derived*
+config and returns something falsy when the config is fine; otherwise ``True`` or a dict of
+extra fields used to format ``message``/``fix`` (``str.format`` with ``cfg``, ``world`` and
+those fields); a ``"keys"`` entry in the dict narrows the reported keys to the ones at
+fault. Rule definitions live in :mod:`lptrain.config.rulesets`, one module per catalog
+section; :func:`all_rules` is the single list that the checker, ``lptrain rules``, the
+``docs/rules.md`` page and the tests all read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from lptrain.config.schema import LPTrainConfig
+from lptrain.config.world import World
+
+Severity = Literal["error", "warning", "derived"]
+When = Callable[[LPTrainConfig, World], Any]
+
+# Known value sets (the catalog's "from the known sets").
+PARAMS_DTYPES = ("bf16", "fp32")
+BACKENDS = ("auto", "te", "emulated")
+FP8_FORMATS = (None, "e4m3", "hybrid")
+FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
+FP4_FORMATS = (None, "e2m1")
+FP4_RECIPES = ("nvfp4",)
+AMAX_ALGOS = ("most_recent", "max")
+OPTIMIZERS = ("adamw", "muon")
+LAYER_WISE_LAYOUTS = ("compact", "padded")
+LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
+SCALAR_OPTIMIZERS = ("adamw",)
+MUON_COEFFICIENTS = ("simple", "quintic", "polar_express")
+MUON_SCALE_MODES = ("shape_scaling", "spectral", "unit_rms_norm")
+LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "none")
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
+SHARDING_TYPES = ("dp_reshardable", "fully_reshardable", "fully_sharded_model_space")
+DEVICES = ("auto", "cpu", "cuda")
+WANDB_MODES = ("online", "offline", "disabled")
+
+# GEMM dimension alignment each quantized recipe needs (whole quantization blocks).
+RECIPE_ALIGNMENT = {"delayed": 16, "tensorwise": 16, "blockwise": 16, "mxfp8": 32, "nvfp4": 32}
+# Minimum compute capability for the Transformer Engine backend.
+RECIPE_MIN_SM = {"delayed": 89, "tensorwise": 89, "blockwise": 90, "mxfp8": 100, "nvfp4": 100}
+# Minimum Transformer Engine versions.
+RECIPE_MIN_TE = {"tensorwise": "2.2", "blockwise": "2.3", "nvfp4": "2.7"}
+SINGLE_GROUPED_WEIGHT_MIN_TE = "2.14"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One catalog rule. ``severity="derived"`` rules are applied by ``derive()``, not reported."""
+
+    id: str
+    severity: Severity
+    keys: tuple[str, ...]
+    when: When
+    message: str
+    fix: str
+    condition: str = ""
+    why: str = ""
+    section: str = ""
+    # Ids of rules this one replaces when both fire (a more specific message for one fault).
+    supersedes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One reported problem: what the CLI prints and ``--json`` emits."""
+
+    rule: str
+    severity: Severity
+    keys: tuple[str, ...]
+    message: str
+    fix: str
+    supersedes: tuple[str, ...] = field(default=(), compare=False, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rule": self.rule,
+            "severity": self.severity,
+            "keys": list(self.keys),
+            "message": self.message,
+            "fix": self.fix,
+        }
+
+
+# --------------------------------------------------------------------------- shared facts
+
+
+def fp8_on(c: LPTrainConfig) -> bool:
+    return c.precision.fp8_format is not None
+
+
+def fp4_on(c: LPTrainConfig) -> bool:
+    return c.precision.fp4_format is not None
+
+
+def quant_recipe(c: LPTrainConfig) -> str | None:
+    """The quantized GEMM recipe in use (fp8_recipe, fp4_recipe) or None for bf16 GEMMs."""
+    if fp8_on(c):
+        return c.precision.fp8_recipe
+    if fp4_on(c):
+        return c.precision.fp4_recipe
+    return None
+
+
+def is_mxfp8(c: LPTrainConfig) -> bool:
+    return fp8_on(c) and c.precision.fp8_recipe == "mxfp8"
+
+
+def layer_wise(c: LPTrainConfig) -> bool:
+    """The layer-wise (Muon) distributed optimizer is in use (derived by ``derive()``)."""
+    return bool(c.optimizer.use_layer_wise_optimizer)
+
+
+def sharded_optimizer(c: LPTrainConfig) -> bool:
+    """An optimizer that owns fp32 master copies per shard: distributed or layer-wise."""
+    return c.ddp.use_distributed_optimizer or layer_wise(c)
+
+
+def param_gather(c: LPTrainConfig) -> bool:
+    return c.precision.fp8_param_gather or c.precision.fp4_param_gather
+
+
+def bad_choices(c: LPTrainConfig, table: Sequence[tuple[str, Sequence[Any]]]) -> dict[str, Any]:
+    """For a choices rule: the keys whose values are outside their known sets."""
+    bad = []
+    for key, allowed in table:
+        value = get_key(c, key)
+        if value not in allowed:
+            shown = ", ".join("null" if a is None else str(a) for a in allowed)
+            bad.append((key, f"{key}={value!r} (expected one of {shown})"))
+    if not bad:
+        return {}
+    return {"keys": tuple(k for k, _ in bad), "bad": "; ".join(d for _, d in bad)}
+
+
+def get_key(c: Any, key: str) -> Any:
+    for part in key.split("."):
+        c = getattr(c, part)
+    return c
+
+
+def all_rules() -> list[Rule]:
+    """Every rule, in catalog order (sections as in flag-rules.md, then value-set rules)."""
+    from lptrain.config.rulesets import choices, ddp, model, moe, muon, precision
+
+    return [*precision.RULES, *ddp.RULES, *muon.RULES, *moe.RULES, *model.RULES, *choices.RULES]
+
+
+def rule_ids() -> list[str]:
+    return [r.id for r in all_rules()]

@@ -1,0 +1,127 @@
+"""Value-set rules: every string-valued choice is one of its known values.
+
+Not in the upstream catalog as separate rows (it says "from the known sets"); without them a
+typo such as ``precision.fp8_recipe=mxfp88`` would silently disable the rules keyed on it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lptrain.config.rules import (
+    AMAX_ALGOS,
+    BACKENDS,
+    DEVICES,
+    FP4_FORMATS,
+    FP4_RECIPES,
+    FP8_FORMATS,
+    FP8_RECIPES,
+    LAYER_WISE_LAYOUTS,
+    LOAD_BALANCING,
+    LR_SCHEDULES,
+    OPTIMIZERS,
+    PARAMS_DTYPES,
+    SCALAR_OPTIMIZERS,
+    SCORE_FUNCTIONS,
+    WANDB_MODES,
+    Rule,
+    bad_choices,
+)
+from lptrain.config.schema import LPTrainConfig
+from lptrain.config.world import World
+
+S = "Known value sets"
+
+PRECISION_CHOICES = (
+    ("precision.params_dtype", PARAMS_DTYPES),
+    ("precision.backend", BACKENDS),
+    ("precision.fp8_format", FP8_FORMATS),
+    ("precision.fp8_recipe", FP8_RECIPES),
+    ("precision.fp4_format", FP4_FORMATS),
+    ("precision.fp4_recipe", FP4_RECIPES),
+    ("precision.fp8_amax_compute_algo", AMAX_ALGOS),
+)
+OPTIMIZER_CHOICES = (
+    ("optimizer.name", OPTIMIZERS),
+    ("optimizer.layer_wise_param_layout", LAYER_WISE_LAYOUTS),
+    ("optimizer.lr_schedule", LR_SCHEDULES),
+    ("optimizer.muon.scalar_optimizer", SCALAR_OPTIMIZERS),
+)
+MOE_CHOICES = (
+    ("model.moe.load_balancing_type", LOAD_BALANCING),
+    ("model.moe.score_function", SCORE_FUNCTIONS),
+)
+RUN_CHOICES = (
+    ("run.device", DEVICES),
+    ("logging.wandb_mode", WANDB_MODES),
+)
+
+
+def _opt_values_bad(c: LPTrainConfig, w: World) -> dict[str, Any]:
+    o = c.optimizer
+    bad: list[tuple[str, str]] = []
+    if not o.lr > 0 and o.name != "muon":  # for Muon, MUON-HPARAMS reports it
+        bad.append(("optimizer.lr", f"lr={o.lr} must be > 0"))
+    if not 0 <= o.min_lr <= max(o.lr, 0):
+        bad.append(("optimizer.min_lr", f"min_lr={o.min_lr} must be in [0, lr]"))
+    for key, value in (("optimizer.adam_beta1", o.adam_beta1), ("optimizer.adam_beta2", o.adam_beta2)):
+        if not 0 <= value < 1:
+            bad.append((key, f"{key.split('.')[-1]}={value} must be in [0, 1)"))
+    if not o.adam_eps > 0:
+        bad.append(("optimizer.adam_eps", f"adam_eps={o.adam_eps} must be > 0"))
+    for key, value in (("optimizer.weight_decay", o.weight_decay),
+                       ("optimizer.clip_grad", o.clip_grad),
+                       ("optimizer.warmup_iters", o.warmup_iters)):
+        if value < 0:
+            bad.append((key, f"{key.split('.')[-1]}={value} must be >= 0"))
+    if o.decay_iters is not None and o.decay_iters <= 0:
+        bad.append(("optimizer.decay_iters", f"decay_iters={o.decay_iters} must be > 0 or null"))
+    if not bad:
+        return {}
+    return {"keys": tuple(k for k, _ in bad), "detail": "; ".join(d for _, d in bad)}
+
+
+def _choices_rule(rule_id: str, table: Any, what: str) -> Rule:
+    keys = tuple(k for k, _ in table)
+    sets = "; ".join(
+        f"{k.split('.', 1)[1]} in {{{', '.join('null' if v is None else v for v in vals)}}}"
+        for k, vals in table
+    )
+    return Rule(
+        rule_id, "error", keys,
+        lambda c, w: bad_choices(c, table),
+        f"unknown {what} setting: {{bad}}",
+        "use one of the listed values (see `lptrain show-config --explain`)",
+        sets, "a typo would otherwise silently switch the feature off", S,
+    )
+
+
+RULES = [
+    _choices_rule("PREC-CHOICES", PRECISION_CHOICES, "precision"),
+    _choices_rule("OPT-CHOICES", OPTIMIZER_CHOICES, "optimizer"),
+    _choices_rule("MOE-CHOICES", MOE_CHOICES, "MoE"),
+    _choices_rule("RUN-CHOICES", RUN_CHOICES, "run/logging"),
+    Rule(
+        "OPT-VALUES", "error",
+        ("optimizer.lr", "optimizer.min_lr", "optimizer.adam_beta1", "optimizer.adam_beta2",
+         "optimizer.adam_eps", "optimizer.weight_decay", "optimizer.clip_grad",
+         "optimizer.warmup_iters", "optimizer.decay_iters"),
+        _opt_values_bad,
+        "invalid optimizer hyperparameters: {detail}",
+        "use lr > 0, 0 <= min_lr <= lr, betas in [0, 1), adam_eps > 0, non-negative "
+        "weight_decay/clip_grad/warmup_iters",
+        "lr > 0, 0 <= min_lr <= lr, adam betas in [0, 1), adam_eps > 0, weight_decay, clip_grad "
+        "and warmup_iters >= 0, decay_iters > 0 when set", "", S),
+    Rule(
+        "OPT-LAYERWISE-NEEDS-MUON", "error",
+        ("optimizer.use_layer_wise_optimizer", "optimizer.name", "ddp.use_distributed_optimizer"),
+        lambda c, w: bool(c.optimizer.use_layer_wise_optimizer)
+        and not (c.optimizer.name == "muon" and c.ddp.use_distributed_optimizer),
+        "use_layer_wise_optimizer=true is the Muon + distributed-optimizer path "
+        "(optimizer.name={cfg.optimizer.name}, "
+        "use_distributed_optimizer={cfg.ddp.use_distributed_optimizer})",
+        "leave optimizer.use_layer_wise_optimizer=null (derived), or set optimizer.name=muon "
+        "and ddp.use_distributed_optimizer=true",
+        "use_layer_wise_optimizer set explicitly -> optimizer.name=muon and "
+        "use_distributed_optimizer", "", S),
+]

@@ -1,0 +1,103 @@
+"""Model shape, batch, schedule and checkpoint rules."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lptrain.config.rules import SHARDING_TYPES, Rule
+from lptrain.config.schema import LPTrainConfig
+from lptrain.config.world import World
+
+S = "Model, batch, schedule, checkpoint"
+
+
+def _heads_bad(c: LPTrainConfig, w: World) -> dict[str, Any]:
+    m = c.model
+    heads = m.num_attention_heads
+    groups = m.num_query_groups if m.num_query_groups is not None else heads
+    bad: list[tuple[str, str]] = []
+    if heads < 1 or m.hidden_size % heads != 0:
+        bad.append(("model.num_attention_heads",
+                    f"hidden_size={m.hidden_size} is not divisible by num_attention_heads={heads}"))
+    if groups < 1 or (heads >= 1 and heads % groups != 0):
+        bad.append(("model.num_query_groups",
+                    f"num_attention_heads={heads} is not divisible by num_query_groups={groups}"))
+    if not bad:
+        return {}
+    keys = ("model.hidden_size", *(k for k, _ in bad))
+    return {"keys": keys, "detail": "; ".join(d for _, d in bad)}
+
+
+def _batch_bad(c: LPTrainConfig, w: World) -> bool:
+    per_step = c.train.micro_batch_size * w.dp
+    return per_step < 1 or c.train.global_batch_size < 1 or c.train.global_batch_size % per_step != 0
+
+
+def _intervals_bad(c: LPTrainConfig, w: World) -> dict[str, Any]:
+    t = c.train
+    bad: list[tuple[str, str]] = []
+    if t.train_iters <= 0:
+        bad.append(("train.train_iters", f"train_iters={t.train_iters} must be > 0"))
+    for key, value in (("train.eval_interval", t.eval_interval),
+                       ("train.log_interval", t.log_interval),
+                       ("train.exit_interval", t.exit_interval),
+                       ("checkpoint.save_interval", c.checkpoint.save_interval)):
+        if value is not None and value <= 0:
+            bad.append((key, f"{key}={value} must be > 0 (or null)"))
+    if t.eval_interval is not None and t.eval_iters <= 0:
+        bad.append(("train.eval_iters", f"eval_interval is set but eval_iters={t.eval_iters}"))
+    if not bad:
+        return {}
+    return {"keys": tuple(k for k, _ in bad), "detail": "; ".join(d for _, d in bad)}
+
+
+RULES = [
+    Rule(
+        "MODEL-HEADS", "error",
+        ("model.hidden_size", "model.num_attention_heads", "model.num_query_groups"),
+        _heads_bad,
+        "attention heads do not tile the model: {detail}",
+        "choose model.num_attention_heads dividing model.hidden_size and model.num_query_groups "
+        "dividing model.num_attention_heads",
+        "hidden_size % num_attention_heads == 0; num_attention_heads % num_query_groups == 0",
+        "", S),
+    Rule(
+        "BATCH-DIVISIBLE", "error",
+        ("train.global_batch_size", "train.micro_batch_size"),
+        _batch_bad,
+        "global_batch_size={cfg.train.global_batch_size} is not a positive multiple of "
+        "micro_batch_size * dp = {cfg.train.micro_batch_size} * {world.dp}",
+        "set train.global_batch_size to a multiple of {cfg.train.micro_batch_size} * {world.dp}, "
+        "or change train.micro_batch_size",
+        "global_batch_size % (micro_batch_size * dp) == 0", "", S),
+    Rule(
+        "TRAIN-INTERVALS", "error",
+        ("train.train_iters", "train.eval_interval", "train.log_interval", "train.exit_interval",
+         "checkpoint.save_interval", "train.eval_iters"),
+        _intervals_bad,
+        "invalid loop lengths: {detail}",
+        "use positive values (null turns an interval off)",
+        "train_iters > 0; eval_interval, save_interval, log_interval (and exit_interval) > 0 when "
+        "set; eval_interval set -> eval_iters > 0", "", S),
+    Rule(
+        "TRAIN-SAVE-NEEDS-DIR", "error", ("checkpoint.save_interval", "checkpoint.save"),
+        lambda c, w: c.checkpoint.save_interval is not None and not c.checkpoint.save,
+        "checkpoint.save_interval={cfg.checkpoint.save_interval} but checkpoint.save is not set: "
+        "there is nowhere to write checkpoints",
+        "set checkpoint.save=<folder> (e.g. checkpoint.save=${{run.output_dir}}/ckpt), or "
+        "checkpoint.save_interval=null",
+        "save_interval set -> checkpoint.save set", "", S),
+    Rule(
+        "SCHED-WARMUP", "warning", ("optimizer.warmup_iters", "train.train_iters"),
+        lambda c, w: c.optimizer.warmup_iters > c.train.train_iters,
+        "warmup_iters={cfg.optimizer.warmup_iters} exceeds train_iters={cfg.train.train_iters}: "
+        "the learning rate never reaches its peak",
+        "set optimizer.warmup_iters <= train.train_iters",
+        "warmup_iters <= train_iters", "", S),
+    Rule(
+        "CKPT-SHARDING-TYPE", "error", ("checkpoint.sharding_type",),
+        lambda c, w: c.checkpoint.sharding_type not in SHARDING_TYPES,
+        "checkpoint.sharding_type={cfg.checkpoint.sharding_type!r} is not a known sharding type",
+        "set checkpoint.sharding_type to one of " + ", ".join(SHARDING_TYPES),
+        "sharding_type in the allowed set (" + ", ".join(SHARDING_TYPES) + ")", "", S),
+]

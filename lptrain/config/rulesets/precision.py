@@ -1,0 +1,244 @@
+"""Precision rules: formats, recipes, quantized param gather, alignment, hardware, TE."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lptrain.config.rules import (
+    RECIPE_ALIGNMENT,
+    RECIPE_MIN_SM,
+    RECIPE_MIN_TE,
+    SINGLE_GROUPED_WEIGHT_MIN_TE,
+    Rule,
+    fp4_on,
+    fp8_on,
+    is_mxfp8,
+    quant_recipe,
+    sharded_optimizer,
+)
+from lptrain.config.schema import LPTrainConfig
+from lptrain.config.world import World, parse_version
+
+S = "Precision"
+
+
+def _gemm_misaligned(c: LPTrainConfig, w: World) -> dict[str, Any]:
+    """Every quantized GEMM dimension that is not a multiple of the recipe's block size."""
+    recipe = quant_recipe(c)
+    align = RECIPE_ALIGNMENT.get(recipe or "")
+    if align is None:
+        return {}
+    m = c.model
+    dims: list[tuple[str, tuple[str, ...], str, int]] = [
+        ("hidden (input of qkv and fc1, output of proj and fc2)", ("model.hidden_size",),
+         "model.hidden_size", m.hidden_size),
+    ]
+    heads, groups = m.num_attention_heads, m.num_query_groups or m.num_attention_heads
+    if heads > 0 and m.hidden_size % heads == 0:
+        head_dim = m.hidden_size // heads
+        dims.append((
+            "attention qkv output", ("model.num_attention_heads", "model.num_query_groups"),
+            "(num_attention_heads + 2*num_query_groups) * head_dim",
+            (heads + 2 * groups) * head_dim,
+        ))
+        dims.append(("attention proj input", ("model.num_attention_heads",),
+                     "num_attention_heads * head_dim", heads * head_dim))
+    if m.ffn_hidden_size is not None:
+        dims.append(("mlp fc1 output / fc2 input", ("model.ffn_hidden_size",),
+                     "model.ffn_hidden_size", m.ffn_hidden_size))
+    if m.moe.num_experts > 0 and m.moe.ffn_hidden_size is not None:
+        dims.append(("expert fc1 output / fc2 input", ("model.moe.ffn_hidden_size",),
+                     "model.moe.ffn_hidden_size", m.moe.ffn_hidden_size))
+    tokens = c.train.micro_batch_size * m.seq_length
+    dims.append(("tokens per micro-batch", ("train.micro_batch_size", "model.seq_length"),
+                 "micro_batch_size * seq_length", tokens))
+    bad = [d for d in dims if d[3] % align != 0]
+    if not bad:
+        return {}
+    keys = tuple(dict.fromkeys(k for d in bad for k in d[1]))
+    detail = "; ".join(f"{layer}: {expr} = {value}" for layer, _, expr, value in bad)
+    return {"keys": keys, "align": align, "recipe": recipe, "detail": detail}
+
+
+def _target_too_old(c: LPTrainConfig, w: World) -> dict[str, Any]:
+    recipe = quant_recipe(c)
+    need = RECIPE_MIN_SM.get(recipe or "")
+    if c.precision.backend != "te" or not w.cuda or need is None or w.sm >= need:
+        return {}
+    key = "precision.fp8_recipe" if fp8_on(c) else "precision.fp4_recipe"
+    return {"keys": ("precision.backend", key), "recipe": recipe, "need": f"sm{need}"}
+
+
+def _te_too_old(c: LPTrainConfig, w: World) -> dict[str, Any]:
+    if c.precision.backend != "te" or w.te_version is None:
+        return {}
+    have = parse_version(w.te_version)
+    needs: list[tuple[str, str, str]] = []
+    recipe = quant_recipe(c)
+    key = "precision.fp8_recipe" if fp8_on(c) else "precision.fp4_recipe"
+    if recipe in RECIPE_MIN_TE and have < parse_version(RECIPE_MIN_TE[recipe]):
+        needs.append((key, f"{recipe} needs TE >= {RECIPE_MIN_TE[recipe]}", RECIPE_MIN_TE[recipe]))
+    if c.model.moe.single_grouped_weight and have < parse_version(SINGLE_GROUPED_WEIGHT_MIN_TE):
+        needs.append(("model.moe.single_grouped_weight",
+                      f"single_grouped_weight needs TE >= {SINGLE_GROUPED_WEIGHT_MIN_TE}",
+                      SINGLE_GROUPED_WEIGHT_MIN_TE))
+    if not needs:
+        return {}
+    best = max((n[2] for n in needs), key=parse_version)
+    return {"keys": ("precision.backend", *(n[0] for n in needs)),
+            "detail": "; ".join(n[1] for n in needs), "need": best}
+
+
+def _backend_missing(c: LPTrainConfig, w: World) -> dict[str, Any]:
+    if c.precision.backend != "te":
+        return {}
+    if not w.cuda:
+        return {"missing": "there is no CUDA device"}
+    if w.te_version is None:
+        return {"missing": "Transformer Engine is not installed"}
+    return {}
+
+
+def _bf16_layers_out_of_range(c: LPTrainConfig, w: World) -> bool:
+    p = c.precision
+    if not p.first_last_layers_bf16:
+        return False
+    start, end = p.num_layers_at_start_in_bf16, p.num_layers_at_end_in_bf16
+    return start < 0 or end < 0 or start + end > c.model.num_layers
+
+
+RULES = [
+    Rule(
+        "PREC-FP8-FP4-EXCLUSIVE", "error", ("precision.fp8_format", "precision.fp4_format"),
+        lambda c, w: fp8_on(c) and fp4_on(c),
+        "fp8_format={cfg.precision.fp8_format} and fp4_format={cfg.precision.fp4_format} are "
+        "both set; a run uses one quantized GEMM recipe",
+        "set precision.fp4_format=null to train in FP8, or precision.fp8_format=null for NVFP4",
+        "fp8_format and fp4_format both set", "one quantized GEMM recipe per run", S),
+    Rule(
+        "PREC-FP8PG-NEEDS-FP8", "error", ("precision.fp8_param_gather", "precision.fp8_format"),
+        lambda c, w: c.precision.fp8_param_gather and not fp8_on(c),
+        "fp8_param_gather=true but fp8_format is null: there is no FP8 weight to keep or gather",
+        "set precision.fp8_format=e4m3 (and a precision.fp8_recipe), or "
+        "precision.fp8_param_gather=false",
+        "fp8_param_gather -> fp8_format set", "nothing to keep in FP8 otherwise", S),
+    Rule(
+        "PREC-FP4PG-NEEDS-FP4", "error", ("precision.fp4_param_gather", "precision.fp4_format"),
+        lambda c, w: c.precision.fp4_param_gather and not fp4_on(c),
+        "fp4_param_gather=true but fp4_format is null: there is no FP4 weight to keep or gather",
+        "set precision.fp4_format=e2m1, or precision.fp4_param_gather=false",
+        "fp4_param_gather -> fp4_format set", "same for FP4", S),
+    Rule(
+        "PREC-PG-NEEDS-DISTOPT", "error",
+        ("precision.fp8_param_gather", "precision.fp4_param_gather", "ddp.use_distributed_optimizer"),
+        lambda c, w: (c.precision.fp8_param_gather or c.precision.fp4_param_gather)
+        and not sharded_optimizer(c),
+        "quantized primary weights (fp8/fp4_param_gather) need a distributed optimizer that owns "
+        "the fp32 master copies and re-quantizes them after each step",
+        "set ddp.use_distributed_optimizer=true (Muon then uses the layer-wise optimizer), or "
+        "turn param gather off",
+        "fp8_param_gather or fp4_param_gather -> ddp.use_distributed_optimizer "
+        "(Muon's layer-wise optimizer counts)",
+        "FP8 primary weights need an optimizer that owns FP32 master copies and re-quantizes them",
+        S),
+    Rule(
+        "PREC-MXFP8-PG-NEEDS-REUSE", "error",
+        ("precision.fp8_recipe", "precision.fp8_param_gather", "ddp.reuse_grad_buf_for_mxfp8_param_ag"),
+        lambda c, w: is_mxfp8(c) and c.precision.fp8_param_gather
+        and not c.ddp.reuse_grad_buf_for_mxfp8_param_ag,
+        "MXFP8 with fp8_param_gather needs the bf16 param all-gather to ride the grad buffer: "
+        "MXFP8 row/column block scales cannot be remapped into a flat buffer",
+        "set ddp.reuse_grad_buf_for_mxfp8_param_ag=true",
+        "fp8_recipe=mxfp8 and fp8_param_gather -> ddp.reuse_grad_buf_for_mxfp8_param_ag",
+        "MXFP8 row/column block scales cannot be remapped into a flat buffer; the BF16 gather "
+        "must ride the grad buffer", S),
+    Rule(
+        "PREC-REUSE-NEEDS-MXFP8-PG", "error",
+        ("ddp.reuse_grad_buf_for_mxfp8_param_ag", "precision.fp8_param_gather", "precision.fp8_recipe"),
+        lambda c, w: c.ddp.reuse_grad_buf_for_mxfp8_param_ag
+        and not (c.precision.fp8_param_gather and is_mxfp8(c)),
+        "reuse_grad_buf_for_mxfp8_param_ag=true only makes sense for MXFP8 with fp8_param_gather "
+        "(fp8_recipe={cfg.precision.fp8_recipe}, fp8_format={cfg.precision.fp8_format}, "
+        "fp8_param_gather={cfg.precision.fp8_param_gather})",
+        "set ddp.reuse_grad_buf_for_mxfp8_param_ag=false, or use precision.fp8_format=e4m3 "
+        "precision.fp8_recipe=mxfp8 precision.fp8_param_gather=true",
+        "reuse_grad_buf_for_mxfp8_param_ag -> fp8_param_gather and fp8_recipe=mxfp8",
+        "upstream documents but does not enforce the recipe half; lptrain enforces it", S),
+    Rule(
+        "PREC-MXFP8-E4M3", "warning", ("precision.fp8_recipe", "precision.fp8_format"),
+        lambda c, w: is_mxfp8(c) and c.precision.fp8_format == "hybrid",
+        "MXFP8 with fp8_format=hybrid uses E5M2 gradients, which have diverged in practice",
+        "set precision.fp8_format=e4m3",
+        "fp8_recipe=mxfp8 and fp8_format=hybrid",
+        "E5M2 gradients with MXFP8 have diverged in practice; e4m3 both ways is recommended", S),
+    Rule(
+        "PREC-BLOCKWISE-E4M3", "warning", ("precision.fp8_recipe", "precision.fp8_format"),
+        lambda c, w: fp8_on(c) and c.precision.fp8_recipe == "blockwise"
+        and c.precision.fp8_format == "hybrid",
+        "blockwise FP8 with fp8_format=hybrid: per-128 block scales need precision (E4M3) more "
+        "than range (E5M2)",
+        "set precision.fp8_format=e4m3",
+        "fp8_recipe=blockwise and fp8_format=hybrid", "per-128 scales need precision more than range",
+        S),
+    Rule(
+        "PREC-DELAYED-FIRST-LAST", "error", ("precision.first_last_layers_bf16", "precision.fp8_recipe"),
+        lambda c, w: c.precision.first_last_layers_bf16 and fp8_on(c)
+        and c.precision.fp8_recipe == "delayed",
+        "first_last_layers_bf16 with delayed scaling: entering/leaving FP8 autocast per layer "
+        "breaks the delayed-scaling amax reduction",
+        "set precision.fp8_recipe=tensorwise (or mxfp8/blockwise), or "
+        "precision.first_last_layers_bf16=false",
+        "first_last_layers_bf16 and fp8_recipe=delayed",
+        "per-layer autocast enter/exit breaks delayed-scaling amax reduction", S),
+    Rule(
+        "PREC-BF16-LAYERS-RANGE", "error",
+        ("precision.num_layers_at_start_in_bf16", "precision.num_layers_at_end_in_bf16",
+         "model.num_layers"),
+        _bf16_layers_out_of_range,
+        "num_layers_at_start_in_bf16={cfg.precision.num_layers_at_start_in_bf16} + "
+        "num_layers_at_end_in_bf16={cfg.precision.num_layers_at_end_in_bf16} must lie in "
+        "[0, num_layers={cfg.model.num_layers}]",
+        "lower precision.num_layers_at_start_in_bf16 / precision.num_layers_at_end_in_bf16 "
+        "(each >= 0, sum <= model.num_layers)",
+        "first_last_layers_bf16: num_layers_at_start_in_bf16 + num_layers_at_end_in_bf16 within "
+        "[0, num_layers]", "", S),
+    Rule(
+        "PREC-GEMM-ALIGN", "error",
+        ("model.hidden_size", "model.ffn_hidden_size", "model.num_attention_heads",
+         "model.num_query_groups", "model.moe.ffn_hidden_size", "train.micro_batch_size",
+         "model.seq_length"),
+        _gemm_misaligned,
+        "{recipe} quantizes in blocks and needs every GEMM dimension to be a multiple of "
+        "{align}; not aligned: {detail}",
+        "make each listed dimension a multiple of {align} (e.g. round model sizes up; "
+        "tokens per micro-batch = train.micro_batch_size * model.seq_length)",
+        "every quantized GEMM dimension (hidden, ffn, qkv and output projections, expert dims) "
+        "and the tokens per micro-batch are multiples of the recipe alignment: 16 (delayed, "
+        "tensorwise, blockwise), 32 (mxfp8, nvfp4)",
+        "block quantizers need whole blocks; small debug models trip this silently otherwise", S),
+    Rule(
+        "PREC-TARGET-SUPPORT", "error", ("precision.backend", "precision.fp8_recipe"),
+        _target_too_old,
+        "the Transformer Engine {recipe} recipe needs {need} or newer; the target is "
+        "{world.target}",
+        "check for a newer target (--target {need}), pick a recipe this GPU supports, or set "
+        "precision.backend=emulated (runs every recipe anywhere, slowly)",
+        "backend=te: delayed/tensorwise need sm89+, blockwise sm90+, mxfp8 and nvfp4 sm100+; "
+        "the emulated backend runs every recipe anywhere", "", S),
+    Rule(
+        "PREC-TE-VERSION", "error",
+        ("precision.backend", "precision.fp8_recipe", "model.moe.single_grouped_weight"),
+        _te_too_old,
+        "Transformer Engine {world.te_version} is too old: {detail}",
+        "upgrade Transformer Engine to >= {need} (pip install -U 'transformer_engine[pytorch]')",
+        "backend=te: minimum Transformer Engine versions: tensorwise 2.2, blockwise 2.3, "
+        "nvfp4 2.7, single grouped weight 2.14", "", S),
+    Rule(
+        "PREC-BACKEND-AVAILABLE", "error", ("precision.backend",),
+        _backend_missing,
+        "precision.backend=te but {missing} here",
+        "install it with `pip install -e .[te]` on a CUDA machine (keeps your torch), check for a "
+        "cluster with --target sm90/sm100, or set precision.backend=emulated",
+        "backend=te without CUDA or without an importable Transformer Engine", "", S),
+]
+

@@ -1,0 +1,251 @@
+"""Every rule fires on a config made for it, and not on a near neighbour.
+
+Each row: rule id, overrides that trigger exactly that rule, the keys it must report,
+overrides of a near neighbour that triggers nothing, and the world to check in.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from lptrain.config import World, check, compose, derive
+from lptrain.config.rules import Violation, all_rules, rule_ids
+
+PLACEHOLDER = re.compile(r"(?<!\$)\{[a-z_]+(\.[a-z_]+)*\}")
+CPU = World()
+
+
+def violations(overrides: list[str], world: World = CPU) -> list[Violation]:
+    """Violations of the schema-default config with ``overrides`` applied."""
+    return check(compose(None, overrides), world)
+
+
+SM90 = World(dp=1, target="sm90", te_version="2.14", cuda=True)
+SM100_OLD_TE = World(dp=1, target="sm100", te_version="2.2", cuda=True)
+
+E4M3 = "precision.fp8_format=e4m3"
+HYBRID = "precision.fp8_format=hybrid"
+MXFP8 = "precision.fp8_recipe=mxfp8"
+FP8PG = "precision.fp8_param_gather=true"
+DISTOPT = "ddp.use_distributed_optimizer=true"
+REUSE = "ddp.reuse_grad_buf_for_mxfp8_param_ag=true"
+MUON = "optimizer.name=muon"
+MOE = "model.moe.num_experts=4"
+GROUPED = "model.moe.grouped_gemm=true"
+SGW = "model.moe.single_grouped_weight=true"
+
+# (rule, trigger overrides, expected keys (subset, in order), neighbour overrides, world)
+CASES: list[tuple[str, list[str], tuple[str, ...], list[str], World]] = [
+    ("PREC-FP8-FP4-EXCLUSIVE", [E4M3, "precision.fp4_format=e2m1"],
+     ("precision.fp8_format", "precision.fp4_format"), ["precision.fp4_format=e2m1"], CPU),
+    ("PREC-FP8PG-NEEDS-FP8", [FP8PG, DISTOPT], ("precision.fp8_param_gather",),
+     [FP8PG, DISTOPT, E4M3], CPU),
+    ("PREC-FP4PG-NEEDS-FP4", ["precision.fp4_param_gather=true", DISTOPT],
+     ("precision.fp4_param_gather",),
+     ["precision.fp4_param_gather=true", DISTOPT, "precision.fp4_format=e2m1"], CPU),
+    ("PREC-PG-NEEDS-DISTOPT", [E4M3, FP8PG], ("ddp.use_distributed_optimizer",),
+     [E4M3, FP8PG, DISTOPT], CPU),
+    ("PREC-MXFP8-PG-NEEDS-REUSE", [E4M3, MXFP8, FP8PG, DISTOPT],
+     ("ddp.reuse_grad_buf_for_mxfp8_param_ag",), [E4M3, MXFP8, FP8PG, DISTOPT, REUSE], CPU),
+    ("PREC-REUSE-NEEDS-MXFP8-PG", [REUSE], ("ddp.reuse_grad_buf_for_mxfp8_param_ag",),
+     [REUSE, E4M3, MXFP8, FP8PG, DISTOPT], CPU),
+    ("PREC-MXFP8-E4M3", [HYBRID, MXFP8], ("precision.fp8_format",), [E4M3, MXFP8], CPU),
+    ("PREC-BLOCKWISE-E4M3", [HYBRID, "precision.fp8_recipe=blockwise"], ("precision.fp8_format",),
+     [E4M3, "precision.fp8_recipe=blockwise"], CPU),
+    ("PREC-DELAYED-FIRST-LAST", [E4M3, "precision.first_last_layers_bf16=true"],
+     ("precision.first_last_layers_bf16",),
+     [E4M3, "precision.fp8_recipe=tensorwise", "precision.first_last_layers_bf16=true"], CPU),
+    ("PREC-BF16-LAYERS-RANGE",
+     ["precision.first_last_layers_bf16=true", "precision.num_layers_at_start_in_bf16=2"],
+     ("precision.num_layers_at_start_in_bf16",),
+     ["precision.first_last_layers_bf16=true", "precision.num_layers_at_start_in_bf16=1"], CPU),
+    ("PREC-GEMM-ALIGN", [E4M3, MXFP8, "model.ffn_hidden_size=112"], ("model.ffn_hidden_size",),
+     [E4M3, MXFP8, "model.ffn_hidden_size=128"], CPU),
+    ("PREC-TARGET-SUPPORT", ["precision.backend=te", E4M3, MXFP8], ("precision.fp8_recipe",),
+     ["precision.backend=te", E4M3, "precision.fp8_recipe=blockwise"], SM90),
+    ("PREC-TE-VERSION", ["precision.backend=te", E4M3, "precision.fp8_recipe=blockwise"],
+     ("precision.fp8_recipe",),
+     ["precision.backend=te", E4M3, "precision.fp8_recipe=tensorwise"], SM100_OLD_TE),
+    ("PREC-BACKEND-AVAILABLE", ["precision.backend=te"], ("precision.backend",),
+     ["precision.backend=emulated"], CPU),
+    ("DDP-OVERLAP-PG-NEEDS-DISTOPT",
+     ["ddp.overlap_param_gather=true", "ddp.overlap_grad_reduce=true"],
+     ("ddp.use_distributed_optimizer",),
+     ["ddp.overlap_param_gather=true", "ddp.overlap_grad_reduce=true", DISTOPT], CPU),
+    ("DDP-OVERLAP-PG-NEEDS-OVERLAP-GR", ["ddp.overlap_param_gather=true", DISTOPT],
+     ("ddp.overlap_grad_reduce",),
+     ["ddp.overlap_param_gather=true", DISTOPT, "ddp.overlap_grad_reduce=true"], CPU),
+    ("DDP-INSTANCES-NEED-DISTOPT", ["ddp.num_distributed_optimizer_instances=2"],
+     ("ddp.use_distributed_optimizer",),
+     ["ddp.num_distributed_optimizer_instances=2", DISTOPT], World(dp=2)),
+    ("DDP-INSTANCES-DIVIDE-DP",
+     ["ddp.num_distributed_optimizer_instances=3", DISTOPT, "train.micro_batch_size=2"],
+     ("ddp.num_distributed_optimizer_instances",),
+     ["ddp.num_distributed_optimizer_instances=2", DISTOPT, "train.micro_batch_size=2"],
+     World(dp=4)),
+    ("DDP-BUCKET-SIZE", ["ddp.bucket_size=0"], ("ddp.bucket_size",), ["ddp.bucket_size=1000"], CPU),
+    ("MUON-LAYERWISE-ONE-INSTANCE", [MUON, DISTOPT, "ddp.num_distributed_optimizer_instances=2"],
+     ("ddp.num_distributed_optimizer_instances",), [MUON, DISTOPT], World(dp=2)),
+    ("MUON-COMPACT-NO-FP4PG",
+     [MUON, DISTOPT, "precision.fp4_format=e2m1", "precision.fp4_param_gather=true"],
+     ("precision.fp4_param_gather",), [MUON, DISTOPT, "precision.fp4_format=e2m1"], CPU),
+    ("MUON-COMPACT-FP8PG-RECIPE", [MUON, DISTOPT, E4M3, "precision.fp8_recipe=tensorwise", FP8PG],
+     ("precision.fp8_recipe",), [MUON, DISTOPT, E4M3, "precision.fp8_recipe=blockwise", FP8PG],
+     CPU),
+    ("MUON-PADDED-NO-PG",
+     [MUON, DISTOPT, "optimizer.layer_wise_param_layout=padded", E4M3,
+      "precision.fp8_recipe=blockwise", FP8PG],
+     ("optimizer.layer_wise_param_layout", "precision.fp8_param_gather"),
+     [MUON, DISTOPT, "optimizer.layer_wise_param_layout=padded", E4M3,
+      "precision.fp8_recipe=blockwise"], CPU),
+    ("MUON-COMPACT-NO-MODEL-SPACE",
+     [MUON, DISTOPT, "checkpoint.sharding_type=fully_sharded_model_space"],
+     ("checkpoint.sharding_type",), [MUON, DISTOPT, "checkpoint.sharding_type=fully_reshardable"],
+     CPU),
+    ("MUON-GROUPED-FP8PG", [MUON, DISTOPT, E4M3, MXFP8, FP8PG, REUSE, MOE, GROUPED, SGW],
+     ("model.moe.single_grouped_weight",), [MUON, DISTOPT, E4M3, MXFP8, FP8PG, REUSE, MOE, GROUPED],
+     CPU),
+    ("MUON-HPARAMS", [MUON, "optimizer.muon.momentum=1.0"], ("optimizer.muon.momentum",),
+     [MUON, "optimizer.muon.momentum=0.9"], CPU),
+    ("MOE-SGW-NEEDS-GROUPED", [MOE, SGW], ("model.moe.grouped_gemm",), [MOE, SGW, GROUPED], CPU),
+    ("MOE-SGW-RECIPES", [MOE, GROUPED, SGW, E4M3, "precision.fp8_recipe=blockwise"],
+     ("model.moe.single_grouped_weight", "precision.fp8_recipe"), [MOE, GROUPED, SGW, E4M3, MXFP8],
+     CPU),
+    ("MOE-SGW-MXFP8-REUSE", [MOE, GROUPED, SGW, E4M3, MXFP8, FP8PG, DISTOPT],
+     ("model.moe.single_grouped_weight", "ddp.reuse_grad_buf_for_mxfp8_param_ag",
+      "precision.fp8_recipe"),
+     [MOE, GROUPED, SGW, E4M3, MXFP8, FP8PG, DISTOPT, REUSE], CPU),
+    ("MOE-TOPK", [MOE, "model.moe.router_topk=5"], ("model.moe.router_topk",),
+     [MOE, "model.moe.router_topk=4"], CPU),
+    ("MOE-EP-DIVIDES", [MOE, "model.moe.expert_model_parallel_size=3"],
+     ("model.moe.expert_model_parallel_size",), [MOE, "model.moe.expert_model_parallel_size=2"],
+     CPU),
+    ("MODEL-HEADS", ["model.num_attention_heads=3"], ("model.num_attention_heads",),
+     ["model.num_attention_heads=8"], CPU),
+    ("BATCH-DIVISIBLE", ["train.global_batch_size=6"], ("train.global_batch_size",),
+     ["train.global_batch_size=12"], CPU),
+    ("TRAIN-INTERVALS", ["train.eval_interval=0"], ("train.eval_interval",),
+     ["train.eval_interval=5"], CPU),
+    ("TRAIN-SAVE-NEEDS-DIR", ["checkpoint.save_interval=10"], ("checkpoint.save",),
+     ["checkpoint.save_interval=10", "checkpoint.save=/tmp/ckpt"], CPU),
+    ("SCHED-WARMUP", ["optimizer.warmup_iters=200"], ("optimizer.warmup_iters",),
+     ["optimizer.warmup_iters=100"], CPU),
+    ("CKPT-SHARDING-TYPE", ["checkpoint.sharding_type=dp"], ("checkpoint.sharding_type",),
+     ["checkpoint.sharding_type=fully_reshardable"], CPU),
+    ("PREC-CHOICES", ["precision.fp8_recipe=mxfp88"], ("precision.fp8_recipe",),
+     [MXFP8], CPU),
+    ("OPT-CHOICES", ["optimizer.name=adam"], ("optimizer.name",), [MUON], CPU),
+    ("MOE-CHOICES", ["model.moe.load_balancing_type=balanced"], ("model.moe.load_balancing_type",),
+     ["model.moe.load_balancing_type=none"], CPU),
+    ("RUN-CHOICES", ["run.device=gpu"], ("run.device",), ["run.device=cuda"], CPU),
+    ("OPT-VALUES", ["optimizer.adam_beta2=1.0"], ("optimizer.adam_beta2",),
+     ["optimizer.adam_beta2=0.999"], CPU),
+    ("OPT-LAYERWISE-NEEDS-MUON", ["optimizer.use_layer_wise_optimizer=true"],
+     ("optimizer.use_layer_wise_optimizer",),
+     ["optimizer.use_layer_wise_optimizer=true", MUON, DISTOPT], CPU),
+]
+
+
+@pytest.mark.parametrize(("rule", "trigger", "keys", "neighbour", "world"), CASES,
+                         ids=[c[0] for c in CASES])
+def test_rule_fires_alone_and_neighbour_is_clean(
+    rule: str, trigger: list[str], keys: tuple[str, ...], neighbour: list[str], world: World
+) -> None:
+    found = violations(trigger, world)
+    assert [v.rule for v in found] == [rule], [v.to_dict() for v in found]
+    (v,) = found
+    assert set(keys) <= set(v.keys), v.keys
+    assert v.message and v.fix
+    assert not PLACEHOLDER.search(v.message + v.fix), "unformatted placeholder"
+    assert violations(neighbour, world) == []
+
+
+def test_every_rule_has_a_case() -> None:
+    covered = {c[0] for c in CASES}
+    derived = {r.id for r in all_rules() if r.severity == "derived"}
+    assert covered | derived == set(rule_ids())
+    assert len(rule_ids()) == len(set(rule_ids())), "duplicate rule id"
+    assert not covered & derived
+
+
+def test_derived_rule_is_applied_not_reported() -> None:
+    cfg = compose(None, [MUON, DISTOPT])
+    assert derive(cfg, CPU).optimizer.use_layer_wise_optimizer is True
+    assert all(v.severity != "derived" for v in check(cfg, CPU))
+
+
+def test_severities_and_keys_are_canonical() -> None:
+    from lptrain.config.compose import all_keys
+
+    valid = set(all_keys())
+    for r in all_rules():
+        assert r.severity in ("error", "warning", "derived")
+        assert r.keys and set(r.keys) <= valid, (r.id, set(r.keys) - valid)
+        assert r.condition and r.section
+
+
+def test_many_violations_reported_together() -> None:
+    found = violations([
+        "precision.fp8_format=e4m3", "precision.fp4_format=e2m1",
+        "ddp.overlap_param_gather=true", "model.num_attention_heads=3",
+        "train.global_batch_size=6", "optimizer.warmup_iters=1000",
+    ])
+    ids = {v.rule for v in found}
+    assert {"PREC-FP8-FP4-EXCLUSIVE", "DDP-OVERLAP-PG-NEEDS-DISTOPT",
+            "DDP-OVERLAP-PG-NEEDS-OVERLAP-GR", "MODEL-HEADS", "BATCH-DIVISIBLE",
+            "SCHED-WARMUP"} <= ids
+    assert {v.severity for v in found if v.rule == "SCHED-WARMUP"} == {"warning"}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "layer", "keys"),
+    [
+        (["model.hidden_size=80", "model.num_attention_heads=5"], "hidden",
+         {"model.hidden_size"}),
+        (["model.num_query_groups=1", "model.num_attention_heads=8", "model.hidden_size=64"],
+         "attention qkv output", {"model.num_query_groups"}),
+        (["train.micro_batch_size=1", "model.seq_length=48", "train.global_batch_size=8"],
+         "tokens per micro-batch", {"train.micro_batch_size", "model.seq_length"}),
+        ([MOE, "model.moe.ffn_hidden_size=48"], "expert fc1", {"model.moe.ffn_hidden_size"}),
+    ],
+)
+def test_gemm_align_names_layer_and_dim(overrides: list[str], layer: str, keys: set[str]) -> None:
+    found = violations([E4M3, MXFP8, *overrides])
+    (v,) = [v for v in found if v.rule == "PREC-GEMM-ALIGN"]
+    assert layer in v.message and "multiple of 32" in v.message
+    assert keys <= set(v.keys)
+    # The same shapes are 16-aligned: tensorwise accepts them.
+    assert not [v for v in violations([E4M3, "precision.fp8_recipe=tensorwise", *overrides])
+                if v.rule == "PREC-GEMM-ALIGN"]
+
+
+def test_gemm_align_ignored_without_quantization() -> None:
+    assert violations(["model.ffn_hidden_size=100"]) == []
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [("optimizer.muon.ns_steps=0", "optimizer.muon.ns_steps"),
+     ("optimizer.muon.coefficients=cubic", "optimizer.muon.coefficients"),
+     ("optimizer.muon.scale_mode=rms", "optimizer.muon.scale_mode"),
+     ("optimizer.lr=0", "optimizer.lr")],
+)
+def test_muon_hparams_each_key(override: str, key: str) -> None:
+    found = violations([MUON, override, "optimizer.min_lr=0"])
+    assert [(v.rule, v.keys) for v in found] == [("MUON-HPARAMS", (key,))]
+
+
+def test_te_version_for_single_grouped_weight() -> None:
+    world = World(dp=1, target="sm100", te_version="2.13", cuda=True)
+    found = violations(["precision.backend=te", MOE, GROUPED, SGW], world)
+    assert [v.rule for v in found] == ["PREC-TE-VERSION"]
+    assert "model.moe.single_grouped_weight" in found[0].keys and "2.14" in found[0].fix
+
+
+def test_backend_available_names_missing_te() -> None:
+    world = World(dp=1, target="sm90", te_version=None, cuda=True)
+    (v,) = violations(["precision.backend=te"], world)
+    assert v.rule == "PREC-BACKEND-AVAILABLE" and "Transformer Engine" in v.message
+    assert "pip install -e .[te]" in v.fix

@@ -1,0 +1,38 @@
+"""World detection: explicit values win; a GPU --target means "checking for a cluster"."""
+
+from __future__ import annotations
+
+import pytest
+
+from lptrain.config.world import ASSUMED_TE_VERSION, World, parse_version
+
+
+def test_gpu_target_assumes_cuda_and_recent_te() -> None:
+    w = World.detect(dp=8, target="sm100")
+    assert (w.dp, w.target, w.cuda, w.te_version, w.sm) == (8, "sm100", True, ASSUMED_TE_VERSION, 100)
+    assert World.detect(target="sm90", te_version="2.3").te_version == "2.3"
+
+
+def test_cpu_target() -> None:
+    w = World.detect(target="cpu")
+    assert (w.cuda, w.sm) == (False, 0)
+
+
+def test_dp_from_world_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    assert World.detect(target="cpu").dp == 16
+    assert World.detect(dp=2, target="cpu").dp == 2
+
+
+def test_unknown_target_rejected() -> None:
+    with pytest.raises(ValueError, match="unknown target"):
+        World.detect(target="sm75")
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("2.14", (2, 14)), ("2.14.0.dev0+abc123", (2, 14, 0)), ("2.2.1", (2, 2, 1)), ("1.x", (1,))],
+)
+def test_parse_version(text: str, expected: tuple[int, ...]) -> None:
+    assert parse_version(text) == expected
+    assert parse_version("2.14") > parse_version("2.3")  # numeric, not lexicographic
