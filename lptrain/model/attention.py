@@ -1,0 +1,73 @@
+"""Causal self-attention with grouped-query attention and a per-group fused QKV projection.
+
+The QKV weight ``[groups * (q_per_group + 2) * head_dim, hidden]`` is laid out per query
+group: for each KV group, its ``q_per_group`` query heads, then its key head, then its
+value head (Megatron's layout). Viewed as ``[groups, (q_per_group + 2) * head_dim, hidden]``
+it splits into Q, K and V blocks of ``qkv_split_shapes = [q_per_group*head_dim, head_dim,
+head_dim]`` rows, which is what Muon's ``split_qkv`` orthogonalises separately.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lptrain.model.build_context import BuildContext
+from lptrain.model.rope import apply_rotary
+
+
+def attention_shape(hidden: int, heads: int, groups: int | None) -> tuple[int, int, int]:
+    """``(num_query_groups, q_per_group, head_dim)`` with validation."""
+    g = groups or heads
+    if hidden % heads or heads % g:
+        raise ValueError(f"hidden {hidden}, heads {heads}, groups {g} do not divide")
+    return g, heads // g, hidden // heads
+
+
+class SelfAttention(nn.Module):
+    """Pre-projected causal attention on ``F.scaled_dot_product_attention`` (fp32 math)."""
+
+    def __init__(self, ctx: BuildContext, prefix: str) -> None:
+        super().__init__()
+        cfg = ctx.cfg
+        self.num_heads = cfg.num_attention_heads
+        self.num_groups, self.q_per_group, self.head_dim = attention_shape(
+            cfg.hidden_size, cfg.num_attention_heads, cfg.num_query_groups
+        )
+        qkv_out = self.num_groups * (self.q_per_group + 2) * self.head_dim
+        self.linear_qkv = ctx.factory.linear(
+            cfg.hidden_size,
+            qkv_out,
+            bias=False,
+            init_method=ctx.init(f"{prefix}linear_qkv.weight", ctx.std),
+            name=f"{prefix}linear_qkv",
+        )
+        self.linear_proj = ctx.factory.linear(
+            self.num_heads * self.head_dim,
+            cfg.hidden_size,
+            bias=False,
+            init_method=ctx.init(f"{prefix}linear_proj.weight", ctx.output_std),
+            name=f"{prefix}linear_proj",
+        )
+
+    @property
+    def qkv_split_shapes(self) -> list[int]:
+        """Rows of Q, K and V inside one query group of the QKV weight."""
+        return [self.q_per_group * self.head_dim, self.head_dim, self.head_dim]
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        g, qpg, hd = self.num_groups, self.q_per_group, self.head_dim
+        qkv = self.linear_qkv(x).float().view(b, s, g, qpg + 2, hd)
+        q = qkv[:, :, :, :qpg].reshape(b, s, g * qpg, hd).transpose(1, 2)  # head = g*qpg + j
+        k = qkv[:, :, :, qpg].transpose(1, 2)  # [b, g, s, hd]
+        v = qkv[:, :, :, qpg + 1].transpose(1, 2)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        if qpg > 1:  # query head h reads KV group h // q_per_group
+            k = k.repeat_interleave(qpg, dim=1)
+            v = v.repeat_interleave(qpg, dim=1)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        o = o.transpose(1, 2).reshape(b, s, self.num_heads * hd).to(x.dtype)
+        return self.linear_proj(o)

@@ -1,0 +1,152 @@
+"""GPT decoder: embedding, pre-norm transformer layers (attention + dense/MoE SwiGLU MLP),
+final RMSNorm and an output head (tied to the embedding or untied).
+
+Plain PyTorch math that knows nothing about formats or parallelism: every GEMM of the
+transformer layers comes from the precision layer factory, each layer's forward runs in
+``factory.layer_context(layer_number)`` (1-based, as Megatron's ``layer_number``).
+Quantized GEMMs run only inside ``factory.autocast()``, which the caller (trainer, eval,
+tests) wraps around the forward as with TE's autocast -- ``with model.autocast(): loss, aux
+= model(tokens, labels)`` -- so the amax-reduction group stays the trainer's choice and
+regions never nest by accident. Activations flow in fp32
+(``compute_dtype``): parameters may be bf16, but norms, attention, softmax, the router and the
+loss are computed in fp32 (bf16 math is both slower on CPU and less accurate).
+
+The embedding and the output head are not quantized (Megatron keeps its output layer out
+of TE/FP8): the head is an fp32 GEMM with the (possibly bf16) weight upcast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lptrain.model.attention import SelfAttention
+from lptrain.model.build_context import BuildContext
+from lptrain.model.mlp import MLP
+from lptrain.model.moe.layer import MoELayer
+from lptrain.model.moe.router import TopKRouter
+from lptrain.model.norm import RMSNorm
+from lptrain.model.rope import RotaryEmbedding
+
+AUX_KEYS = ("load_balancing_loss", "z_loss")
+
+
+def padded_vocab_size(vocab: int, divisible_by: int) -> int:
+    """Embedding/head rows: ``vocab`` rounded up to a multiple of ``divisible_by``."""
+    d = max(1, divisible_by)
+    return (vocab + d - 1) // d * d
+
+
+def is_moe_layer(index: int, moe_layer_freq: int, num_experts: int) -> bool:
+    """Megatron's integer ``moe_layer_freq`` pattern: layer ``i`` (0-based) is MoE iff
+    ``i % freq == 0`` (freq 1 = all layers)."""
+    return num_experts > 0 and index % max(1, moe_layer_freq) == 0
+
+
+class TransformerLayer(nn.Module):
+    """``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+
+    def __init__(self, ctx: BuildContext, index: int) -> None:
+        super().__init__()
+        cfg = ctx.cfg
+        prefix = f"layers.{index}."
+        self.layer_number = index + 1
+        self.factory = ctx.factory
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, ctx.params_dtype)
+        self.self_attention = SelfAttention(ctx, f"{prefix}self_attention.")
+        self.pre_mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, ctx.params_dtype)
+        self.is_moe = is_moe_layer(index, cfg.moe.moe_layer_freq, cfg.moe.num_experts)
+        self.mlp: nn.Module = MoELayer(ctx, f"{prefix}mlp.") if self.is_moe else MLP(ctx, f"{prefix}mlp.")
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        with self.factory.layer_context(self.layer_number):
+            x = x + self.self_attention(self.input_norm(x), cos, sin)
+            m, losses = self.mlp(self.pre_mlp_norm(x))
+            return x + m, losses
+
+
+class GPTModel(nn.Module):
+    """Decoder-only LM. ``forward(tokens)`` -> fp32 logits ``[b, s, vocab]``;
+    ``forward(tokens, labels)`` -> ``(loss, aux)`` with ``loss = lm_loss + sum of the
+    coefficient-weighted MoE losses of all MoE layers`` and ``aux`` holding the detached
+    parts for logging: ``lm_loss``, ``load_balancing_loss``, ``z_loss`` (sums over layers,
+    already multiplied by their coefficients; zero for dense models).
+    """
+
+    def __init__(self, ctx: BuildContext, compute_dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        cfg = ctx.cfg
+        self.cfg = cfg
+        self.factory = ctx.factory
+        self.compute_dtype = compute_dtype
+        self.vocab_size = cfg.vocab_size
+        self.padded_vocab_size = padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by)
+        self.tie_embeddings = cfg.tie_embeddings
+        self.seed = ctx.seed
+        self.expert_model_parallel_size = ctx.expert_model_parallel_size
+        self.expert_model_parallel_rank = ctx.expert_model_parallel_rank
+        with ctx.factory.model_init():
+            self.embedding = nn.Embedding(self.padded_vocab_size, cfg.hidden_size, dtype=ctx.params_dtype)
+            ctx.init("embedding.weight", ctx.std)(self.embedding.weight.data)
+            head_dim = cfg.hidden_size // cfg.num_attention_heads
+            self.rotary = RotaryEmbedding(head_dim, cfg.rotary_base, cfg.seq_length)
+            self.layers = nn.ModuleList(TransformerLayer(ctx, i) for i in range(cfg.num_layers))
+            self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, ctx.params_dtype)
+            self.output_layer: Optional[nn.Linear] = None
+            if not cfg.tie_embeddings:
+                self.output_layer = nn.Linear(
+                    cfg.hidden_size, self.padded_vocab_size, bias=False, dtype=ctx.params_dtype
+                )
+                ctx.init("output_layer.weight", ctx.std)(self.output_layer.weight.data)
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        return self.embedding.weight if self.output_layer is None else self.output_layer.weight
+
+    def autocast(self, amax_reduction_group: Any = None) -> Any:
+        """The factory's quantization context for this model's forward (no-op if none)."""
+        autocast = getattr(self.factory, "autocast", None)
+        if autocast is None:
+            return contextlib.nullcontext()
+        return autocast(amax_reduction_group) if amax_reduction_group is not None else autocast()
+
+    def forward(
+        self, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None
+    ) -> Union[torch.Tensor, tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+        # Upcast the embedding table: the gather's backward then accumulates repeated tokens
+        # in fp32 and casts to the parameter dtype once.
+        x = F.embedding(tokens, self.embedding.weight.to(self.compute_dtype))
+        cos, sin = self.rotary(tokens.shape[1])
+        totals = {k: x.new_zeros((), dtype=torch.float32) for k in AUX_KEYS}
+        for layer in self.layers:
+            x, losses = layer(x, cos, sin)
+            for k, v in losses.items():
+                totals[k] = totals[k] + v
+        x = self.final_norm(x)
+        logits = x.float() @ self.output_weight.float().t()
+        if self.padded_vocab_size != self.vocab_size:
+            logits = logits[..., : self.vocab_size]
+        if labels is None:
+            return logits
+        lm_loss = F.cross_entropy(logits.reshape(-1, self.vocab_size), labels.reshape(-1), ignore_index=-100)
+        loss = lm_loss + totals["load_balancing_loss"] + totals["z_loss"]
+        aux = {"lm_loss": lm_loss.detach(), **{k: v.detach() for k, v in totals.items()}}
+        return loss, aux
+
+    def routers(self) -> list[TopKRouter]:
+        return [m for m in self.modules() if isinstance(m, TopKRouter)]
+
+    def update_expert_bias(self) -> None:
+        """Aux-loss-free balancing step for every router (call after the optimizer step).
+
+        Distributed callers all-reduce each router's ``local_tokens_per_expert`` over the
+        data-parallel group before calling this.
+        """
+        for r in self.routers():
+            r.update_expert_bias()

@@ -1,0 +1,49 @@
+"""SwiGLU MLP: ``fc1`` produces ``[gate | up]``, ``fc2`` maps ``silu(gate) * up`` back."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lptrain.model.build_context import BuildContext
+
+
+def swiglu(h: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``h = [gate | up]`` along the last dim, in fp32, input dtype out.
+
+    Row-wise, so it gives the same bits whether the rows come as one tensor or per expert.
+    """
+    gate, up = h.float().chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(h.dtype)
+
+
+def ffn_hidden_size(hidden: int, ffn: int | None) -> int:
+    """The SwiGLU width: the configured value, else ``4 * hidden`` (as ``config.derive``)."""
+    return ffn if ffn else 4 * hidden
+
+
+class MLP(nn.Module):
+    """Dense SwiGLU MLP built from two factory linears."""
+
+    def __init__(self, ctx: BuildContext, prefix: str) -> None:
+        super().__init__()
+        hidden = ctx.cfg.hidden_size
+        ffn = ffn_hidden_size(hidden, ctx.cfg.ffn_hidden_size)
+        self.linear_fc1 = ctx.factory.linear(
+            hidden,
+            2 * ffn,
+            bias=False,
+            init_method=ctx.init(f"{prefix}linear_fc1.weight", ctx.std),
+            name=f"{prefix}linear_fc1",
+        )
+        self.linear_fc2 = ctx.factory.linear(
+            ffn,
+            hidden,
+            bias=False,
+            init_method=ctx.init(f"{prefix}linear_fc2.weight", ctx.output_std),
+            name=f"{prefix}linear_fc2",
+        )
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return self.linear_fc2(swiglu(self.linear_fc1(x))), {}

@@ -1,0 +1,1 @@
+"""Mixture-of-experts layer: router, experts and local token dispatch."""
