@@ -14,7 +14,6 @@ import json
 import math
 import time
 from collections.abc import Iterator
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -99,8 +98,8 @@ def _evaluate(model: torch.nn.Module, batches: Iterator[dict[str, torch.Tensor]]
         for _ in range(n):
             b = next(batches)
             with ctx():
-                loss, _ = model(b["tokens"], labels=b["labels"])
-            total += float(loss)
+                loss, aux = model(b["tokens"], labels=b["labels"])
+            total += aux["lm_loss"].item()
     model.train()
     return total / max(1, n)
 
@@ -143,6 +142,9 @@ def pretrain(cfg: LPTrainConfig, output_dir: str | Path) -> dict[str, Any]:
             "lptrain pretrain: this build runs single-process AdamW only; "
             f"not yet supported: {', '.join(missing)}"
         )
+    from lptrain.config import World, derive
+
+    cfg = derive(cfg, World.detect())  # idempotent: the CLI already derived; direct callers may not
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.train.seed)
@@ -155,7 +157,7 @@ def pretrain(cfg: LPTrainConfig, output_dir: str | Path) -> dict[str, Any]:
         fuse_wgrad_accumulation=False,
     )
     model = build_model(cfg, factory)
-    autocast = getattr(factory, "autocast", None) or nullcontext
+    autocast = model.autocast
     train_it, valid_it = build_train_valid_loaders(
         cfg.data,
         seq_length=cfg.model.seq_length,
@@ -201,13 +203,14 @@ def pretrain(cfg: LPTrainConfig, output_dir: str | Path) -> dict[str, Any]:
                 b = next(train_it)
                 with autocast():
                     loss, aux = model(b["tokens"], labels=b["labels"])
-                if not math.isfinite(float(loss)):
-                    raise TrainingDivergedError(f"step {step}: loss is {float(loss)}; stopping")
-                total = loss + sum(aux.values()) if aux else loss
-                (total / num_micro).backward()
-                step_loss += float(loss) / num_micro
+                # `loss` already includes the MoE aux/z losses; `aux` holds detached parts for logs.
+                if not math.isfinite(loss.item()):
+                    raise TrainingDivergedError(f"step {step}: loss is {loss.item()}; stopping")
+                (loss / num_micro).backward()
+                step_loss += aux["lm_loss"].item() / num_micro
             _check_finite_grads(model, step)
             grad_norm = opt.step(lr)
+            model.update_expert_bias()  # aux-loss-free balancing: no-op for dense models
             rec: dict[str, Any] = {"step": step + 1, "loss": step_loss, "lr": lr, "grad_norm": grad_norm}
             eval_now = t.eval_interval and (step + 1) % t.eval_interval == 0
             if eval_now or step + 1 == t.train_iters:
