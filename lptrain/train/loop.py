@@ -62,8 +62,8 @@ class _MasterAdamW:
         o = cfg.optimizer
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.masters = [p.detach().float().clone() for p in self.params]
-        decay = [m for p, m in zip(self.params, self.masters) if p.ndim >= 2]
-        no_decay = [m for p, m in zip(self.params, self.masters) if p.ndim < 2]
+        decay = [m for p, m in zip(self.params, self.masters, strict=True) if p.ndim >= 2]
+        no_decay = [m for p, m in zip(self.params, self.masters, strict=True) if p.ndim < 2]
         self.opt = torch.optim.AdamW(
             [
                 {"params": decay, "weight_decay": o.weight_decay},
@@ -76,7 +76,7 @@ class _MasterAdamW:
         self.clip = o.clip_grad
 
     def step(self, lr: float) -> float:
-        for p, m in zip(self.params, self.masters):
+        for p, m in zip(self.params, self.masters, strict=True):
             m.grad = None if p.grad is None else p.grad.float()
         norm = torch.nn.utils.clip_grad_norm_(
             self.masters, self.clip if self.clip > 0 else float("inf")
@@ -85,7 +85,7 @@ class _MasterAdamW:
             g["lr"] = lr
         self.opt.step()
         with torch.no_grad():
-            for p, m in zip(self.params, self.masters):
+            for p, m in zip(self.params, self.masters, strict=True):
                 p.copy_(m.to(p.dtype))
                 p.grad = None
         return float(norm)
@@ -98,7 +98,7 @@ def _evaluate(model: torch.nn.Module, batches: Iterator[dict[str, torch.Tensor]]
         for _ in range(n):
             b = next(batches)
             with ctx():
-                loss, aux = model(b["tokens"], labels=b["labels"])
+                _, aux = model(b["tokens"], labels=b["labels"])
             total += aux["lm_loss"].item()
     model.train()
     return total / max(1, n)
@@ -116,7 +116,7 @@ def _write_plot(records: list[dict[str, Any]], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(steps, losses, label="train loss")
     if evals:
-        ax.plot(*zip(*evals), "o-", label="validation loss")
+        ax.plot(*zip(*evals, strict=True), "o-", label="validation loss")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.legend()
@@ -129,7 +129,13 @@ def _write_plot(records: list[dict[str, Any]], path: Path) -> None:
 def pretrain(cfg: LPTrainConfig, output_dir: str | Path) -> dict[str, Any]:
     """Run the single-process pretraining loop; returns a summary dict (also written to disk)."""
     from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     from lptrain.data import build_train_valid_loaders
     from lptrain.model import build_model
