@@ -6,21 +6,27 @@ backend and never branches on the format: which recipe runs (bf16, an FP8 recipe
 and on which backend (emulated or Transformer Engine) is decided here from the
 ``PrecisionConfig``.
 
-This module holds the high-precision path (plain fp32 GEMMs with optional
-gradient-accumulation fusion into ``main_grad``); quantized execution plugs in through
-``lptrain.precision.linear_ops`` and the TE adapter.
+This module holds the emulated modules: each forward asks ``autocast.active_recipe()``
+and runs either the high-precision path (plain fp32 GEMMs with optional
+gradient-accumulation fusion into ``main_grad``) or the quantized op of
+``lptrain.precision.linear_ops``. Under ``quantized_model_init`` the weights are created as
+quantized primary weights. ``lptrain.precision.factory.build_factory`` builds the factory
+from the config; the TE backend lives in ``te_adapter``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
+
+from lptrain.precision import autocast as _ac
+from lptrain.precision import linear_ops as _ops
 
 InitMethod = Callable[[torch.Tensor], None]
 
@@ -68,12 +74,105 @@ def accumulate_wgrad(weight: torch.Tensor, dw: torch.Tensor, fuse: bool) -> Opti
     if fuse and main_grad is not None:
         main_grad.add_(dw.view_as(main_grad).to(main_grad.dtype))
         weight.grad_added_to_main_grad = True
-        return torch.zeros_like(weight)
+        return torch.zeros(tuple(weight.shape), dtype=weight.dtype, device=weight.device)
     return dw.to(weight.dtype)
 
 
-class Linear(nn.Module):
-    """A bias-free (optionally biased) linear layer whose GEMM precision is chosen by the factory."""
+class _QuantizedModuleMixin:
+    """Per-recipe quantizer/delayed-scaling state and primary-weight creation."""
+
+    _num_members: int
+
+    def _init_quant(self) -> None:
+        self._qstates: dict[int, _ops.QuantState] = {}
+        self._hp_state: Optional[_ops.QuantState] = None
+        self._pending_scaling_state: Optional[dict[str, torch.Tensor]] = None
+
+    def quant_state(self, recipe: Any) -> _ops.QuantState:
+        """This module's quantizers for ``recipe`` (delayed scaling: its scales/histories)."""
+        st = self._qstates.get(id(recipe))
+        if st is None or st.recipe is not recipe:
+            st = _ops.QuantState(recipe, self._num_members)
+            self._qstates[id(recipe)] = st
+            if self._pending_scaling_state is not None and any(m.states for m in st.members):
+                self._load_states(st, self._pending_scaling_state)
+                self._pending_scaling_state = None
+        return st
+
+    def scaling_state_dict(self) -> dict[str, torch.Tensor]:
+        """Delayed-scaling state (scale, amax_history per member and role) for checkpoints.
+
+        Kept out of ``state_dict()`` on purpose (no ``_extra_state`` key appears in the
+        parameter namespace); checkpoint code saves it next to the model state and restores
+        it with :meth:`load_scaling_state_dict` so a resumed delayed-scaling run continues
+        with the same scales. Empty for stateless recipes.
+        """
+        out: dict[str, torch.Tensor] = {}
+        for st in self._qstates.values():
+            for i, m in enumerate(st.members):
+                for role, ds in m.states.items():
+                    out[f"{i}.{role}.scale"] = ds.scale.clone()
+                    out[f"{i}.{role}.amax_history"] = ds.amax_history.clone()
+        return out
+
+    def load_scaling_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        """Restore :meth:`scaling_state_dict` now, or when the recipe's state is created."""
+        stateful = [st for st in self._qstates.values() if any(m.states for m in st.members)]
+        if not sd:
+            return
+        if not stateful:
+            self._pending_scaling_state = {k: v.clone() for k, v in sd.items()}
+            return
+        for st in stateful:
+            self._load_states(st, sd)
+
+    @staticmethod
+    def _load_states(st: _ops.QuantState, sd: dict[str, torch.Tensor]) -> None:
+        for i, m in enumerate(st.members):
+            for role, ds in m.states.items():
+                ds.scale.copy_(sd[f"{i}.{role}.scale"])
+                ds.amax_history.copy_(sd[f"{i}.{role}.amax_history"])
+
+    def delayed_scaling_states(self, recipe: Any) -> list[dict[str, Any]]:
+        """Per member: ``{role: DelayedScalingState}`` (empty dicts for stateless recipes)."""
+        return [m.states for m in self.quant_state(recipe).members]
+
+    def _shape_error(self, recipe: Any, err: ValueError) -> ValueError:
+        """Name the layer and the recipe's alignment when an operand cannot be quantized."""
+        name = getattr(self, "name", "") or type(self).__name__
+        return ValueError(
+            f"{name}: cannot run the {getattr(recipe, 'name', recipe)} recipe on this GEMM "
+            f"({err}); token counts and feature sizes must be multiples of "
+            f"{getattr(recipe, 'alignment', '?')} (factory.alignment; grouped token splits: "
+            f"factory.grouped_alignment)"
+        )
+
+    def _hp(self) -> _ops.QuantState:
+        if self._hp_state is None:
+            self._hp_state = _ops.high_precision_state(self._num_members)
+        return self._hp_state
+
+    def _maybe_quantize_primary(self, w: torch.Tensor, grouped: bool) -> torch.Tensor:
+        """Under ``quantized_model_init``: the quantized primary weight made from ``w``."""
+        recipe, preserve = _ac.model_init_recipe()
+        if recipe is None:
+            return w
+        qz = self.quant_state(recipe).members[0].weight
+        with torch.no_grad():
+            if grouped:
+                # Each member quantized on its own (own amax / blocks), keeping its init value.
+                qw = qz.quantize_grouped(w, preserve_high_precision_init_val=preserve)
+            else:
+                qw = qz.quantize(w, preserve_high_precision_init_val=preserve)
+        return qw
+
+
+class Linear(_QuantizedModuleMixin, nn.Module):
+    """A bias-free (optionally biased) linear layer whose GEMM precision is chosen by the factory.
+
+    Inside an enabled ``autocast(recipe)`` its GEMMs run quantized; otherwise in fp32. The
+    weight is a quantized primary weight when built under ``quantized_model_init``.
+    """
 
     def __init__(
         self,
@@ -91,22 +190,37 @@ class Linear(nn.Module):
         self.out_features = out_features
         self.name = name
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=params_dtype))
+        self._num_members = 1
+        self._init_quant()
+        w = torch.empty(out_features, in_features, dtype=params_dtype)
+        (init_method or normal_init(1.0 / math.sqrt(in_features)))(w)
+        self.weight = nn.Parameter(self._maybe_quantize_primary(w, grouped=False))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=params_dtype)) if bias else None
-        (init_method or normal_init(1.0 / math.sqrt(in_features)))(self.weight.data)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _HighPrecisionLinearFn.apply(x, self.weight, self.fuse_wgrad_accumulation)
+        recipe = _ac.active_recipe()
+        if recipe is None:
+            y = _HighPrecisionLinearFn.apply(x, self.weight, self.fuse_wgrad_accumulation)
+        else:
+            try:
+                y = _ops.quantized_linear(
+                    x, self.weight, self.quant_state(recipe), fuse_wgrad=self.fuse_wgrad_accumulation
+                )
+            except ValueError as err:
+                raise self._shape_error(recipe, err) from err
         return y + self.bias.to(y.dtype) if self.bias is not None else y
 
 
-class GroupedLinear(nn.Module):
+class GroupedLinear(_QuantizedModuleMixin, nn.Module):
     """``num_gemms`` linears applied to consecutive token splits (MoE experts).
 
     ``single_grouped_weight=True`` stores all members in one parameter ``weight`` of shape
     ``[num_gemms, out, in]`` (contiguous, per-member views via ``member_weight(i)``);
     otherwise members are discrete parameters ``weight0 .. weight{N-1}``. Both layouts give
-    bitwise identical results for the same values.
+    bitwise identical results for the same values, quantized or not: each member is
+    quantized on its own, exactly as a separate ``Linear`` would be. With
+    ``fuse_wgrad_accumulation`` member gradients go into ``main_grad`` (the grouped
+    parameter's ``[N, out, in]`` buffer, or each discrete weight's own).
     """
 
     def __init__(
@@ -128,54 +242,156 @@ class GroupedLinear(nn.Module):
         self.single_grouped_weight = single_grouped_weight
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         self.name = name
+        self._num_members = num_gemms
+        self._init_quant()
         init = init_method or normal_init(1.0 / math.sqrt(in_features))
         if single_grouped_weight:
-            self.weight = nn.Parameter(
-                torch.empty(num_gemms, out_features, in_features, dtype=params_dtype)
-            )
+            w = torch.empty(num_gemms, out_features, in_features, dtype=params_dtype)
             for i in range(num_gemms):
-                init(self.weight.data[i])
+                init(w[i])
+            self.weight = nn.Parameter(self._maybe_quantize_primary(w, grouped=True))
         else:
             for i in range(num_gemms):
-                w = nn.Parameter(torch.empty(out_features, in_features, dtype=params_dtype))
-                init(w.data)
-                self.register_parameter(f"weight{i}", w)
+                w = torch.empty(out_features, in_features, dtype=params_dtype)
+                init(w)
+                self.register_parameter(
+                    f"weight{i}", nn.Parameter(self._maybe_quantize_primary(w, grouped=False))
+                )
 
     def member_weight(self, i: int) -> torch.Tensor:
         """Expert ``i``'s weight ``[out, in]`` (a view into the grouped parameter if single)."""
         return self.weight[i] if self.single_grouped_weight else getattr(self, f"weight{i}")
 
+    def weights(self) -> list[torch.Tensor]:
+        """The parameters in op order: ``[weight]`` if single, else ``[weight0, ...]``."""
+        if self.single_grouped_weight:
+            return [self.weight]
+        return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
+
     def forward(self, x: torch.Tensor, m_splits: Sequence[int]) -> torch.Tensor:
         assert len(m_splits) == self.num_gemms, (len(m_splits), self.num_gemms)
-        outs = []
-        for i, xi in enumerate(torch.split(x, list(m_splits), dim=0)):
-            outs.append(_HighPrecisionLinearFn.apply(xi, self.member_weight(i), False))
-        return torch.cat(outs, dim=0) if outs else x.new_zeros(0, self.out_features)
+        recipe = _ac.active_recipe()
+        qstate = self._hp() if recipe is None else self.quant_state(recipe)
+        try:
+            return _ops.quantized_grouped_linear(
+                x,
+                list(m_splits),
+                self.weights(),
+                qstate,
+                single=self.single_grouped_weight,
+                out_features=self.out_features,
+                fuse_wgrad=self.fuse_wgrad_accumulation,
+            )
+        except ValueError as err:
+            raise self._shape_error(recipe, err) from err
 
 
 @dataclass
 class LayerFactory:
-    """Builds GEMM layers for one run; created from the precision config by ``build_factory``."""
+    """Builds GEMM layers for one run; created from the precision config by ``build_factory``.
+
+    The defaults (no recipe, emulated backend) give the high-precision factory, so
+    ``LayerFactory()`` / ``LayerFactory(params_dtype=...)`` keep working as before.
+
+    - ``recipe``: the emulated ``Recipe`` (``None`` = unquantized run);
+      ``te_recipe``: the matching TE recipe object when ``backend == "te"``.
+    - ``bf16_layers_at_start`` / ``bf16_layers_at_end`` of ``num_layers``: transformer layers
+      whose GEMMs stay high precision (``layer_context``; layer numbers are 1-based, as in
+      Megatron).
+    - ``quantized_params``: build weights as quantized primary weights (``model_init``).
+    """
 
     params_dtype: torch.dtype = torch.float32
     fuse_wgrad_accumulation: bool = False
+    recipe: Any = None
+    backend: str = "emulated"
+    te_recipe: Any = None
+    num_layers: int = 0
+    bf16_layers_at_start: int = 0
+    bf16_layers_at_end: int = 0
+    quantized_params: bool = False
 
     def linear(self, in_features: int, out_features: int, **kw) -> nn.Module:
         kw.setdefault("params_dtype", self.params_dtype)
         kw.setdefault("fuse_wgrad_accumulation", self.fuse_wgrad_accumulation)
+        if self.backend == "te":
+            from lptrain.precision import te_adapter
+
+            return te_adapter.te_linear(in_features, out_features, **kw)
         return Linear(in_features, out_features, **kw)
 
     def grouped_linear(self, num_gemms: int, in_features: int, out_features: int, **kw) -> nn.Module:
         kw.setdefault("params_dtype", self.params_dtype)
         kw.setdefault("fuse_wgrad_accumulation", self.fuse_wgrad_accumulation)
+        if self.backend == "te":
+            from lptrain.precision import te_adapter
+
+            return te_adapter.te_grouped_linear(num_gemms, in_features, out_features, **kw)
         return GroupedLinear(num_gemms, in_features, out_features, **kw)
+
+    @property
+    def quantized(self) -> bool:
+        """Whether this run has quantized GEMMs at all."""
+        return self.recipe is not None
+
+    @property
+    def alignment(self) -> int:
+        """GEMM-dimension multiple the recipe needs (1 when unquantized)."""
+        return int(getattr(self.recipe, "alignment", 1)) if self.recipe is not None else 1
+
+    @property
+    def grouped_alignment(self) -> int:
+        """Per-expert token padding multiple for grouped GEMMs (1 when unquantized)."""
+        return int(getattr(self.recipe, "grouped_alignment", 1)) if self.recipe is not None else 1
+
+    def is_bf16_layer(self, layer_number: int) -> bool:
+        """Whether 1-based transformer layer ``layer_number`` runs without quantized GEMMs."""
+        if self.recipe is None:
+            return True
+        if layer_number <= self.bf16_layers_at_start:
+            return True
+        return layer_number > self.num_layers - self.bf16_layers_at_end
+
+    def autocast(self, amax_reduction_group: Any = None) -> contextlib.AbstractContextManager:
+        """The run's quantization context: the trainer wraps each forward in it."""
+        if self.recipe is None:
+            return contextlib.nullcontext()
+        if self.backend == "te":
+            from lptrain.precision import te_adapter
+
+            return te_adapter.te_autocast(self.te_recipe, True, amax_reduction_group)
+        return _ac.autocast(self.recipe, enabled=True, amax_reduction_group=amax_reduction_group)
 
     @contextlib.contextmanager
     def layer_context(self, layer_number: int) -> Iterator[None]:
-        """Context around transformer layer ``layer_number``'s forward (bf16 layers opt out)."""
-        yield
+        """Context around transformer layer ``layer_number``'s forward (bf16 layers opt out).
+
+        ``layer_number`` is 1-based. Layers in the first ``bf16_layers_at_start`` or last
+        ``bf16_layers_at_end`` run their GEMMs in high precision (a nested disabled autocast).
+        """
+        if self.recipe is None or not self.is_bf16_layer(layer_number):
+            yield
+            return
+        if self.backend == "te":
+            from lptrain.precision import te_adapter
+
+            with te_adapter.te_autocast(self.te_recipe, enabled=False):
+                yield
+            return
+        with _ac.autocast(enabled=False):
+            yield
 
     @contextlib.contextmanager
     def model_init(self) -> Iterator[None]:
         """Context around model construction (quantized primary weights are created here)."""
-        yield
+        if not (self.quantized_params and self.recipe is not None):
+            yield
+            return
+        if self.backend == "te":
+            from lptrain.precision import te_adapter
+
+            with te_adapter.te_model_init(self.te_recipe, preserve_high_precision_init_val=True):
+                yield
+            return
+        with _ac.quantized_model_init(self.recipe, preserve_high_precision_init_val=True):
+            yield

@@ -1,0 +1,167 @@
+"""Quantized-GEMM autocast and quantized primary-weight initialisation (emulated backend).
+
+``autocast(recipe)`` turns quantized GEMMs on for the layers the factory builds, the way
+``transformer_engine.pytorch.autocast`` does for TE modules. A nested
+``autocast(enabled=False)`` turns them off again (bf16 first/last layers). Delayed-scaling
+bookkeeping follows numerics.md 2.1: every module whose forward ran inside the region
+records its forward amaxes; the scales are updated when the *outermost* region exits
+(forward roles), and after the backward of the first module that ran in the region
+(grad roles) -- with a MAX all-reduce of the amaxes over ``amax_reduction_group`` when
+that group has more than one rank.
+
+``quantized_model_init(recipe)`` makes the factory create weights as quantized tensors
+(primary weights), keeping their high-precision init value so fp32 master weights can be
+seeded exactly.
+
+State is process-global (a stack), like TE's ``FP8GlobalStateManager``: the layers consult
+it at forward time, so model code never passes the recipe around.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+# A delayed-scaling slot: (recipe, DelayedScalingState). States are the core's
+# ``lptrain.precision.recipes.DelayedScalingState`` (one per tensor role and member).
+Slot = tuple[Any, Any]
+
+
+def reduce_and_update(slots: list[Slot], group: Any) -> None:
+    """Apply each recipe's delayed-scaling update to its slots (one MAX all-reduce per recipe).
+
+    ``recipe.update`` packs the current amaxes, MAX-reduces them over ``group`` when it has
+    more than one rank (and the recipe's ``reduce_amax`` is set), then applies numerics.md
+    2.1's fused update.
+    """
+    by_recipe: dict[int, tuple[Any, list[Any]]] = {}
+    for recipe, state in slots:
+        entry = by_recipe.setdefault(id(recipe), (recipe, []))
+        if not any(state is s for s in entry[1]):
+            entry[1].append(state)
+    for recipe, states in by_recipe.values():
+        recipe.update(states, amax_reduction=group)
+
+
+@dataclass
+class _Region:
+    """The outermost enabled-or-not autocast region: owns the delayed-scaling work lists."""
+
+    recipe: Any
+    group: Any
+    fwd_states: list[Slot] = field(default_factory=list)
+    # Grad-role states of the current forward; handed to the first module's backward.
+    bwd_states: list[Slot] = field(default_factory=list)
+    first_module_seen: bool = False
+
+
+@dataclass
+class _Frame:
+    enabled: bool
+    recipe: Any
+    group: Any
+    region: _Region
+
+
+_AUTOCAST_STACK: list[_Frame] = []
+_MODEL_INIT_STACK: list[tuple[Any, bool]] = []
+
+
+@contextlib.contextmanager
+def autocast(
+    recipe: Any = None,
+    enabled: bool = True,
+    amax_reduction_group: Any = None,
+) -> Iterator[None]:
+    """Run the factory's GEMM layers quantized with ``recipe`` inside this context.
+
+    ``enabled=False`` (nested or not) runs them in high precision; a nested region without
+    a recipe inherits the enclosing one. ``recipe=None`` with ``enabled=True`` and no
+    enclosing recipe also means high precision (the unquantized run).
+    """
+    outer = _AUTOCAST_STACK[-1] if _AUTOCAST_STACK else None
+    if recipe is None and outer is not None:
+        recipe = outer.recipe
+    group = amax_reduction_group
+    if group is None and outer is not None:
+        group = outer.group
+    region = outer.region if outer is not None else _Region(recipe=recipe, group=group)
+    frame = _Frame(enabled=enabled, recipe=recipe, group=group, region=region)
+    _AUTOCAST_STACK.append(frame)
+    try:
+        yield
+    finally:
+        popped = _AUTOCAST_STACK.pop()
+        assert popped is frame, "autocast regions exited out of order"
+        if outer is None:
+            # Outermost exit: forward-role delayed-scaling update (numerics.md 2.1).
+            slots, region.fwd_states = region.fwd_states, []
+            reduce_and_update(slots, region.group)
+
+
+def active_recipe() -> Optional[Any]:
+    """The recipe quantized GEMMs should use right now, or ``None`` for high precision."""
+    if not _AUTOCAST_STACK:
+        return None
+    frame = _AUTOCAST_STACK[-1]
+    return frame.recipe if frame.enabled else None
+
+
+def in_autocast() -> bool:
+    """Whether any autocast region (enabled or not) is open."""
+    return bool(_AUTOCAST_STACK)
+
+
+def register_forward(fwd_slots: list[Slot], bwd_slots: list[Slot]) -> Optional[list[Slot]]:
+    """Record the delayed-scaling slots a module's forward (and later backward) fills.
+
+    Returns the region's grad-state list if the caller is the first module of the region
+    (its backward runs last and performs the grad-role update), else ``None``. Outside any
+    region the caller updates its own grad state after its backward.
+    """
+    if not _AUTOCAST_STACK:
+        return None
+    region = _AUTOCAST_STACK[-1].region
+    region.fwd_states.extend(fwd_slots)
+    region.bwd_states.extend(bwd_slots)
+    if not region.first_module_seen:
+        region.first_module_seen = True
+        return region.bwd_states
+    return None
+
+
+def finish_backward(bwd_states: Optional[list[Slot]], group: Any) -> None:
+    """Grad-role delayed-scaling update, run by the first module's backward (2.1)."""
+    if bwd_states is None:
+        return
+    slots = list(bwd_states)
+    bwd_states.clear()
+    reduce_and_update(slots, group)
+
+
+def current_group() -> Any:
+    """The amax-reduction group of the innermost region (``None`` outside)."""
+    return _AUTOCAST_STACK[-1].group if _AUTOCAST_STACK else None
+
+
+@contextlib.contextmanager
+def quantized_model_init(
+    recipe: Any,
+    preserve_high_precision_init_val: bool = True,
+    enabled: bool = True,
+) -> Iterator[None]:
+    """Create the factory's GEMM weights as quantized primary weights inside this context."""
+    _MODEL_INIT_STACK.append((recipe if enabled else None, preserve_high_precision_init_val))
+    try:
+        yield
+    finally:
+        _MODEL_INIT_STACK.pop()
+
+
+def model_init_recipe() -> tuple[Optional[Any], bool]:
+    """``(recipe, preserve_high_precision_init_val)`` of the innermost quantized_model_init."""
+    if not _MODEL_INIT_STACK:
+        return None, False
+    return _MODEL_INIT_STACK[-1]

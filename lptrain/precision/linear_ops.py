@@ -1,0 +1,331 @@
+"""Quantized linear / grouped-linear autograd ops for the emulated backend.
+
+Operand orientation per GEMM (numerics.md section 4, ``module/linear.py``), for
+y = x W^T with x [M, K], W [N, K], dy [M, N]:
+
+=======  ================  ==================================  ==============
+GEMM     op                operands                            reduction dim
+=======  ================  ==================================  ==============
+fprop    y  = x W^T        x rowwise,  W rowwise               K
+dgrad    dx = dy W         dy rowwise, W columnwise            N
+wgrad    dW = dy^T x       dy columnwise, x columnwise         M (tokens)
+=======  ================  ==================================  ==============
+
+Each operand is quantized by the recipe's quantizer for its role (``input`` for x,
+``weight`` for W, ``grad`` for dy); the GEMMs run in fp32 on the dequantized operands
+(GEMM outputs cannot be bit-exact with cuBLAS anyway; operands are). What is quantized once
+is reused: x is quantized in forward for both orientations and its quantized tensor saved
+for wgrad; W is quantized once per forward for both orientations (a quantized primary
+weight is used as stored, never requantized); dy is quantized once in backward for both.
+
+Everything is one grouped op: a plain linear is the grouped op with one member. Members are
+quantized separately (own amax / blocks / global scale, own delayed-scaling slots), so a
+grouped op over N members is bitwise equal to N separate quantized linears. A member with
+zero tokens skips its GEMMs and gets an exact zero weight gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from lptrain.precision import autocast as _ac
+
+ROLES = ("input", "weight", "grad")
+
+
+def _is_quantized(t: Any) -> bool:
+    from lptrain.precision.tensors.base import QuantizedTensor
+
+    return isinstance(t, QuantizedTensor)
+
+
+@dataclass
+class MemberQuantizers:
+    """One member's quantizers (and delayed-scaling states) for the three roles."""
+
+    input: Any
+    weight: Any
+    grad: Any
+    states: dict[str, Any] = field(default_factory=dict)
+
+
+class QuantState:
+    """Per-module quantizer cache for one recipe: quantizers per member and role.
+
+    Delayed scaling keeps its per-module recipe state here (a ``DelayedScalingState`` per
+    role and member, created by the recipe, persisting across steps); stateless recipes
+    only cache quantizer objects (an NVFP4 grad quantizer also carries its SR generator,
+    which must advance from call to call).
+    """
+
+    def __init__(self, recipe: Any, num_members: int) -> None:
+        self.recipe = recipe
+        self.members: list[MemberQuantizers] = []
+        delayed = getattr(recipe, "name", "") == "delayed"
+        for _ in range(num_members):
+            qs: dict[str, Any] = {}
+            states: dict[str, Any] = {}
+            for role in ROLES:
+                if delayed:
+                    states[role] = recipe.make_state(role)
+                    qs[role] = recipe.make_quantizer(role, True, True, state=states[role])
+                else:
+                    qs[role] = recipe.make_quantizer(role, True, True)
+            self.members.append(MemberQuantizers(states=states, **qs))
+
+    def slots(self, roles: Sequence[str]) -> list[tuple[Any, Any]]:
+        """``(recipe, state)`` pairs of the given roles (empty for stateless recipes)."""
+        return [(self.recipe, m.states[r]) for m in self.members for r in roles if r in m.states]
+
+
+class _PlainOperand:
+    """A high-precision operand behind the quantized-tensor ``dequantize`` interface."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+    def dequantize(self, orientation: str = "rowwise") -> torch.Tensor:
+        return self.t.float()
+
+
+class HighPrecisionQuantizer:
+    """Identity "quantizer": lets the unquantized grouped path share the grouped op.
+
+    fp32 GEMMs on the operands as given, i.e. exactly what the high-precision linear does
+    (same fp32 ops in the same order), plus the grouped op's fusion and zero-token handling.
+    """
+
+    rowwise = True
+    columnwise = True
+
+    def with_usage(self, rowwise: bool, columnwise: bool) -> HighPrecisionQuantizer:
+        return self
+
+    def quantize(self, x: torch.Tensor) -> _PlainOperand:
+        return _PlainOperand(x)
+
+
+def high_precision_state(num_members: int) -> QuantState:
+    """A ``QuantState`` whose quantizers are identities (no recipe, no delayed slots)."""
+    st = QuantState.__new__(QuantState)
+    st.recipe = None
+    q = HighPrecisionQuantizer()
+    st.members = [MemberQuantizers(input=q, weight=q, grad=q) for _ in range(num_members)]
+    return st
+
+
+def _quantize(quantizer: Any, x: torch.Tensor, rowwise: bool, columnwise: bool) -> Any:
+    if quantizer.rowwise != rowwise or quantizer.columnwise != columnwise:
+        quantizer = quantizer.with_usage(rowwise, columnwise)
+    return quantizer.quantize(x)
+
+
+def _only_columnwise(q: Any) -> Any:
+    """Drop the rowwise buffers of an operand kept for backward (only wgrad/dgrad need it
+    columnwise), the way TE's ``update_usage(rowwise_usage=False)`` frees them. Operands
+    without that method (older core API, high-precision operands) are kept whole."""
+    update = getattr(q, "update_usage", None)
+    if update is not None and q.has_orientation("columnwise"):
+        update(rowwise=False, columnwise=True)
+    return q
+
+
+def col_operand_t(q: Any) -> torch.Tensor:
+    """The wgrad operand of ``q``'s columnwise data as a ``[cols, rows]`` fp32 matrix.
+
+    Columnwise data is what the wgrad GEMM consumes with the token dimension as its
+    reduction dimension. For operands quantized after a random Hadamard transform (NVFP4
+    input/grad) this is the *rotated* operand as stored; since the transform is
+    orthogonal and applied to both wgrad operands along the tokens it cancels in dy^T x.
+    """
+    rot = getattr(q, "columnwise_rht_operand", None)
+    if rot is not None and getattr(q, "with_rht", False):
+        return rot()
+    return q.dequantize("columnwise").t()
+
+
+def add_wgrad(weight: torch.Tensor, dw: torch.Tensor, main_grad: Optional[torch.Tensor]) -> None:
+    """Accumulate ``dw`` into ``main_grad`` (fp32 add) and flag the weight (fusion contract)."""
+    assert main_grad is not None
+    main_grad.add_(dw.view_as(main_grad).to(main_grad.dtype))
+    weight.grad_added_to_main_grad = True
+
+
+class _QuantizedGroupedFn(torch.autograd.Function):
+    """y_i = x_i W_i^T for consecutive token splits x_i, each member quantized on its own.
+
+    Inputs: ``x`` [T, K] (2-D), ``m_splits``, the op context, then the weights: either one
+    grouped weight ``[N, out, in]`` (``ctx.single``) or N weights ``[out, in]``.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, m_splits: list[int], op: _OpContext, *weights: torch.Tensor):  # type: ignore[override]
+        n = len(m_splits)
+        if op.single:
+            w0 = weights[0]
+            members = list(w0.members()) if _is_quantized(w0) else [w0[i] for i in range(n)]
+        else:
+            members = list(weights)
+        # Function.forward runs with grad mode off; the caller's mode says whether a backward
+        # can follow (eval / no_grad forwards need no columnwise operands).
+        need_dgrad = op.grad_enabled and x.requires_grad
+        need_wgrad = op.grad_enabled and any(w.requires_grad for w in weights)
+        xs = torch.split(x, list(m_splits), dim=0)
+        outs: list[torch.Tensor] = []
+        saved_x: list[Any] = []
+        saved_w: list[Any] = []
+        for i, (xi, wi) in enumerate(zip(xs, members, strict=False)):
+            mq = op.qstate.members[i]
+            if _is_quantized(wi):
+                qw = wi  # quantized primary weight: use the stored bytes as they are
+            else:
+                qw = _quantize(mq.weight, wi.detach(), True, need_dgrad)
+            if xi.shape[0] == 0:
+                outs.append(x.new_zeros(0, wi.shape[0], dtype=torch.float32))
+                saved_x.append(None)
+                saved_w.append(qw if need_dgrad else None)
+                continue
+            qx = _quantize(mq.input, xi.detach(), True, need_wgrad)
+            w_row = op.deq(qw, "rowwise")
+            outs.append(op.deq(qx, "rowwise") @ w_row.t())
+            saved_x.append(_only_columnwise(qx) if need_wgrad else None)
+            saved_w.append((qw if _is_quantized(wi) else _only_columnwise(qw)) if need_dgrad else None)
+        ctx.op = op
+        ctx.m_splits = list(m_splits)
+        ctx.saved_x = saved_x
+        ctx.saved_w = saved_w
+        ctx.need_dgrad = need_dgrad
+        ctx.wshapes = [(tuple(w.shape), w.dtype, w.device) for w in weights]
+        ctx.in_features = x.shape[-1]
+        ctx.x_dtype = x.dtype
+        ctx.weights = weights if op.fuse_wgrad else None
+        y = torch.cat(outs, dim=0) if outs else x.new_zeros(0, op.out_features)
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
+        op: _OpContext = ctx.op
+        need_dgrad = ctx.need_dgrad
+        need_wgrad = any(ctx.needs_input_grad[3:])
+        dys = torch.split(dy, ctx.m_splits, dim=0)
+        dxs: list[torch.Tensor] = []
+        dws: list[torch.Tensor] = []
+        for i, dyi in enumerate(dys):
+            mq = op.qstate.members[i]
+            qx, qw = ctx.saved_x[i], ctx.saved_w[i]
+            n_out = dyi.shape[1]
+            if dyi.shape[0] == 0:
+                if need_dgrad:
+                    dxs.append(dy.new_zeros(0, ctx.in_features, dtype=torch.float32))
+                dws.append(torch.zeros(n_out, ctx.in_features, dtype=torch.float32, device=dy.device))
+                continue
+            qdy = _quantize(mq.grad, dyi.detach(), need_dgrad, need_wgrad)
+            if need_dgrad:
+                dxs.append(op.deq(qdy, "rowwise") @ op.deq(qw, "columnwise"))
+            if need_wgrad:
+                dws.append(op.col_t(qdy) @ op.col_t(qx).t())
+        ctx.saved_x = ctx.saved_w = None
+        dx = torch.cat(dxs, dim=0).to(ctx.x_dtype) if need_dgrad else None
+        wgrads = _weight_grads(ctx, dws) if need_wgrad else [None] * len(ctx.wshapes)
+        # Delayed scaling: the first module of the autocast region updates grad-role scales
+        # after its backward, i.e. after every module's backward (numerics.md 2.1).
+        if op.bwd_slots is not None:
+            _ac.finish_backward(op.bwd_slots, op.group)
+        return (dx, None, None, *wgrads)
+
+
+def _weight_grads(ctx: Any, dws: list[torch.Tensor]) -> list[Optional[torch.Tensor]]:
+    """Per-weight autograd grads; with fusion, accumulate into ``main_grad`` and return zeros."""
+    op: _OpContext = ctx.op
+    out: list[Optional[torch.Tensor]] = []
+    if op.single:
+        shape, dtype, device = ctx.wshapes[0]
+        w = ctx.weights[0] if ctx.weights is not None else None
+        main_grad = getattr(w, "main_grad", None) if w is not None else None
+        if op.fuse_wgrad and main_grad is not None:
+            for i, dw in enumerate(dws):
+                main_grad[i].add_(dw.to(main_grad.dtype))
+            w.grad_added_to_main_grad = True
+            out.append(torch.zeros(shape, dtype=dtype, device=device))
+        else:
+            out.append(torch.stack(dws).to(dtype))
+        return out
+    for i, dw in enumerate(dws):
+        shape, dtype, device = ctx.wshapes[i]
+        w = ctx.weights[i] if ctx.weights is not None else None
+        main_grad = getattr(w, "main_grad", None) if w is not None else None
+        if op.fuse_wgrad and main_grad is not None:
+            add_wgrad(w, dw, main_grad)
+            out.append(torch.zeros(shape, dtype=dtype, device=device))
+        else:
+            out.append(dw.to(dtype))
+    return out
+
+
+@dataclass
+class _OpContext:
+    """Non-tensor arguments of one op call."""
+
+    qstate: QuantState
+    single: bool
+    fuse_wgrad: bool
+    out_features: int
+    bwd_slots: Optional[list] = None
+    group: Any = None
+    grad_enabled: bool = True
+
+    @staticmethod
+    def deq(q: Any, orientation: str) -> torch.Tensor:
+        """fp32 dequantized operand in its logical orientation (one seam for tests to spy on)."""
+        return q.dequantize(orientation)
+
+    @staticmethod
+    def col_t(q: Any) -> torch.Tensor:
+        return col_operand_t(q)
+
+
+def quantized_grouped_linear(
+    x: torch.Tensor,
+    m_splits: Sequence[int],
+    weights: Sequence[torch.Tensor],
+    qstate: QuantState,
+    *,
+    single: bool,
+    out_features: int,
+    fuse_wgrad: bool = False,
+) -> torch.Tensor:
+    """Run the quantized grouped GEMM; registers delayed-scaling slots with the autocast region."""
+    bwd_slots = _ac.register_forward(
+        qstate.slots(("input", "weight")), qstate.slots(("grad",))
+    )
+    op = _OpContext(
+        qstate=qstate,
+        single=single,
+        fuse_wgrad=fuse_wgrad,
+        out_features=out_features,
+        bwd_slots=bwd_slots,
+        group=_ac.current_group(),
+        grad_enabled=torch.is_grad_enabled(),
+    )
+    return _QuantizedGroupedFn.apply(x, list(m_splits), op, *weights)
+
+
+def quantized_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    qstate: QuantState,
+    *,
+    fuse_wgrad: bool = False,
+) -> torch.Tensor:
+    """y = x W^T with quantized operands; ``x`` may have any leading dims."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    y = quantized_grouped_linear(
+        x2, [x2.shape[0]], [weight], qstate, single=False, out_features=weight.shape[0],
+        fuse_wgrad=fuse_wgrad,
+    )
+    return y.reshape(*lead, weight.shape[0])

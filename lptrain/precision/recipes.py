@@ -1,0 +1,383 @@
+"""Quantization recipes (numerics.md section 2): upstream TE fields and defaults.
+
+A recipe is plain configuration; ``make_quantizer(role, rowwise, columnwise)`` hands out the
+quantizer for a tensor role ("input", "weight", "grad"). Dispatch is by recipe class (each
+recipe knows its quantizer family); ``RECIPES`` maps the short names used in configs and in
+``lptrain.precision.quantize`` to the classes.
+
+Unlike TE, the per-role knobs (``power_2_scale``, ``amax_epsilon``) are real constructor fields,
+so the Megatron-LM #7523 workaround (``amax_epsilon`` on blockwise grads) cannot be silently
+ignored here (numerics.md 2.3 pitfall).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Optional
+
+import torch
+
+from . import scaling as _scaling
+from .formats import FLT_MAX, Format, FP8Format
+from .tensors import (
+    BlockwiseQuantizer,
+    Float8Quantizer,
+    MXFP8Quantizer,
+    NVFP4Quantizer,
+    Quantizer,
+    Role,
+)
+
+
+@dataclass
+class Recipe(ABC):
+    """Base: a recipe name, GEMM/grouped alignment, and quantizers per role."""
+
+    name: ClassVar[str]
+    alignment: ClassVar[int] = 16
+    grouped_alignment: ClassVar[int] = 16
+
+    fp8_format: Any = Format.HYBRID
+
+    def __post_init__(self) -> None:
+        self.fp8_format = Format.parse(self.fp8_format)
+
+    def fp8_format_for(self, role: Role) -> FP8Format:
+        """Element format for ``role``: E4M3, or E5M2 for grads under HYBRID."""
+        return self.fp8_format.for_role(role)
+
+    @abstractmethod
+    def make_quantizer(self, role: Role, rowwise: bool = True, columnwise: bool = True) -> Quantizer:
+        """A quantizer for tensors of ``role`` with the given usages."""
+
+    # Options of ``lptrain.precision.quantize`` that go to ``make_quantizer``, not the recipe.
+    QUANTIZER_OPTIONS: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def quantizer_from_options(
+        cls, role: Role, rowwise: bool, columnwise: bool, fp8_format: Any, **options: Any
+    ) -> Quantizer:
+        """The quantizer ``quantize(x, cls.name, ...)`` uses: recipe fields from ``options``."""
+        qkw = {k: options.pop(k) for k in cls.QUANTIZER_OPTIONS if k in options}
+        recipe = cls(fp8_format=fp8_format, **options)
+        return recipe.make_quantizer(role, rowwise, columnwise, **qkw)
+
+
+# ---------------------------------------------------------------------------------------------
+# Delayed scaling
+
+
+@dataclass
+class DelayedScalingState:
+    """One delayed-scaling slot: fp32 ``scale`` (1,) = 1 and ``amax_history`` (L,) = 0.
+
+    ``amax_history[0]`` accumulates max|x| of the quantizations of the current step (TE's
+    kernels atomic-max into it; for one quantization per step that is plain assignment).
+    """
+
+    history_len: int
+    fp8_format: FP8Format
+    scale: torch.Tensor = field(init=False)
+    amax_history: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.history_len < 1:
+            raise ValueError("amax_history_len must be >= 1")
+        self.scale = torch.ones(1, dtype=torch.float32)
+        self.amax_history = torch.zeros(self.history_len, dtype=torch.float32)
+
+    def record_amax(self, amax: torch.Tensor) -> None:
+        self.amax_history[0] = torch.maximum(self.amax_history[0], amax.reshape(()).float())
+
+    @property
+    def scale_inv(self) -> torch.Tensor:
+        return torch.reciprocal(self.scale)
+
+    def update(self, margin: float, algo: str, reduced_amax: Optional[torch.Tensor] = None) -> None:
+        """TE's fused ``kernel_bulk`` update (numerics.md 2.1) for this slot.
+
+        last = reduced amax (if nonzero) else hist[0]. If last == 0: nothing rolls and the scale
+        is kept. Otherwise window = max(hist[1:], last), hist becomes [0, hist[2:], last];
+        amax = window ("max") or last ("most_recent"); s = fp32(fp32(max * 2^-margin) / amax)
+        when amax is finite and > 0 (else kept), inf -> FLT_MAX.
+        """
+        hist = self.amax_history
+        last = hist[0].clone()
+        if reduced_amax is not None and float(reduced_amax) != 0.0:
+            last = reduced_amax.reshape(()).float().clone()
+        if float(last) == 0.0:
+            return
+        n = hist.numel()
+        if n == 1:
+            window = last
+            hist[0] = 0.0
+        else:
+            window = torch.maximum(hist[1:].amax(), last)
+            rolled = torch.roll(hist, -1)
+            rolled[0] = 0.0
+            rolled[-1] = last
+            hist.copy_(rolled)
+        a = window if algo == "max" else last
+        if not bool(torch.isfinite(a)) or float(a) <= 0.0:
+            return
+        scaled_max = torch.tensor(self.fp8_format.max, dtype=torch.float32) * torch.tensor(
+            2.0 ** (-margin), dtype=torch.float32
+        )
+        s = (scaled_max / a).reshape(1)  # fp32 tensor / fp32 tensor: IEEE division
+        self.scale.copy_(torch.where(torch.isinf(s), torch.tensor(FLT_MAX), s))
+
+
+@dataclass
+class DelayedScaling(Recipe):
+    """TE ``DelayedScaling``: per-tensor scale from an amax history (one step late)."""
+
+    name: ClassVar[str] = "delayed"
+    QUANTIZER_OPTIONS: ClassVar[tuple[str, ...]] = ("state",)
+    margin: float = 0
+    fp8_format: Any = Format.HYBRID
+    amax_history_len: int = 1024
+    amax_compute_algo: str = "max"
+    reduce_amax: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.amax_compute_algo not in ("max", "most_recent"):
+            raise ValueError(
+                f"amax_compute_algo must be 'max' or 'most_recent', got {self.amax_compute_algo!r}"
+            )
+
+    @classmethod
+    def quantizer_from_options(
+        cls, role: Role, rowwise: bool, columnwise: bool, fp8_format: Any, **options: Any
+    ) -> Quantizer:
+        if options.get("state") is None:
+            raise ValueError("quantize(..., 'delayed') needs state=DelayedScalingState(...)")
+        return super().quantizer_from_options(role, rowwise, columnwise, fp8_format, **options)
+
+    def make_state(self, role: Role) -> DelayedScalingState:
+        return DelayedScalingState(self.amax_history_len, self.fp8_format_for(role))
+
+    def make_quantizer(
+        self,
+        role: Role,
+        rowwise: bool = True,
+        columnwise: bool = True,
+        state: Optional[DelayedScalingState] = None,
+    ) -> Float8Quantizer:
+        if state is None:
+            state = self.make_state(role)
+        return Float8Quantizer(
+            role, rowwise, columnwise, fp8_format=self.fp8_format_for(role), state=state
+        )
+
+    def update(
+        self, states: Sequence[DelayedScalingState], amax_reduction: Optional[Any] = None
+    ) -> None:
+        """Reduce (MAX) every slot's current amax and apply the update rule to each slot.
+
+        ``amax_reduction``: a callable taking/returning the packed fp32 amaxes, or a
+        ``torch.distributed`` process group; ignored when ``reduce_amax`` is False.
+        """
+        if not states:
+            return
+        reduced: Optional[torch.Tensor] = None
+        if self.reduce_amax and amax_reduction is not None:
+            packed = torch.stack([s.amax_history[0] for s in states]).float()
+            reduced = _scaling.maybe_reduce_amax(packed, amax_reduction)
+        for i, st in enumerate(states):
+            st.update(self.margin, self.amax_compute_algo, None if reduced is None else reduced[i])
+
+
+# ---------------------------------------------------------------------------------------------
+# Current scaling, blockwise, MXFP8, NVFP4
+
+
+@dataclass
+class TensorwiseScaling(Recipe):
+    """TE ``Float8CurrentScaling``: per-tensor scale from this tensor's own amax."""
+
+    name: ClassVar[str] = "tensorwise"
+    QUANTIZER_OPTIONS: ClassVar[tuple[str, ...]] = ("amax_reduction",)
+    fp8_format: Any = Format.HYBRID
+    power_2_scale: bool = False
+    amax_epsilon: float = 0.0
+
+    def make_quantizer(
+        self,
+        role: Role,
+        rowwise: bool = True,
+        columnwise: bool = True,
+        amax_reduction: Optional[Any] = None,
+    ) -> Float8Quantizer:
+        return Float8Quantizer(
+            role,
+            rowwise,
+            columnwise,
+            fp8_format=self.fp8_format_for(role),
+            power_2_scale=self.power_2_scale,
+            amax_epsilon=self.amax_epsilon,
+            amax_reduction=amax_reduction,
+        )
+
+
+@dataclass
+class BlockwiseScaling(Recipe):
+    """TE ``Float8BlockScaling``: 1x128 (input, grad) / 128x128 (weight) fp32 block scales."""
+
+    name: ClassVar[str] = "blockwise"
+    fp8_format: Any = Format.E4M3
+    power_2_scale: bool = True
+    amax_epsilon: float = 0.0
+    x_block_scaling_dim: int = 1
+    w_block_scaling_dim: int = 2
+    grad_block_scaling_dim: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        dims = (self.x_block_scaling_dim, self.w_block_scaling_dim, self.grad_block_scaling_dim)
+        if any(d not in (1, 2) for d in dims):
+            raise ValueError(f"block scaling dims must be 1 or 2, got {dims}")
+
+    @classmethod
+    def quantizer_from_options(
+        cls, role: Role, rowwise: bool, columnwise: bool, fp8_format: Any, **options: Any
+    ) -> Quantizer:
+        """Extra option ``block_scaling_dim`` (1|2) sets the dim for ``role`` only."""
+        dim = options.pop("block_scaling_dim", None)
+        if dim is not None:
+            key = {"input": "x", "weight": "w", "grad": "grad"}[role] + "_block_scaling_dim"
+            options[key] = dim
+        return super().quantizer_from_options(role, rowwise, columnwise, fp8_format, **options)
+
+    def block_dim_for(self, role: Role) -> int:
+        return {
+            "input": self.x_block_scaling_dim,
+            "weight": self.w_block_scaling_dim,
+            "grad": self.grad_block_scaling_dim,
+        }[role]
+
+    def make_quantizer(
+        self, role: Role, rowwise: bool = True, columnwise: bool = True
+    ) -> BlockwiseQuantizer:
+        return BlockwiseQuantizer(
+            role,
+            rowwise,
+            columnwise,
+            fp8_format=self.fp8_format_for(role),
+            block_dim=self.block_dim_for(role),
+            power_2_scale=self.power_2_scale,
+            amax_epsilon=self.amax_epsilon,
+        )
+
+
+@dataclass
+class MXFP8Scaling(Recipe):
+    """TE ``MXFP8BlockScaling``: E8M0 scale per 32 elements (1x32 rowwise, 32x1 columnwise)."""
+
+    name: ClassVar[str] = "mxfp8"
+    alignment: ClassVar[int] = 32
+    grouped_alignment: ClassVar[int] = 32
+    margin: float = 0  # unused by every kernel, kept for parity with TE
+    fp8_format: Any = Format.E4M3
+    enable_2d_quantization: bool = False
+
+    def make_quantizer(
+        self, role: Role, rowwise: bool = True, columnwise: bool = True
+    ) -> MXFP8Quantizer:
+        return MXFP8Quantizer(
+            role,
+            rowwise,
+            columnwise,
+            fp8_format=self.fp8_format_for(role),
+            use_2d=self.enable_2d_quantization and role == "weight",
+        )
+
+
+@dataclass
+class NVFP4Scaling(Recipe):
+    """TE ``NVFP4BlockScaling``: E2M1 data, E4M3 scale per 16, fp32 per-tensor amax.
+
+    Derived per role (TE ``__post_init__``): input -> RHT (columnwise); weight -> 16x16 2D;
+    grad -> RHT (columnwise) + stochastic rounding. ``seed`` seeds the SR generator (one
+    generator per quantizer, seeded with seed + role index so roles draw different bits).
+    """
+
+    name: ClassVar[str] = "nvfp4"
+    alignment: ClassVar[int] = 32
+    grouped_alignment: ClassVar[int] = 128
+    fp8_format: Any = Format.E4M3  # the block-scale type; elements are E2M1
+    disable_rht: bool = False
+    disable_stochastic_rounding: bool = False
+    disable_2d_quantization: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.fp8_format is not Format.E4M3:
+            raise ValueError("NVFP4 block scales are E4M3")
+
+    @classmethod
+    def quantizer_from_options(
+        cls,
+        role: Role,
+        rowwise: bool,
+        columnwise: bool,
+        fp8_format: Any,
+        *,
+        rht: bool = False,
+        stochastic_rounding: bool = False,
+        two_d: Optional[bool] = None,
+        generator: Optional[torch.Generator] = None,
+        seed: Optional[int] = None,
+    ) -> Quantizer:
+        """API defaults: RHT and SR off (any role may ask for them), 2D for weights."""
+        if Format.parse(fp8_format) is not Format.E4M3:
+            raise ValueError("NVFP4 block scales are E4M3")
+        if generator is None and seed is not None:
+            generator = torch.Generator().manual_seed(seed)
+        return NVFP4Quantizer(
+            role,
+            rowwise,
+            columnwise,
+            with_rht=rht,
+            stochastic_rounding=stochastic_rounding,
+            use_2d=(role == "weight") if two_d is None else two_d,
+            generator=generator,
+        )
+
+    def make_quantizer(
+        self,
+        role: Role,
+        rowwise: bool = True,
+        columnwise: bool = True,
+        generator: Optional[torch.Generator] = None,
+    ) -> NVFP4Quantizer:
+        sr = role == "grad" and not self.disable_stochastic_rounding
+        if sr and generator is None:
+            generator = torch.Generator().manual_seed(self.seed + ("input", "weight", "grad").index(role))
+        return NVFP4Quantizer(
+            role,
+            rowwise,
+            columnwise,
+            with_rht=role in ("input", "grad") and not self.disable_rht,
+            stochastic_rounding=sr,
+            use_2d=role == "weight" and not self.disable_2d_quantization,
+            generator=generator,
+        )
+
+
+RECIPES: dict[str, type[Recipe]] = {
+    cls.name: cls
+    for cls in (DelayedScaling, TensorwiseScaling, BlockwiseScaling, MXFP8Scaling, NVFP4Scaling)
+}
+
+
+def recipe_from_name(name: str, **fields: Any) -> Recipe:
+    """Build a recipe from its short name ("delayed", "tensorwise", ...) and dataclass fields."""
+    try:
+        cls = RECIPES[name]
+    except KeyError:
+        raise ValueError(f"unknown recipe {name!r}; known: {sorted(RECIPES)}") from None
+    return cls(**fields)

@@ -1,0 +1,342 @@
+"""The format-agnostic quantized-tensor interface: ``QuantizedTensor`` and ``Quantizer``.
+
+Buffer, optimizer and checkpoint code only ever talk to this interface; every format answers
+the questions (raw buffers, bytes per orientation, staging dtype, requantize, dequantize) itself.
+
+``QuantizedTensor`` is a ``torch.Tensor`` wrapper subclass (the pattern TE and torchao use): its
+``shape``/``dtype`` are the logical ones, so it can be the data of an ``nn.Parameter`` and modules
+see an ordinary weight. Its bytes live in a dict of plain tensors (``_fields``). Any aten op
+that is not handled explicitly runs on the dequantized value, so a quantized parameter behaves
+like its high-precision value everywhere it is not consumed by a quantized GEMM.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Optional
+
+import torch
+from torch.utils._pytree import tree_map
+
+if TYPE_CHECKING:
+    from .grouped import GroupedQuantizedTensor
+
+Role = Literal["input", "weight", "grad"]
+Orientation = Literal["rowwise", "columnwise"]
+ROLES: tuple[str, ...] = ("input", "weight", "grad")
+_ORIENTATIONS = ("rowwise", "columnwise")
+
+aten = torch.ops.aten
+
+
+def _check_orientation(orientation: str) -> None:
+    if orientation not in _ORIENTATIONS:
+        raise ValueError(f"orientation must be 'rowwise' or 'columnwise', got {orientation!r}")
+
+
+def flatten_2d(x: torch.Tensor) -> torch.Tensor:
+    """[*, K] -> [M, K] with M = prod(leading dims); a 1-D tensor is one row."""
+    if x.dim() == 0:
+        raise ValueError("cannot quantize a 0-d tensor")
+    return x.reshape(-1, x.shape[-1])
+
+
+class Quantizer(ABC):
+    """Turns high-precision tensors of one role into one quantized-tensor family.
+
+    Subclasses implement ``_quantize_fields`` (the vectorised math, returning the raw buffers)
+    and ``check_shape``; everything else (wrapping, in-place requantize, grouping) is shared.
+    """
+
+    tensor_cls: ClassVar[type[QuantizedTensor]]
+
+    def __init__(self, role: Role, rowwise: bool = True, columnwise: bool = True) -> None:
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        if not (rowwise or columnwise):
+            raise ValueError("a quantizer needs rowwise and/or columnwise usage")
+        self.role: Role = role
+        self.rowwise = rowwise
+        self.columnwise = columnwise
+
+    @abstractmethod
+    def _quantize_fields(self, x2d: torch.Tensor) -> dict[str, Optional[torch.Tensor]]:
+        """Quantize ``x2d`` ([M, K], input dtype) into this family's buffers."""
+
+    def check_shape(self, shape: Sequence[int]) -> None:
+        """Raise ``ValueError`` if a tensor of ``shape`` cannot be quantized (default: any)."""
+        if len(shape) == 0:
+            raise ValueError("cannot quantize a 0-d tensor")
+
+    def quantize(
+        self, x: torch.Tensor, *, preserve_high_precision_init_val: bool = False
+    ) -> QuantizedTensor:
+        x = x.detach()
+        if isinstance(x, QuantizedTensor):
+            x = x.dequantize().to(x.dtype)
+        self.check_shape(x.shape)
+        fields = self._quantize_fields(flatten_2d(x))
+        qt = self.tensor_cls(x.shape, x.dtype, quantizer=self, fields=fields, device=x.device)
+        if preserve_high_precision_init_val:
+            qt._hp_init = x.to("cpu", copy=True)
+        return qt
+
+    def requantize_into(self, x: torch.Tensor, dst: QuantizedTensor) -> None:
+        """Quantize ``x`` and write the bytes and scales into ``dst``'s existing buffers."""
+        x = x.detach()
+        if isinstance(x, QuantizedTensor):
+            x = x.dequantize()
+        if tuple(x.shape) != tuple(dst.shape):
+            raise ValueError(f"shape mismatch: {tuple(x.shape)} vs {tuple(dst.shape)}")
+        x = x.to(dst.dtype)  # like TE: master -> model dtype -> quantize
+        self.check_shape(x.shape)
+        dst._assign_fields(self._quantize_fields(flatten_2d(x)))
+
+    def with_usage(self, rowwise: bool, columnwise: bool) -> Quantizer:
+        """A shallow copy with other usage flags (shares state/generator objects)."""
+        q = copy.copy(self)
+        if not (rowwise or columnwise):
+            raise ValueError("a quantizer needs rowwise and/or columnwise usage")
+        q.rowwise, q.columnwise = rowwise, columnwise
+        return q
+
+    def quantize_grouped(
+        self,
+        xs: Sequence[torch.Tensor] | torch.Tensor,
+        *,
+        preserve_high_precision_init_val: bool = False,
+    ) -> GroupedQuantizedTensor:
+        """Quantize N same-shape members (e.g. MoE experts) into one grouped tensor."""
+        from .grouped import GroupedQuantizedTensor
+
+        keep = preserve_high_precision_init_val
+        return GroupedQuantizedTensor.from_members(
+            [self.quantize(x, preserve_high_precision_init_val=keep) for x in xs]
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(role={self.role!r}, rowwise={self.rowwise}, "
+            f"columnwise={self.columnwise})"
+        )
+
+
+class QuantizedTensor(torch.Tensor):
+    """A quantized tensor with a logical shape and dtype (the high-precision ones).
+
+    Families declare their buffer names in ``ROWWISE_FIELDS``/``COLUMNWISE_FIELDS``/
+    ``SHARED_FIELDS`` and implement ``_dequantize_2d``. Buffers absent for an unused orientation
+    are ``None``.
+    """
+
+    ROWWISE_FIELDS: ClassVar[tuple[str, ...]] = ()
+    COLUMNWISE_FIELDS: ClassVar[tuple[str, ...]] = ()
+    SHARED_FIELDS: ClassVar[tuple[str, ...]] = ()
+    STAGING_DTYPE: ClassVar[torch.dtype] = torch.bfloat16
+
+    _quantizer: Quantizer
+    _fields: dict[str, Optional[torch.Tensor]]
+    _hp_init: Optional[torch.Tensor]
+
+    @staticmethod
+    def __new__(
+        cls,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        *,
+        quantizer: Quantizer,
+        fields: dict[str, Optional[torch.Tensor]],
+        device: Optional[torch.device] = None,
+        requires_grad: bool = False,
+    ) -> QuantizedTensor:
+        self = torch.Tensor._make_wrapper_subclass(
+            cls, tuple(shape), dtype=dtype, device=device, requires_grad=requires_grad
+        )
+        self._quantizer = quantizer
+        self._fields = {k: fields.get(k) for k in cls._field_names()}
+        self._hp_init = None
+        return self
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    # ---- interface --------------------------------------------------------------------------
+
+    @classmethod
+    def _field_names(cls) -> tuple[str, ...]:
+        return cls.ROWWISE_FIELDS + cls.SHARED_FIELDS + cls.COLUMNWISE_FIELDS
+
+    @property
+    def quantizer(self) -> Quantizer:
+        return self._quantizer
+
+    @property
+    def orig_dtype(self) -> torch.dtype:
+        return self.dtype
+
+    @property
+    def staging_dtype(self) -> torch.dtype:
+        """Dtype used to stage this tensor for a parameter all-gather (see the family doc)."""
+        return self.STAGING_DTYPE
+
+    def has_orientation(self, orientation: str) -> bool:
+        _check_orientation(orientation)
+        names = self.ROWWISE_FIELDS if orientation == "rowwise" else self.COLUMNWISE_FIELDS
+        return all(self._fields[k] is not None for k in names)
+
+    def _dequantize_2d(self, orientation: Orientation) -> torch.Tensor:
+        """fp32 [M, K] values of the stored ``orientation`` (present); per family."""
+        raise NotImplementedError
+
+    def dequantize(self, orientation: str = "rowwise") -> torch.Tensor:
+        """fp32 values with the logical shape; uses the other orientation if this one is absent."""
+        _check_orientation(orientation)
+        if not self.has_orientation(orientation):
+            orientation = "columnwise" if orientation == "rowwise" else "rowwise"
+        if math.prod(self.shape) == 0:  # e.g. an MoE expert that received no tokens
+            return torch.zeros(self.shape, dtype=torch.float32, device=self.device)
+        return self._dequantize_2d(orientation).reshape(self.shape)  # type: ignore[arg-type]
+
+    def _derive_orientation(self, orientation: Orientation) -> dict[str, torch.Tensor]:
+        """Buffers of an absent ``orientation`` rebuilt from the present one, where the format
+        makes them exact transposes/copies; families that quantize orientations separately
+        cannot (default: raise)."""
+        raise ValueError(
+            f"{type(self).__name__} cannot rebuild its {orientation} buffers from the other "
+            "orientation (they are quantized separately); requantize from high precision"
+        )
+
+    def update_usage(self, *, rowwise: bool, columnwise: bool) -> None:
+        """Keep only the buffers of the requested orientations, in place (TE ``update_usage``).
+
+        Dropping frees memory (e.g. saved-for-backward operands that only need columnwise).
+        Enabling an absent orientation works only where it is derivable (per-tensor and 2D
+        block formats: exact transposes); otherwise ``ValueError``. The quantizer's usage flags
+        follow, so later ``requantize_from`` writes exactly the kept buffers.
+        """
+        if not (rowwise or columnwise):
+            raise ValueError("update_usage needs rowwise and/or columnwise")
+        want = {"rowwise": rowwise, "columnwise": columnwise}
+        for o, keep in want.items():
+            if keep and not self.has_orientation(o):
+                self._fields.update(self._derive_orientation(o))  # type: ignore[arg-type]
+        for o, keep in want.items():
+            if not keep:
+                for k in self.ROWWISE_FIELDS if o == "rowwise" else self.COLUMNWISE_FIELDS:
+                    self._fields[k] = None
+        self._quantizer = self._quantizer.with_usage(rowwise, columnwise)
+
+    def requantize_from(self, src: torch.Tensor) -> None:
+        """Requantize ``src`` (cast to the logical dtype first) into these buffers, in place."""
+        self._quantizer.requantize_into(src, self)
+
+    def storage_views(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in self._fields.items() if v is not None}
+
+    def nbytes(self, orientation: Optional[str] = None) -> int:  # type: ignore[override]
+        """Bytes held: all buffers, or one orientation's data + scales (+ shared scale/amax)."""
+        if orientation is None:
+            names = self._field_names()
+        else:
+            _check_orientation(orientation)
+            own = self.ROWWISE_FIELDS if orientation == "rowwise" else self.COLUMNWISE_FIELDS
+            names = own + self.SHARED_FIELDS
+        return sum(
+            t.numel() * t.element_size() for k in names if (t := self._fields.get(k)) is not None
+        )
+
+    def high_precision_init_value(self) -> Optional[torch.Tensor]:
+        return self._hp_init
+
+    def clear_high_precision_init_value(self) -> None:
+        self._hp_init = None
+
+    # ---- buffer plumbing ----------------------------------------------------------------------
+
+    def _assign_fields(self, new: dict[str, Optional[torch.Tensor]]) -> None:
+        for k, dst in self._fields.items():
+            src = new.get(k)
+            if (dst is None) != (src is None):
+                raise ValueError(f"buffer {k!r} presence differs between quantizations")
+            if dst is not None and src is not None:
+                dst.copy_(src.reshape(dst.shape))
+
+    def _rewrap(self, fields: dict[str, Optional[torch.Tensor]]) -> QuantizedTensor:
+        out = type(self)(
+            self.shape, self.dtype, quantizer=self._quantizer, fields=fields, device=self.device
+        )
+        out._hp_init = self._hp_init
+        return out
+
+    def _shallow_copy(self) -> QuantizedTensor:
+        return self._rewrap(dict(self._fields))
+
+    def _deep_copy(self) -> QuantizedTensor:
+        return self._rewrap({k: None if v is None else v.clone() for k, v in self._fields.items()})
+
+    def _same_layout(self, other: torch.Tensor) -> bool:
+        if type(other) is not type(self) or tuple(other.shape) != tuple(self.shape):
+            return False
+        mine, theirs = self._fields, other._fields  # type: ignore[attr-defined]
+        return all(
+            (mine[k] is None) == (theirs[k] is None)
+            and (mine[k] is None or mine[k].shape == theirs[k].shape)  # type: ignore[union-attr]
+            for k in mine
+        )
+
+    def _copy_from(self, src: torch.Tensor) -> None:
+        if self._same_layout(src):
+            self._assign_fields(src._fields)  # type: ignore[attr-defined]
+        else:
+            self.requantize_from(src)
+
+    def _plain(self) -> torch.Tensor:
+        return self.dequantize().to(self.dtype)
+
+    # ---- torch integration ----------------------------------------------------------------------
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in (aten.detach.default, aten.alias.default):
+            return args[0]._shallow_copy()
+        if func is aten.clone.default:
+            return args[0]._deep_copy()
+        if func is aten.copy_.default:
+            dst, src = args[0], args[1]
+            if isinstance(dst, QuantizedTensor):
+                dst._copy_from(src)
+            else:
+                dst.copy_(src._plain())
+            return dst
+        # Generic fallback: run on dequantized values; in-place writes to a QuantizedTensor
+        # are requantized into its buffers.
+        plain = {}
+
+        def unwrap(t: Any) -> Any:
+            if isinstance(t, QuantizedTensor):
+                if id(t) not in plain:
+                    plain[id(t)] = t._plain()
+                return plain[id(t)]
+            return t
+
+        uargs = tree_map(unwrap, args)
+        ukwargs = tree_map(unwrap, kwargs)
+        out = func(*uargs, **ukwargs)
+        schema_args = func._schema.arguments
+        for i, a in enumerate(args):
+            info = schema_args[i].alias_info if i < len(schema_args) else None
+            if info is not None and info.is_write and isinstance(a, QuantizedTensor):
+                a.requantize_from(uargs[i])
+                if out is uargs[i]:
+                    out = a
+        return out
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+        present = [o for o in _ORIENTATIONS if self.has_orientation(o)]
+        return (
+            f"{type(self).__name__}(shape={tuple(self.shape)}, dtype={self.dtype}, "
+            f"quantizer={self._quantizer!r}, orientations={present})"
+        )

@@ -1,0 +1,191 @@
+"""Blockwise FP8 (TE ``Float8BlockwiseQTensor``, DeepSeek-V3 style), numerics.md 2.3.
+
+1D (inputs, grads): one fp32 scale per 1x128 block along the last dim. The columnwise copy
+uses 1x128 blocks along dim 0, is quantized separately from the high-precision input and is
+stored transposed [K, M] (GEMM_READY): it generally differs from the rowwise bytes.
+2D (weights): one scale per 128x128 tile; columnwise = exact transpose of data and scales.
+Edge blocks count out-of-range elements as 0 for the amax. Scales follow P3 with
+``value_for_inf`` = the input dtype's max; pow2 is on by default. Scales are kept compact:
+rowwise 1D [M, ceil(K/128)], columnwise 1D [K, ceil(M/128)], 2D [ceil(M/128), ceil(K/128)].
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .. import scaling as _scaling
+from ..formats import FP8Format, cast_to_fp8, fp8_to_float
+from ._chunks import map_row_chunks
+from .base import Orientation, QuantizedTensor, Quantizer, Role
+
+BLOCK = 128
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pad_to(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Zero-pad a 2-D tensor up to [rows, cols] (no copy when already that size)."""
+    pr, pc = rows - x.shape[0], cols - x.shape[1]
+    return x if pr == 0 and pc == 0 else F.pad(x, (0, pc, 0, pr))
+
+
+def _expand_scale(scale: torch.Tensor, rows: int, cols: int, br: int, bc: int) -> torch.Tensor:
+    """Broadcast a compact block-scale grid back to [rows, cols] (for dequantization)."""
+    return scale.repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
+
+
+class BlockwiseFP8Tensor(QuantizedTensor):
+    """Fields: ``rowwise_data`` [M, K] u8, ``rowwise_scale_inv`` fp32, ``columnwise_data``
+    [K, M] u8, ``columnwise_scale_inv`` fp32 (compact layouts in the module doc).
+
+    Staged as uint8: data bytes are row-local and the fp32 scales are plain arrays, so the raw
+    bytes can be placed in a flat buffer and all-gathered (the 2D columnwise copy is rebuilt
+    by transposing afterwards, as TE's ``_create_columnwise``).
+    """
+
+    ROWWISE_FIELDS = ("rowwise_data", "rowwise_scale_inv")
+    COLUMNWISE_FIELDS = ("columnwise_data", "columnwise_scale_inv")
+    STAGING_DTYPE = torch.uint8
+
+    @property
+    def fp8_format(self) -> FP8Format:
+        return self._quantizer.fp8_format  # type: ignore[attr-defined]
+
+    @property
+    def is_2d(self) -> bool:
+        return self._quantizer.block_dim == 2  # type: ignore[attr-defined]
+
+    def _derive_orientation(self, orientation: Orientation) -> dict[str, torch.Tensor]:
+        if not self.is_2d:
+            return super()._derive_orientation(orientation)
+        other = "columnwise" if orientation == "rowwise" else "rowwise"
+        data, sinv = self._fields[f"{other}_data"], self._fields[f"{other}_scale_inv"]
+        assert data is not None and sinv is not None
+        return {
+            f"{orientation}_data": data.t().contiguous(),
+            f"{orientation}_scale_inv": sinv.t().contiguous(),
+        }
+
+    def _dequantize_2d(self, orientation: Orientation) -> torch.Tensor:
+        if orientation == "rowwise":
+            data, sinv = self._fields["rowwise_data"], self._fields["rowwise_scale_inv"]
+        else:
+            data, sinv = self._fields["columnwise_data"], self._fields["columnwise_scale_inv"]
+        vals = fp8_to_float(data, self.fp8_format)  # type: ignore[arg-type]
+        r, c = vals.shape
+        assert sinv is not None
+        if self.is_2d:
+            if r % BLOCK == 0 and c % BLOCK == 0:
+                vals.view(r // BLOCK, BLOCK, c // BLOCK, BLOCK).mul_(sinv[:, None, :, None])
+            else:
+                vals.mul_(_expand_scale(sinv, r, c, BLOCK, BLOCK))
+        elif c % BLOCK == 0:
+            vals.view(r, c // BLOCK, BLOCK).mul_(sinv[:, :, None])
+        else:
+            vals.mul_(_expand_scale(sinv, r, c, 1, BLOCK))
+        out = vals
+        return out if orientation == "rowwise" else out.t()
+
+
+class BlockwiseQuantizer(Quantizer):
+    """Blockwise FP8 quantizer; ``block_dim`` 1 (1x128) or 2 (128x128)."""
+
+    tensor_cls = BlockwiseFP8Tensor
+
+    def __init__(
+        self,
+        role: Role,
+        rowwise: bool = True,
+        columnwise: bool = True,
+        *,
+        fp8_format: FP8Format,
+        block_dim: int,
+        power_2_scale: bool = True,
+        amax_epsilon: float = 0.0,
+    ) -> None:
+        super().__init__(role, rowwise, columnwise)
+        if block_dim not in (1, 2):
+            raise ValueError(f"block_dim must be 1 or 2, got {block_dim}")
+        self.fp8_format = fp8_format
+        self.block_dim = block_dim
+        self.power_2_scale = power_2_scale
+        self.amax_epsilon = amax_epsilon
+
+    def _scale(self, block_amax: torch.Tensor, value_for_inf: float) -> torch.Tensor:
+        return _scaling.compute_scale_from_amax(
+            block_amax, self.fp8_format.max, self.power_2_scale, self.amax_epsilon, value_for_inf
+        )
+
+    def _rowwise_1d(self, xf: torch.Tensor, vfi: float) -> tuple[torch.Tensor, torch.Tensor]:
+        m, k = xf.shape
+        nb = _ceil_div(k, BLOCK)
+        xp = _pad_to(xf, m, nb * BLOCK)
+
+        def chunk(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            xv = c.view(c.shape[0], nb, BLOCK)
+            s = self._scale(_scaling.block_amax(xv, -1), vfi)
+            q = cast_to_fp8(xv * s[:, :, None], self.fp8_format, inplace=True)
+            return q.view(c.shape[0], nb * BLOCK)[:, :k], torch.reciprocal(s)
+
+        q, sinv = map_row_chunks(chunk, xp)
+        return q.contiguous(), sinv
+
+    def _columnwise_1d(self, xf: torch.Tensor, vfi: float) -> tuple[torch.Tensor, torch.Tensor]:
+        # 1x128 blocks along dim 0, computed in place on [M, K] (elementwise ops, so identical
+        # to quantizing x^T) and the bytes transposed at the end: cheaper than an fp32 transpose.
+        m, k = xf.shape
+        nb = _ceil_div(m, BLOCK)
+
+        def chunk(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            xv = c.view(c.shape[0] // BLOCK, BLOCK, k)
+            s = self._scale(_scaling.block_amax(xv, 1), vfi)  # [blocks, K]
+            q = cast_to_fp8(xv * s[:, None, :], self.fp8_format, inplace=True)
+            return q.view(c.shape[0], k), torch.reciprocal(s)
+
+        q, sinv = map_row_chunks(chunk, _pad_to(xf, nb * BLOCK, k), BLOCK)
+        return q[:m].t().contiguous(), sinv.t().contiguous()
+
+    def _quantize_2d(self, xf: torch.Tensor, vfi: float) -> tuple[torch.Tensor, torch.Tensor]:
+        m, k = xf.shape
+        nm, nk = _ceil_div(m, BLOCK), _ceil_div(k, BLOCK)
+
+        def chunk(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            xv = c.view(c.shape[0] // BLOCK, BLOCK, nk, BLOCK)
+            s = self._scale(_scaling.block_amax(xv, (1, 3)), vfi)  # [tiles, nk]
+            q = cast_to_fp8(xv * s[:, None, :, None], self.fp8_format, inplace=True)
+            return q.view(c.shape[0], nk * BLOCK), torch.reciprocal(s)
+
+        q, sinv = map_row_chunks(chunk, _pad_to(xf, nm * BLOCK, nk * BLOCK), BLOCK)
+        return q[:m, :k].contiguous(), sinv
+
+    def _quantize_fields(self, x2d: torch.Tensor) -> dict[str, Optional[torch.Tensor]]:
+        vfi = float(torch.finfo(x2d.dtype).max)  # value_for_inf = input dtype max (P3)
+        xf = x2d.float()
+        out: dict[str, Optional[torch.Tensor]] = dict.fromkeys(
+            BlockwiseFP8Tensor._field_names()
+        )
+        if self.block_dim == 2:
+            q, sinv = self._quantize_2d(xf, vfi)
+            if self.rowwise:
+                out["rowwise_data"], out["rowwise_scale_inv"] = q, sinv
+            if self.columnwise:
+                out["columnwise_data"] = q.t().contiguous()
+                out["columnwise_scale_inv"] = sinv.t().contiguous()
+            return out
+        if self.rowwise:
+            out["rowwise_data"], out["rowwise_scale_inv"] = self._rowwise_1d(xf, vfi)
+        if self.columnwise:
+            out["columnwise_data"], out["columnwise_scale_inv"] = self._columnwise_1d(xf, vfi)
+        return out
+
+    def __repr__(self) -> str:
+        return (
+            f"BlockwiseQuantizer(role={self.role!r}, {self.fp8_format.name}, "
+            f"{'1x128' if self.block_dim == 1 else '128x128'}, pow2={self.power_2_scale}, "
+            f"eps={self.amax_epsilon}, rowwise={self.rowwise}, columnwise={self.columnwise})"
+        )

@@ -1,0 +1,114 @@
+"""Per-tensor FP8 (TE ``Float8Tensor``): delayed scaling and current (tensorwise) scaling.
+
+One fp32 scale per tensor. The columnwise copy is the exact byte transpose of the rowwise data
+with the same ``scale_inv`` (what TE builds as ``_transpose`` on GPUs without non-TN FP8 GEMMs),
+so the two orientations always dequantize to the same values.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from .. import scaling as _scaling
+from ..formats import FLT_MAX, FP8Format, cast_to_fp8, fp8_to_float
+from ._chunks import map_row_chunks
+from .base import Orientation, QuantizedTensor, Quantizer, Role
+
+if TYPE_CHECKING:
+    from ..recipes import DelayedScalingState
+
+
+class Float8Tensor(QuantizedTensor):
+    """Fields: ``rowwise_data`` [M, K] u8, ``scale_inv`` (1,) fp32, ``columnwise_data`` [K, M] u8.
+
+    Staged as uint8: the bytes are elementwise with one shared scale, so any contiguous byte
+    range of a flat buffer is a valid shard and an all-gather reassembles the tensor exactly.
+    """
+
+    ROWWISE_FIELDS = ("rowwise_data",)
+    SHARED_FIELDS = ("scale_inv",)
+    COLUMNWISE_FIELDS = ("columnwise_data",)
+    STAGING_DTYPE = torch.uint8
+
+    @property
+    def fp8_format(self) -> FP8Format:
+        return self._quantizer.fp8_format  # type: ignore[attr-defined]
+
+    @property
+    def scale_inv(self) -> torch.Tensor:
+        return self._fields["scale_inv"]  # type: ignore[return-value]
+
+    def _derive_orientation(self, orientation: Orientation) -> dict[str, torch.Tensor]:
+        src = self._fields["columnwise_data" if orientation == "rowwise" else "rowwise_data"]
+        assert src is not None
+        return {f"{orientation}_data": src.t().contiguous()}
+
+    def _dequantize_2d(self, orientation: Orientation) -> torch.Tensor:
+        if orientation == "rowwise":
+            data = self._fields["rowwise_data"]
+        else:
+            data = self._fields["columnwise_data"].t()  # type: ignore[union-attr]
+        return fp8_to_float(data, self.fp8_format).mul_(self.scale_inv)  # type: ignore[arg-type]
+
+
+class Float8Quantizer(Quantizer):
+    """Per-tensor FP8 quantizer.
+
+    Current scaling (``state is None``): s = compute_scale_from_amax(amax(x)) (P3), optionally
+    after MAX-reducing amax with ``amax_reduction``. Delayed scaling: s = ``state.scale`` (the
+    scale computed at the end of the previous step) and max|x| is recorded into
+    ``state.amax_history[0]``. Data = satfinite_rne(fp32(x * s)), scale_inv = fp32(1 / s).
+    """
+
+    tensor_cls = Float8Tensor
+
+    def __init__(
+        self,
+        role: Role,
+        rowwise: bool = True,
+        columnwise: bool = True,
+        *,
+        fp8_format: FP8Format,
+        power_2_scale: bool = False,
+        amax_epsilon: float = 0.0,
+        amax_reduction: Optional[Any] = None,
+        state: Optional[DelayedScalingState] = None,
+    ) -> None:
+        super().__init__(role, rowwise, columnwise)
+        self.fp8_format = fp8_format
+        self.power_2_scale = power_2_scale
+        self.amax_epsilon = amax_epsilon
+        self.amax_reduction = amax_reduction
+        self.state = state
+        if state is not None and state.fp8_format != fp8_format:
+            raise ValueError(f"state format {state.fp8_format} != quantizer format {fp8_format}")
+
+    def current_scale(self, x2d: torch.Tensor) -> torch.Tensor:
+        """The (1,) fp32 scale used for ``x2d`` (records the amax for delayed scaling)."""
+        a = _scaling.amax(x2d).reshape(1)
+        if self.state is not None:
+            self.state.record_amax(a)
+            return self.state.scale.clone()
+        a = _scaling.maybe_reduce_amax(a, self.amax_reduction)
+        return _scaling.compute_scale_from_amax(
+            a, self.fp8_format.max, self.power_2_scale, self.amax_epsilon, FLT_MAX
+        )
+
+    def _quantize_fields(self, x2d: torch.Tensor) -> dict[str, Optional[torch.Tensor]]:
+        xf = x2d.float()
+        s = self.current_scale(xf)
+        (q,) = map_row_chunks(lambda c: (cast_to_fp8(c * s, self.fp8_format, inplace=True),), xf)
+        return {
+            "rowwise_data": q if self.rowwise else None,
+            "scale_inv": torch.reciprocal(s),
+            "columnwise_data": q.t().contiguous() if self.columnwise else None,
+        }
+
+    def __repr__(self) -> str:
+        kind = "delayed" if self.state is not None else "current"
+        return (
+            f"Float8Quantizer({kind}, role={self.role!r}, {self.fp8_format.name}, "
+            f"rowwise={self.rowwise}, columnwise={self.columnwise})"
+        )

@@ -1,0 +1,137 @@
+"""MXFP8 (TE ``MXFP8Tensor``), numerics.md 2.4: FP8 elements with one E8M0 scale per 32.
+
+Rowwise: 1x32 blocks along the last dim. Columnwise: 32x1 blocks along dim 0, computed
+independently from the high-precision input and NOT transposed (same [M, K] layout), so the
+two orientations generally differ. Per block: code = RCEIL(fp32(amax * fl32(1/max))) (P4),
+q = satfinite_rne(x * 2^(127-code)) (P5 ``exp2f_rcp``). Dequant multiplies by 2^(code-127).
+Optional 2D mode (weights only, off by default): one code per 32x32 tile used for both
+orientations, so both data buffers are identical. Scales are compact uint8 codes: rowwise
+[M, K/32], columnwise [M/32, K] (2D: the tile code repeated into both shapes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Optional
+
+import torch
+
+from .. import scaling as _scaling
+from ..formats import FP8Format, cast_to_fp8, fp8_to_float
+from ._chunks import map_row_chunks
+from .base import Orientation, QuantizedTensor, Quantizer, Role
+
+MX_BLOCK = 32
+
+
+class MXFP8Tensor(QuantizedTensor):
+    """Fields: ``rowwise_data`` [M, K] u8, ``rowwise_scale_inv`` [M, K/32] u8 (E8M0),
+    ``columnwise_data`` [M, K] u8, ``columnwise_scale_inv`` [M/32, K] u8 (E8M0).
+
+    Staged as bf16: the parameter needs both orientations, each quantized from the
+    high-precision value with its own block structure, so a byte shard of a flat buffer is not
+    enough to rebuild it; the all-gather moves bf16 and each rank requantizes.
+    """
+
+    ROWWISE_FIELDS = ("rowwise_data", "rowwise_scale_inv")
+    COLUMNWISE_FIELDS = ("columnwise_data", "columnwise_scale_inv")
+    STAGING_DTYPE = torch.bfloat16
+
+    @property
+    def fp8_format(self) -> FP8Format:
+        return self._quantizer.fp8_format  # type: ignore[attr-defined]
+
+    def _dequantize_2d(self, orientation: Orientation) -> torch.Tensor:
+        data = self._fields[f"{orientation}_data"]
+        codes = self._fields[f"{orientation}_scale_inv"]
+        assert data is not None and codes is not None
+        m, k = data.shape
+        vals = fp8_to_float(data, self.fp8_format)
+        scale = _scaling.e8m0_to_dequant_scale(codes)
+        if orientation == "rowwise":
+            vals.view(m, k // MX_BLOCK, MX_BLOCK).mul_(scale[:, :, None])
+        else:
+            vals.view(m // MX_BLOCK, MX_BLOCK, k).mul_(scale[:, None, :])
+        return vals
+
+
+class MXFP8Quantizer(Quantizer):
+    """MXFP8 quantizer (E4M3 or E5M2 elements, E8M0 RCEIL block scales)."""
+
+    tensor_cls = MXFP8Tensor
+
+    def __init__(
+        self,
+        role: Role,
+        rowwise: bool = True,
+        columnwise: bool = True,
+        *,
+        fp8_format: FP8Format,
+        use_2d: bool = False,
+    ) -> None:
+        super().__init__(role, rowwise, columnwise)
+        self.fp8_format = fp8_format
+        self.use_2d = use_2d
+
+    def check_shape(self, shape: Sequence[int]) -> None:
+        super().check_shape(shape)
+        k = shape[-1]
+        m = 1
+        for d in shape[:-1]:
+            m *= d
+        if k % MX_BLOCK or m % MX_BLOCK:
+            raise ValueError(
+                f"MXFP8 needs M and K divisible by 32 (TE is_quantizable), got M={m}, K={k}"
+            )
+
+    def _blocks(self, xv: torch.Tensor, dim: int | tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes, fp8 bytes) for ``xv`` with blocks reduced over ``dim`` (kept for broadcast)."""
+        codes = _scaling.e8m0_from_amax(_scaling.block_amax(xv, dim), self.fp8_format.max)
+        mult = _scaling.e8m0_to_quant_multiplier(codes)
+        dims = (dim,) if isinstance(dim, int) else dim
+        for d in sorted(dims):
+            mult = mult.unsqueeze(d)
+        return codes, cast_to_fp8(xv * mult, self.fp8_format, inplace=True)
+
+    def _quantize_fields(self, x2d: torch.Tensor) -> dict[str, Optional[torch.Tensor]]:
+        xf = x2d.float()
+        k = xf.shape[1]
+        out: dict[str, Optional[torch.Tensor]] = dict.fromkeys(MXFP8Tensor._field_names())
+        if self.use_2d:
+
+            def tiles(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                xv = c.view(c.shape[0] // MX_BLOCK, MX_BLOCK, k // MX_BLOCK, MX_BLOCK)
+                codes, q = self._blocks(xv, (1, 3))  # codes [rows/32, K/32]
+                return codes, q.view(c.shape[0], k)
+
+            codes, q = map_row_chunks(tiles, xf, MX_BLOCK)
+            if self.rowwise:
+                out["rowwise_data"] = q
+                out["rowwise_scale_inv"] = codes.repeat_interleave(MX_BLOCK, 0)
+            if self.columnwise:
+                out["columnwise_data"] = q.clone() if self.rowwise else q
+                out["columnwise_scale_inv"] = codes.repeat_interleave(MX_BLOCK, 1)
+            return out
+        if self.rowwise:
+
+            def rows(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                codes, q = self._blocks(c.view(c.shape[0], k // MX_BLOCK, MX_BLOCK), 2)
+                return codes, q.view(c.shape[0], k)
+
+            out["rowwise_scale_inv"], out["rowwise_data"] = map_row_chunks(rows, xf)
+        if self.columnwise:
+
+            def cols(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                codes, q = self._blocks(c.view(c.shape[0] // MX_BLOCK, MX_BLOCK, k), 1)
+                return codes, q.view(c.shape[0], k)
+
+            out["columnwise_scale_inv"], out["columnwise_data"] = map_row_chunks(
+                cols, xf, MX_BLOCK
+            )
+        return out
+
+    def __repr__(self) -> str:
+        return (
+            f"MXFP8Quantizer(role={self.role!r}, {self.fp8_format.name}, 2d={self.use_2d}, "
+            f"rowwise={self.rowwise}, columnwise={self.columnwise})"
+        )

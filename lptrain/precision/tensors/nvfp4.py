@@ -1,0 +1,204 @@
+"""NVFP4 (TE ``NVFP4Tensor``), numerics.md 2.5: E2M1 elements, E4M3 scale per 16, fp32 amax.
+
+Two-level scaling: a per-tensor S_enc = 2688 / amax and per-block E4M3 decode scales
+sdec_b = e4m3(vmax * S_enc / 6); elements are e2m1(x * enc_b) with enc_b = 1/(sdec_b * S_dec).
+Rowwise blocks are 1x16 along K; the columnwise copy is quantized from x^T ([K, M], blocks of
+16 tokens), optionally after the random Hadamard transform (inputs and grads; rounded to bf16),
+with its own amax, and stored transposed [K, M/2]. Weights use 16x16 tiles (one scale per
+tile, repeated over its 16 rows) and then the columnwise copy is the exact transpose.
+Gradients use stochastic rounding from a seeded ``torch.Generator``. TE stores amax, not
+S_enc; so do we. Packing: two codes per byte, element 2i in the low nibble.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Optional
+
+import torch
+
+from .. import scaling as _scaling
+from ..formats import (
+    E2M1_GRID,
+    cast_to_e2m1,
+    pack_fp4,
+    stochastic_round_e2m1,
+)
+from ..rht import apply_rht
+from ._chunks import map_row_chunks
+from .base import Orientation, QuantizedTensor, Quantizer, Role
+
+NV_BLOCK = 16
+
+# byte -> (low value, high value): dequantize two packed codes with one lookup per byte.
+_GRID = torch.tensor(E2M1_GRID + tuple(-v for v in E2M1_GRID), dtype=torch.float32)
+_BYTE_LUT = torch.stack((_GRID.repeat(16), _GRID.repeat_interleave(16)), dim=1)  # [256, 2]
+
+
+def unpack_fp4_values(packed: torch.Tensor) -> torch.Tensor:
+    """[R, C/2] packed bytes -> [R, C] fp32 E2M1 values."""
+    r, half = packed.shape
+    lut = _BYTE_LUT.to(packed.device)
+    return lut.index_select(0, packed.reshape(-1).int()).view(r, half * 2)
+
+
+class NVFP4Tensor(QuantizedTensor):
+    """Fields: ``rowwise_data`` [M, K/2] u8, ``rowwise_scale_inv`` [M, K/16] u8 (E4M3 bits),
+    ``amax_rowwise`` (1,) fp32; ``columnwise_data`` [K, M/2], ``columnwise_scale_inv``
+    [K, M/16], ``amax_columnwise`` (1,).
+
+    Staged as bf16: packed nibbles with per-16 block scales, a per-orientation global amax and
+    a separately quantized (rotated) columnwise copy cannot be cut into byte shards of a flat
+    buffer; the all-gather moves bf16 and each rank requantizes.
+    """
+
+    ROWWISE_FIELDS = ("rowwise_data", "rowwise_scale_inv", "amax_rowwise")
+    COLUMNWISE_FIELDS = ("columnwise_data", "columnwise_scale_inv", "amax_columnwise")
+    STAGING_DTYPE = torch.bfloat16
+
+    @property
+    def with_rht(self) -> bool:
+        return self._quantizer.with_rht  # type: ignore[attr-defined]
+
+    def _values(self, orientation: Orientation) -> torch.Tensor:
+        """fp32 dequantized values in the stored layout ([M, K] rowwise, [K, M] columnwise)."""
+        data = self._fields[f"{orientation}_data"]
+        sbytes = self._fields[f"{orientation}_scale_inv"]
+        gamax = self._fields[f"amax_{orientation}"]
+        assert data is not None and sbytes is not None and gamax is not None
+        vals = unpack_fp4_values(data)
+        r, c = vals.shape
+        scale = _scaling.nvfp4_dequant_block_scale(sbytes, gamax)
+        vals.view(r, c // NV_BLOCK, NV_BLOCK).mul_(scale[:, :, None])
+        return vals
+
+    def columnwise_rht_operand(self) -> torch.Tensor:
+        """The columnwise [K, M] fp32 GEMM operand as stored (rotated when RHT is on)."""
+        return self._values("columnwise")
+
+    def _dequantize_2d(self, orientation: Orientation) -> torch.Tensor:
+        vals = self._values(orientation)
+        if orientation == "rowwise":
+            return vals
+        if self.with_rht:  # undo the rotation so values compare with the logical tensor
+            vals = apply_rht(vals, inverse=True, round_to_bf16=False)
+        return vals.t()
+
+
+class NVFP4Quantizer(Quantizer):
+    """NVFP4 quantizer; ``with_rht`` applies to the columnwise copy only, ``use_2d`` = 16x16
+    tiles (weights), ``stochastic_rounding`` draws 8 bits per element from ``generator``."""
+
+    tensor_cls = NVFP4Tensor
+
+    def __init__(
+        self,
+        role: Role,
+        rowwise: bool = True,
+        columnwise: bool = True,
+        *,
+        with_rht: bool = False,
+        stochastic_rounding: bool = False,
+        use_2d: bool = False,
+        generator: Optional[torch.Generator] = None,
+    ) -> None:
+        super().__init__(role, rowwise, columnwise)
+        if use_2d and with_rht:
+            raise ValueError("NVFP4 2D (weight) quantization is not combined with RHT")
+        self.with_rht = with_rht
+        self.stochastic_rounding = stochastic_rounding
+        self.use_2d = use_2d
+        if stochastic_rounding and generator is None:
+            generator = torch.Generator().manual_seed(0)
+        self.generator = generator
+
+    def check_shape(self, shape: Sequence[int]) -> None:
+        super().check_shape(shape)
+        k = shape[-1]
+        m = 1
+        for d in shape[:-1]:
+            m *= d
+        if k % NV_BLOCK:
+            raise ValueError(f"NVFP4 needs K divisible by 16, got K={k}")
+        if (self.columnwise or self.use_2d) and m % NV_BLOCK:
+            raise ValueError(f"NVFP4 columnwise/2D needs M divisible by 16, got M={m}")
+
+    def _codes(self, y: torch.Tensor) -> torch.Tensor:
+        """E2M1 codes of the scaled temporary ``y`` (consumed)."""
+        if self.stochastic_rounding:
+            return stochastic_round_e2m1(y, self.generator)
+        return cast_to_e2m1(y, inplace=True)
+
+    def _quantize_blocks(
+        self, xf: torch.Tensor, gamax: torch.Tensor, dim: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes [M, K], scale bytes) with 16-element blocks along ``dim`` of ``xf`` [M, K].
+
+        dim=1: rowwise 1x16 blocks, scales [M, K/16]. dim=0: blocks of 16 rows computed in
+        place on [M, K] (elementwise math, so identical to quantizing x^T), scales [M/16, K].
+        """
+        k = xf.shape[1]
+        s_enc = _scaling.nvfp4_global_encode_scale(gamax)
+
+        def rows(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            xv = c.view(c.shape[0], k // NV_BLOCK, NV_BLOCK)
+            sbytes, enc = _scaling.nvfp4_block_scales(_scaling.block_amax(xv, 2), s_enc)
+            return self._codes(xv * enc[:, :, None]).view(c.shape[0], k), sbytes
+
+        def cols(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            xv = c.view(c.shape[0] // NV_BLOCK, NV_BLOCK, k)
+            sbytes, enc = _scaling.nvfp4_block_scales(_scaling.block_amax(xv, 1), s_enc)
+            return self._codes(xv * enc[:, None, :]).view(c.shape[0], k), sbytes
+
+        if dim == 1:
+            return map_row_chunks(rows, xf)  # type: ignore[return-value]
+        return map_row_chunks(cols, xf, NV_BLOCK)  # type: ignore[return-value]
+
+    def _quantize_fields(self, x2d: torch.Tensor) -> dict[str, Optional[torch.Tensor]]:
+        xf = x2d.float()
+        k = xf.shape[1]
+        out: dict[str, Optional[torch.Tensor]] = dict.fromkeys(NVFP4Tensor._field_names())
+        if self.use_2d:
+            gamax = _scaling.amax(xf).reshape(1)
+            s_enc = _scaling.nvfp4_global_encode_scale(gamax)
+
+            def tiles(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                xv = c.view(c.shape[0] // NV_BLOCK, NV_BLOCK, k // NV_BLOCK, NV_BLOCK)
+                tb, enc = _scaling.nvfp4_block_scales(_scaling.block_amax(xv, (1, 3)), s_enc)
+                return self._codes(xv * enc[:, None, :, None]).view(c.shape[0], k), tb
+
+            codes, tile_bytes = map_row_chunks(tiles, xf, NV_BLOCK)
+            if self.rowwise:
+                out["rowwise_data"] = pack_fp4(codes)
+                out["rowwise_scale_inv"] = tile_bytes.repeat_interleave(NV_BLOCK, 0)
+                out["amax_rowwise"] = gamax
+            if self.columnwise:
+                out["columnwise_data"] = pack_fp4(codes.t())
+                out["columnwise_scale_inv"] = tile_bytes.t().repeat_interleave(NV_BLOCK, 0)
+                out["amax_columnwise"] = gamax.clone()
+            return out
+        gamax = _scaling.amax(xf).reshape(1)
+        if self.rowwise:
+            codes, sbytes = self._quantize_blocks(xf, gamax, 1)
+            out["rowwise_data"], out["rowwise_scale_inv"] = pack_fp4(codes), sbytes
+            out["amax_rowwise"] = gamax
+        if self.columnwise:
+            if self.with_rht:  # rotate 16-token groups of x^T, round to bf16, own amax
+                yt = apply_rht(xf.t())
+                camax = _scaling.amax(yt).reshape(1)
+                codes, sbytes = self._quantize_blocks(yt, camax, 1)
+                out["columnwise_data"], out["columnwise_scale_inv"] = pack_fp4(codes), sbytes
+            else:
+                camax = gamax.clone()
+                codes, sbytes = self._quantize_blocks(xf, camax, 0)
+                out["columnwise_data"] = pack_fp4(codes.t())
+                out["columnwise_scale_inv"] = sbytes.t().contiguous()
+            out["amax_columnwise"] = camax
+        return out
+
+    def __repr__(self) -> str:
+        return (
+            f"NVFP4Quantizer(role={self.role!r}, rht={self.with_rht}, "
+            f"sr={self.stochastic_rounding}, 2d={self.use_2d}, rowwise={self.rowwise}, "
+            f"columnwise={self.columnwise})"
+        )
