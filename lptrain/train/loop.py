@@ -27,17 +27,18 @@ class TrainingDivergedError(RuntimeError):
     """A loss or gradient went NaN/Inf; the message names the step and the tensor."""
 
 
-def _unsupported_here(cfg: LPTrainConfig) -> list[str]:
-    """Settings this single-process loop cannot honour yet, as ``key=value`` strings."""
+def _unsupported_here(cfg: LPTrainConfig, world_size: int) -> list[str]:
+    """Settings this single-process loop cannot honour yet, as ``key=value`` strings.
+
+    With one rank the distributed optimizer owns every shard and overlap settings have no
+    collective to overlap, so ``ddp.*`` flags are honoured trivially; FP8/FP4 primary weights
+    are handled by :class:`_MasterAdamW` (requantized from the fp32 masters every step).
+    """
     out = []
     if cfg.optimizer.name != "adamw":
         out.append(f"optimizer.name={cfg.optimizer.name}")
-    if cfg.precision.fp8_param_gather:
-        out.append("precision.fp8_param_gather=true")
-    if cfg.precision.fp4_param_gather:
-        out.append("precision.fp4_param_gather=true")
-    if cfg.ddp.use_distributed_optimizer:
-        out.append("ddp.use_distributed_optimizer=true")
+    if world_size > 1:
+        out.append(f"WORLD_SIZE={world_size} (data parallelism)")
     return out
 
 
@@ -51,17 +52,35 @@ def _check_finite_grads(model: torch.nn.Module, step: int) -> None:
             )
 
 
+def _master_copy(p: torch.Tensor) -> torch.Tensor:
+    """The fp32 master of a model param.
+
+    A quantized primary weight (FP8/FP4 param gather) is seeded from its high-precision init
+    value, not from its dequantized bytes, so training starts from the true init; the
+    model-side copy of that value is then freed.
+    """
+    from lptrain.precision.tensors import QuantizedTensor
+
+    if isinstance(p, QuantizedTensor):
+        init = p.high_precision_init_value()
+        master = (init if init is not None else p.dequantize()).detach().float().clone()
+        p.clear_high_precision_init_value()
+        return master
+    return p.detach().float().clone()
+
+
 class _MasterAdamW:
-    """AdamW over fp32 master copies of (possibly bf16) model params.
+    """AdamW over fp32 master copies of (possibly bf16 or quantized) model params.
 
     Why: updating bf16 params in place loses small updates to rounding; the masters keep
-    full precision and the model params are refreshed from them after every step.
+    full precision and the model params are refreshed from them after every step
+    (``copy_`` into a quantized param requantizes it: fp32 -> params dtype -> quantize).
     """
 
     def __init__(self, model: torch.nn.Module, cfg: LPTrainConfig) -> None:
         o = cfg.optimizer
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.masters = [p.detach().float().clone() for p in self.params]
+        self.masters = [_master_copy(p) for p in self.params]
         decay = [m for p, m in zip(self.params, self.masters, strict=True) if p.ndim >= 2]
         no_decay = [m for p, m in zip(self.params, self.masters, strict=True) if p.ndim < 2]
         self.opt = torch.optim.AdamW(
@@ -142,7 +161,9 @@ def pretrain(cfg: LPTrainConfig, output_dir: str | Path) -> dict[str, Any]:
     from lptrain.precision.factory import build_factory
 
     console = Console()
-    missing = _unsupported_here(cfg)
+    import os
+
+    missing = _unsupported_here(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     if missing:
         raise SystemExit(
             "lptrain pretrain: this build runs single-process AdamW only; "
