@@ -102,7 +102,7 @@ def test_every_cpu_recipe_trains_or_is_refused_by_name(
          "logging.plots=false", "train.train_iters=2", "train.eval_iters=1"],
     )
     if cfg.optimizer.name == "muon":
-        with pytest.raises(SystemExit, match="optimizer.name=muon"):
+        with pytest.raises(SystemExit, match=r"optimizer\.name=muon"):
             pretrain(cfg, tmp_path / "run")
         return
     summary = pretrain(cfg, tmp_path / "run")
