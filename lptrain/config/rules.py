@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from lptrain.config.schema import LPTrainConfig
 from lptrain.config.world import World
+from lptrain.optim.ns_coefficients import COEFFICIENT_SETS
 
 Severity = Literal["error", "warning", "derived"]
 When = Callable[[LPTrainConfig, World], Any]
@@ -34,7 +35,7 @@ OPTIMIZERS = ("adamw", "muon")
 LAYER_WISE_LAYOUTS = ("compact", "padded")
 LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
 SCALAR_OPTIMIZERS = ("adamw",)
-MUON_COEFFICIENTS = ("simple", "quintic", "polar_express")
+MUON_COEFFICIENTS = tuple(COEFFICIENT_SETS)  # one source: the optimizer's own table
 MUON_SCALE_MODES = ("shape_scaling", "spectral", "unit_rms_norm")
 LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "none")
 SCORE_FUNCTIONS = ("softmax", "sigmoid")

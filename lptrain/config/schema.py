@@ -131,7 +131,7 @@ class MuonConfig:
     momentum: float = opt(0.95, "Momentum coefficient, in [0, 1).")
     nesterov: bool = opt(True, "Use Nesterov momentum.")
     ns_steps: int = opt(5, "Newton-Schulz iterations (>= 1).")
-    coefficients: str = opt("quintic", "Newton-Schulz coefficients: simple, quintic or polar_express.")
+    coefficients: str = opt("quintic", "Newton-Schulz coefficients: simple or quintic.")
     scale_mode: str = opt("spectral", "Update scaling: shape_scaling, spectral or unit_rms_norm.")
     extra_scale_factor: float = opt(1.0, "Extra multiplier on the orthogonalized update.")
     split_qkv: bool = opt(True, "Orthogonalize Q, K and V separately.")

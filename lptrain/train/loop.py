@@ -27,19 +27,15 @@ class TrainingDivergedError(RuntimeError):
     """A loss or gradient went NaN/Inf; the message names the step and the tensor."""
 
 
-def _unsupported_here(cfg: LPTrainConfig, world_size: int) -> list[str]:
+def _unsupported_here(world_size: int) -> list[str]:
     """Settings this single-process loop cannot honour yet, as ``key=value`` strings.
 
-    With one rank the distributed optimizer owns every shard and overlap settings have no
-    collective to overlap, so ``ddp.*`` flags are honoured trivially; FP8/FP4 primary weights
-    are handled by :class:`_MasterAdamW` (requantized from the fp32 masters every step).
+    With one rank the distributed optimizer owns every shard (Muon's layer-wise optimizer
+    owns every matrix) and overlap settings have no collective to overlap, so ``ddp.*`` flags
+    are honoured trivially; FP8/FP4 primary weights are handled by :class:`_MasterOptimizer`
+    (requantized from the fp32 masters every step).
     """
-    out = []
-    if cfg.optimizer.name != "adamw":
-        out.append(f"optimizer.name={cfg.optimizer.name}")
-    if world_size > 1:
-        out.append(f"WORLD_SIZE={world_size} (data parallelism)")
-    return out
+    return [f"WORLD_SIZE={world_size} (data parallelism)"] if world_size > 1 else []
 
 
 def _check_finite_grads(model: torch.nn.Module, step: int) -> None:
@@ -69,29 +65,38 @@ def _master_copy(p: torch.Tensor) -> torch.Tensor:
     return p.detach().float().clone()
 
 
-class _MasterAdamW:
-    """AdamW over fp32 master copies of (possibly bf16 or quantized) model params.
+class _MasterOptimizer:
+    """AdamW, or Muon + AdamW, over fp32 master copies of (possibly bf16 or quantized) params.
 
-    Why: updating bf16 params in place loses small updates to rounding; the masters keep
-    full precision and the model params are refreshed from them after every step
+    Why masters: updating bf16 params in place loses small updates to rounding; the masters
+    keep full precision and the model params are refreshed from them after every step
     (``copy_`` into a quantized param requantizes it: fp32 -> params dtype -> quantize).
+    The masters carry the model params' optimizer tags (``use_muon``, ``is_qkv``, ...), so
+    Muon routing and the QKV split read the same explicit metadata the model set.
     """
 
     def __init__(self, model: torch.nn.Module, cfg: LPTrainConfig) -> None:
+        from lptrain.optim.param_groups import copy_param_attributes, split_params_for_muon
+
         o = cfg.optimizer
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.masters = [_master_copy(p) for p in self.params]
-        decay = [m for p, m in zip(self.params, self.masters, strict=True) if p.ndim >= 2]
-        no_decay = [m for p, m in zip(self.params, self.masters, strict=True) if p.ndim < 2]
-        self.opt = torch.optim.AdamW(
-            [
-                {"params": decay, "weight_decay": o.weight_decay},
-                {"params": no_decay, "weight_decay": 0.0},
-            ],
-            lr=o.lr,
-            betas=(o.adam_beta1, o.adam_beta2),
-            eps=o.adam_eps,
-        )
+        self.masters = [copy_param_attributes(p, _master_copy(p)) for p in self.params]
+        if o.name == "muon":
+            from lptrain.optim.muon import MuonWithAdamW
+
+            self.opt = MuonWithAdamW(*split_params_for_muon(self.masters), o)
+        else:
+            decay = [m for m in self.masters if m.ndim >= 2]
+            no_decay = [m for m in self.masters if m.ndim < 2]
+            self.opt = torch.optim.AdamW(
+                [
+                    {"params": decay, "weight_decay": o.weight_decay},
+                    {"params": no_decay, "weight_decay": 0.0},
+                ],
+                lr=o.lr,
+                betas=(o.adam_beta1, o.adam_beta2),
+                eps=o.adam_eps,
+            )
         self.clip = o.clip_grad
 
     def step(self, lr: float) -> float:
@@ -163,10 +168,10 @@ def pretrain(cfg: LPTrainConfig, output_dir: str | Path) -> dict[str, Any]:
     console = Console()
     import os
 
-    missing = _unsupported_here(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    missing = _unsupported_here(int(os.environ.get("WORLD_SIZE", "1")))
     if missing:
         raise SystemExit(
-            "lptrain pretrain: this build runs single-process AdamW only; "
+            "lptrain pretrain: this build runs a single process; "
             f"not yet supported: {', '.join(missing)}"
         )
     from lptrain.config import World, derive
@@ -194,7 +199,7 @@ def pretrain(cfg: LPTrainConfig, output_dir: str | Path) -> dict[str, Any]:
         dp_size=1,
         vocab_size=cfg.model.vocab_size,
     )
-    opt = _MasterAdamW(model, cfg)
+    opt = _MasterOptimizer(model, cfg)
     decay_iters = cfg.optimizer.decay_iters or t.train_iters
     n_params = sum(p.numel() for p in model.parameters())
     console.print(

@@ -123,8 +123,8 @@ RULES = [
          "optimizer.muon.scale_mode", "optimizer.lr"),
         _bad_hparams,
         "invalid Muon hyperparameters (they would fail at the first step): {detail}",
-        "use momentum in [0, 1), ns_steps >= 1, coefficients in {{simple, quintic, "
-        "polar_express}}, scale_mode in {{shape_scaling, spectral, unit_rms_norm}}, lr > 0",
+        "use momentum in [0, 1), ns_steps >= 1, coefficients in {{simple, quintic}}, "
+        "scale_mode in {{shape_scaling, spectral, unit_rms_norm}}, lr > 0",
         "optimizer.name=muon: momentum in [0, 1), ns_steps >= 1, coefficients and scale_mode "
         "from the known sets, lr > 0",
         "upstream accepted some invalid values and failed at the first step", S),
