@@ -150,6 +150,23 @@ def _write_plot(records: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def _start_wandb(cfg: LPTrainConfig, out: Path) -> Any:
+    """A W&B run when ``logging.wandb`` is on (offline by default: no network needed)."""
+    if not cfg.logging.wandb:
+        return None
+    import dataclasses
+
+    import wandb
+
+    return wandb.init(
+        project=cfg.logging.wandb_project,
+        name=cfg.run.name,
+        mode=cfg.logging.wandb_mode,
+        dir=str(out),
+        config=dataclasses.asdict(cfg),
+    )
+
+
 def pretrain(cfg: LPTrainConfig, output_dir: str | Path) -> dict[str, Any]:
     """Run the single-process pretraining loop; returns a summary dict (also written to disk)."""
     from rich.console import Console
@@ -208,6 +225,7 @@ def pretrain(cfg: LPTrainConfig, output_dir: str | Path) -> dict[str, Any]:
     )
 
     records: list[dict[str, Any]] = []
+    wandb_run = _start_wandb(cfg, out)
     metrics_path = out / "metrics.jsonl"
     tokens_per_step = t.global_batch_size * cfg.model.seq_length
     t0 = time.perf_counter()
@@ -249,6 +267,8 @@ def pretrain(cfg: LPTrainConfig, output_dir: str | Path) -> dict[str, Any]:
                 rec["val_loss"] = _evaluate(model, valid_it, t.eval_iters, autocast)
             records.append(rec)
             mf.write(json.dumps(rec) + "\n")
+            if wandb_run is not None:
+                wandb_run.log(rec, step=step + 1)
             progress.update(task, advance=1, description=f"training loss {step_loss:.3f}")
     elapsed = time.perf_counter() - t0
     summary = {
@@ -259,6 +279,9 @@ def pretrain(cfg: LPTrainConfig, output_dir: str | Path) -> dict[str, Any]:
         "tokens_per_s": tokens_per_step * t.train_iters / elapsed,
         "seconds": elapsed,
     }
+    if wandb_run is not None:
+        wandb_run.summary.update(summary)
+        wandb_run.finish()
     if cfg.logging.plots:
         _write_plot(records, out / "loss.png")
     (out / "summary.json").write_text(json.dumps(summary, indent=2))

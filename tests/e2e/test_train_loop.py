@@ -130,3 +130,15 @@ def test_quantized_primary_weights_follow_fp32_masters(cache_dir: Path) -> None:
     fresh = quantize(opt.masters[idx].to(torch.bfloat16), factory.recipe, role="weight")
     assert torch.equal(w.dequantize(), fresh.dequantize())
     assert not torch.equal(opt.masters[idx], init)
+
+
+def test_wandb_offline_run_records_metrics(tmp_path: Path, cache_dir: Path) -> None:
+    """logging.wandb=true writes an offline W&B run holding the step metrics (no network)."""
+    out = tmp_path / "run"
+    pretrain(
+        _cfg(cache_dir, "train.train_iters=2", "logging.wandb=true", "logging.wandb_mode=offline"),
+        out,
+    )
+    runs = list((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    assert list(runs[0].glob("*.wandb")), "no W&B event file written"
