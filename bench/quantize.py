@@ -1,15 +1,22 @@
-"""Emulated quantization cost per recipe (not a test): prints a rich table.
+"""Emulated quantization cost per recipe (not a test): prints a rich table with PASS/FAIL.
 
-1. quantize+dequantize of a 4096x4096 fp32 tensor (input role, rowwise + columnwise, i.e.
-   what a GEMM operand needs for fprop and wgrad; plus the grad role, which carries SR under
-   NVFP4) as a ratio of ``clone()`` of the same tensor. Target <= 8x (aim 5x).
-2. quantized ``Linear`` fwd+bwd (2048x2048 weight, 4096 tokens, fp32) as a ratio of fp32
-   ``nn.Linear`` fwd+bwd. Target <= 1.5x (NVFP4 with RHT and SR <= 2x).
+1. q+dq = one ``quantizer.quantize(x)`` of a 4096x4096 fp32 tensor with the usages the role
+   needs in a quantized linear (input: rowwise for fprop + columnwise for wgrad; grad:
+   rowwise for dgrad + columnwise for wgrad; both usages for every recipe), followed by
+   ``dequantize("rowwise")`` and ``dequantize("columnwise")``, as a ratio of ``x.clone()``.
+   The grad role is the one that carries stochastic rounding under NVFP4; NVFP4 RHT applies
+   to the columnwise copy of both roles. Target <= 8x for every recipe and role (aim 5x).
+2. quantized ``Linear`` fwd+bwd (2048x2048 weight, 4096 tokens, fp32, inside ``autocast``)
+   as a ratio of fp32 ``nn.Linear`` fwd+bwd. Target <= 1.5x (NVFP4 with RHT and SR <= 2x).
 
 Each ratio: warm-up, then ``--repeats`` pairs (baseline, candidate) timed back to back; the
 ratio is the median of the per-pair ratios (on a shared machine the load drifts; pairing
 keeps each candidate next to its own baseline). min(candidate)/min(baseline) is printed in
-parentheses as a noise indicator: the two agree when the machine was quiet. Usage: ``.venv/bin/python bench/quantize.py [--repeats 5] [--threads N]``.
+parentheses as a noise indicator: the two agree when the machine was quiet. PASS/FAIL uses
+the smaller of the two (the paired median is inflated by load spikes, min/min by a lucky
+baseline; both are printed). Usage:
+``.venv/bin/python bench/quantize.py [--quick] [--repeats 3] [--threads N] [--skip-linear]``
+(default: ~1-2 minutes on 2 shared cores; ``--quick`` uses one timed pair per figure).
 """
 
 from __future__ import annotations
@@ -37,6 +44,9 @@ RECIPES: dict[str, Callable[[], Any]] = {
     "nvfp4": lambda: R.NVFP4Scaling(disable_rht=True, disable_stochastic_rounding=True),
     "nvfp4 rht+sr": lambda: R.NVFP4Scaling(),
 }
+
+
+QDQ_TARGET = 8.0  # q+dq ratio to clone(), every recipe and role (aim 5x)
 
 
 def median_time(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
@@ -102,14 +112,17 @@ def linear_fwd_bwd(module: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor,
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="one timed pair per figure (noisier)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = leave as is)")
     ap.add_argument("--skip-linear", action="store_true")
     args = ap.parse_args()
+    if args.quick:
+        args.repeats = 1
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    console = Console()
+    console = Console(width=150)
 
     x = torch.randn(4096, 4096)
     base_clone = min(median_time(lambda: x.clone(), 1) for _ in range(args.repeats))
@@ -122,36 +135,50 @@ def main() -> None:
 
     table = Table(title=f"Emulated quantization cost (torch threads: {torch.get_num_threads()})")
     table.add_column("recipe")
-    table.add_column("q+dq input (x clone)", justify="right")
-    table.add_column("q+dq grad (x clone)", justify="right")
-    table.add_column("linear fwd+bwd (x fp32)", justify="right")
-    table.add_column("targets", justify="right")
+    table.add_column("q+dq input\n(x clone)", justify="right")
+    table.add_column("q+dq grad\n(x clone)", justify="right")
+    table.add_column("linear fwd+bwd\n(x fp32 nn.Linear)", justify="right")
+    table.add_column("targets\nq+dq / linear", justify="right")
+    table.add_column("result", justify="center")
     # All quantize rows first, then all linear rows: the linear runs leave the allocator in a
     # state (large freed blocks) that makes later small-temporary workloads measurably slower.
     qdq = {}
     for name, make in RECIPES.items():
         recipe = make()
         qdq[name] = (qdq_ratio(recipe, "input", x, args.repeats), qdq_ratio(recipe, "grad", x, args.repeats))
+    all_pass = True
     for name, make in RECIPES.items():
         recipe = make()
-        lin_txt = "-"
+        lin_txt, lin_ok = "-", True
+        lin_target = 2.0 if "sr" in name else 1.5
         if not args.skip_linear:
             lin = Linear(hidden, hidden, params_dtype=torch.float32)
             run = linear_fwd_bwd(lin, xl, dyl, lambda r=recipe: autocast(r))
             ratio, alt, b = paired_ratio(run, ref_run, args.repeats)
             lin_bases.append(b)
             lin_txt = f"{ratio:.2f} ({alt:.2f})"
+            lin_ok = min(ratio, alt) <= lin_target
         r_in, r_gr = qdq[name]
-        target = "<=8 / <=2.0" if "sr" in name else "<=8 / <=1.5"
+        in_ok, gr_ok = min(r_in) <= QDQ_TARGET, min(r_gr) <= QDQ_TARGET
+        checks = [("in", in_ok), ("grad", gr_ok)] + ([] if args.skip_linear else [("lin", lin_ok)])
+        verdict = " ".join(f"{label} {'PASS' if ok else 'FAIL'}" for label, ok in checks)
+        all_pass &= in_ok and gr_ok and lin_ok
         table.add_row(name, f"{r_in[0]:.1f} ({r_in[1]:.1f})", f"{r_gr[0]:.1f} ({r_gr[1]:.1f})",
-                      lin_txt, target)
+                      lin_txt, f"<={QDQ_TARGET:g} / <={lin_target:g}", verdict)
     console.print(table)
-    console.print("ratio = median of interleaved per-pair ratios; (min/min) shows the noise")
+    console.print(
+        "q+dq = quantize(x) with rowwise+columnwise usage (what the role needs in a quantized "
+        "linear) + dequantize('rowwise') + dequantize('columnwise'), 4096x4096 fp32; "
+        "grad role = NVFP4 stochastic rounding"
+    )
+    console.print("ratio = median of interleaved per-pair ratios; (min/min) shows the noise; "
+                  "PASS/FAIL on the smaller of the two")
     console.print(
         f"baselines: clone(4096x4096 fp32) {base_clone * 1e3:.1f} ms; "
         + (f"nn.Linear fwd+bwd (2048x2048, 4096 tokens) {min(lin_bases) * 1e3:.0f} ms"
            if lin_bases else "linear skipped")
     )
+    console.print(f"overall: {'PASS' if all_pass else 'FAIL'} (repeats={args.repeats})")
 
 
 if __name__ == "__main__":

@@ -41,20 +41,11 @@ def recipe_from_config(cfg: Any) -> Optional[Any]:
                 f"precision.fp4_format/fp4_recipe: only e2m1/nvfp4 is supported, got "
                 f"{cfg.fp4_format!r}/{cfg.fp4_recipe!r}"
             )
-        return R.NVFP4Scaling(
-            disable_rht=not cfg.nvfp4_rht,
-            disable_stochastic_rounding=not cfg.nvfp4_stochastic_rounding,
-            disable_2d_quantization=not cfg.nvfp4_2d_weights,
-        )
+        return R.NVFP4Scaling(**R.nvfp4_config_kwargs(cfg))
     fmt = cfg.fp8_format
     name = cfg.fp8_recipe
     if name == "delayed":
-        return R.DelayedScaling(
-            margin=cfg.fp8_margin,
-            fp8_format=fmt,
-            amax_history_len=cfg.fp8_amax_history_len,
-            amax_compute_algo=cfg.fp8_amax_compute_algo,
-        )
+        return R.DelayedScaling(fp8_format=fmt, **R.delayed_config_kwargs(cfg))
     if name == "tensorwise":
         return R.TensorwiseScaling(fp8_format=fmt, amax_epsilon=cfg.amax_epsilon)
     if name == "blockwise":

@@ -10,6 +10,7 @@ All arithmetic is fp32; nothing goes through fp64.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional
 
@@ -84,9 +85,66 @@ def cast_to_fp8(x: torch.Tensor, fmt: FP8Format, *, inplace: bool = False) -> to
     return c.to(fmt.torch_dtype).view(torch.uint8)
 
 
-def fp8_to_float(bits: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
-    """FP8 bits (uint8) -> fp32 values (exact)."""
-    return bits.view(fmt.torch_dtype).float()
+_PAIR_LUTS: dict[torch.dtype, torch.Tensor] = {}
+_LUT_CHUNK = 1 << 18  # byte pairs per gather: keeps the int32 index temporary cache-resident
+
+
+def _pair_lut(dtype: torch.dtype) -> torch.Tensor:
+    """[65536] int64: entry v + 32768 holds the two fp32 values of the byte pair whose int16
+    bit pattern is v (built with torch's own exact conversion, so NaN patterns match too)."""
+    lut = _PAIR_LUTS.get(dtype)
+    if lut is None:
+        pairs = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+        lut = pairs.view(torch.uint8).view(dtype).float().view(torch.int64)
+        _PAIR_LUTS[dtype] = lut
+    return lut
+
+
+RowScale = Callable[[torch.Tensor, int, int], None]
+
+
+def fp8_to_float(
+    bits: torch.Tensor, fmt: FP8Format, scale_rows: Optional[RowScale] = None, align: int = 1
+) -> torch.Tensor:
+    """FP8 bits (uint8) -> fp32 values (exact), optionally scaled in place row chunk by chunk.
+
+    ``scale_rows(out_rows, r0, r1)`` (2-D ``bits`` only) multiplies rows [r0, r1) of the
+    result by their scales while they are still cached (chunks are multiples of ``align``
+    rows, e.g. a block height); without a fused path it is called once on all rows.
+
+    Why a lookup for E4M3: torch's CPU E4M3 -> fp32 conversion runs at ~2.5x the cost of a
+    copy on one thread. A gather from a 512 KiB table indexed by *pairs* of bytes (one int64 =
+    two fp32 per index) is about twice as fast and bit-identical (the table is built with
+    torch's conversion). The gather runs on one core; running chunks on Python threads was
+    tried and dropped: parallel torch ops issued from a second thread create a second OpenMP
+    team and slowed later quantization on the main thread by ~1.8x.
+    """
+    cols = bits.shape[-1] if bits.dim() else 1
+    if (
+        fmt.torch_dtype != torch.float8_e4m3fn  # E5M2 -> fp32 is a cheap, threaded shift
+        or bits.device.type != "cpu"
+        or bits.dim() != 2
+        or not bits.is_contiguous()
+        or cols % 2
+    ):
+        out = bits.view(fmt.torch_dtype).float()
+        if scale_rows is not None:
+            scale_rows(out, 0, out.shape[0])
+        return out
+    rows = bits.shape[0]
+    out = torch.empty(bits.shape, dtype=torch.float32)
+    words = out.view(torch.int64).view(-1)
+    pairs = bits.view(torch.int16).view(-1)
+    lut = _pair_lut(fmt.torch_dtype)
+    half = cols // 2
+    step = max(align, (_LUT_CHUNK // max(half, 1)) // align * align)
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        idx = pairs[r0 * half : r1 * half].to(torch.int32).add_(32768)
+        torch.index_select(lut, 0, idx, out=words[r0 * half : r1 * half])
+        if scale_rows is not None:
+            scale_rows(out[r0:r1], r0, r1)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -95,31 +153,92 @@ def fp8_to_float(bits: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
 _E2M1_LUT = torch.tensor(E2M1_GRID + tuple(-v for v in E2M1_GRID), dtype=torch.float32)
 
 
+# fp32 bit patterns used by the integer E2M1 kernels below.
+_BITS_1 = 0x3F800000  # 1.0
+_BITS_4 = 0x40800000  # 4.0
+_MAGIC_HALF = 4194304.0  # 2^22: ulp 0.5, so a + 2^22 rounds a to a multiple of 0.5 (RNE)
+_BITS_MAGIC_HALF = 0x4A800000
+_BITS_2P23 = 0x4B000000  # 2^23: ulp 1
+_BITS_2P24 = 0x4B800000  # 2^24: ulp 2
+_BIAS_CODE2 = 252  # (biased exponent 127 << 1) - 2: bits >> 22 of 1.0 minus its E2M1 code
+
+
+class Workspace:
+    """Scratch buffers reused across the chunks of one quantization (keyed by slot name).
+
+    Why: on CPU a fresh 2 MiB temporary is mmapped/trimmed by malloc and page-faulted on first
+    touch, which costs several times the arithmetic of the integer kernels below; reusing a
+    few chunk-sized buffers removes that. ``get`` returns a view of the first numel elements.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self._bufs: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+    def get(self, slot: str, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        n = 1
+        for d in shape:
+            n *= d
+        buf = self._bufs.get((slot, dtype))
+        if buf is None or buf.numel() < n:
+            buf = torch.empty(n, dtype=dtype, device=self.device)
+            self._bufs[(slot, dtype)] = buf
+        return buf[:n].view(shape)
+
+
+def _sign_codes(y: torch.Tensor, ws: Workspace) -> torch.Tensor:
+    """Canonicalise ``y`` in place and return int32 8 where y < 0, else 0 (``ws`` slot "sign").
+
+    In place: NaN -> +6 (E2M1 has no NaN; TE's satfinite gives +MAX), +-inf -> +-FLT_MAX
+    (saturates to +-6 anyway), and -0.0 -> +0.0 (adding +0.0 changes nothing else). After
+    that the sign bit alone says y < 0, so the sign is two int32 ops: comparisons producing
+    bool are several times slower than int32 ops on CPU.
+    """
+    y.nan_to_num_(nan=E2M1_MAX).add_(0.0)
+    sign = torch.bitwise_right_shift(y.view(torch.int32), 28, out=ws.get("sign", y.shape, torch.int32))
+    return sign.bitwise_and_(8)
+
+
+def e2m1_codes_i32(y: torch.Tensor, ws: Optional[Workspace] = None) -> torch.Tensor:
+    """fp32 -> E2M1 codes as int32 (RNE, satfinite, NaN -> +6); see :func:`cast_to_e2m1`.
+
+    With a workspace ``y`` is consumed (overwritten) and the result lives in ``ws`` (valid
+    until the next call with it); without one, ``y`` is left alone and the result is fresh.
+
+    Magnitude a = min(|y|, 6). The grid is uniform in three segments, step 0.5 on [0, 2], 1 on
+    [2, 4], 2 on [4, 6], and the code is linear in each: 2a, a + 2, a/2 + 4. With R = round
+    half to even (RNE on the grid: even code = even mantissa) the code is
+    min(R(2a), R(a) + 2, R(a/2) + 4): R is monotone and R(x + 2k) = R(x) + 2k, so the
+    smallest candidate is always the one of a's own segment. Each R is one exact fp32 add
+    of a magic constant whose ulp is the step (2^22: 0.5, 2^23: 1, 2^24: 2); the rounded
+    multiple is then the integer difference of the bit patterns.
+    """
+    if ws is None:
+        ws, y = Workspace(y.device), y.clone()
+    sign = _sign_codes(y, ws)
+    a = y.abs_().clamp_(max=E2M1_MAX)
+    code = torch.add(a, _MAGIC_HALF, out=ws.get("t1", y.shape, torch.float32)).view(torch.int32)
+    code.sub_(_BITS_MAGIC_HALF)
+    cand = torch.add(a, 2.0**23, out=ws.get("t2", y.shape, torch.float32)).view(torch.int32)
+    torch.minimum(code, cand.sub_(_BITS_2P23 - 2), out=code)
+    cand = torch.add(a, 2.0**24, out=cand.view(torch.float32)).view(torch.int32)
+    torch.minimum(code, cand.sub_(_BITS_2P24 - 4), out=code)
+    return code.bitwise_or_(sign)
+
+
 def cast_to_e2m1(y: torch.Tensor, *, inplace: bool = False) -> torch.Tensor:
     """fp32 -> E2M1 codes (uint8 in [0, 15], one per element), RNE with satfinite.
 
     Thresholds on |y| (numerics.md P6): ties go to the even mantissa, so 0.25->0, 0.75->1,
     1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4. E2M1 has no NaN: NaN becomes +6 (TE's satfinite).
     Negative values that round to zero keep the sign (code 8); -0.0 gives code 0, as TE's
-    reference ``cast_to_fp4x2`` does. ``inplace`` overwrites ``y`` (for temporaries).
-
-    Arithmetic form (no comparisons; in-place fp32 ops are far cheaper than comparisons on
-    CPU): the magnitude grid is uniform in three segments, step 0.5 on [0, 2], 1 on [2, 4],
-    2 on [4, 6], and the code is linear in each: 2a, a + 2, a/2 + 4. With R = round half to
-    even (which is RNE on the grid, even code = even mantissa) the code is
-    min(R(2a), R(a) + 2, R(a/2) + 4, 7): R is monotone and R(x + 2k) = R(x) + 2k, so the
-    smallest candidate is always the one of a's own segment. Every step is exact in fp32.
+    reference ``cast_to_fp4x2`` does. ``y`` is never modified (``inplace`` is accepted for
+    compatibility; the integer kernel needs no fp32 scratch). Math: :func:`e2m1_codes_i32`.
     """
     if y.dtype != torch.float32:
         raise TypeError(f"cast_to_e2m1 expects fp32 input, got {y.dtype}")
-    neg = (y < 0).view(torch.uint8)
-    a = (y.abs_() if inplace else y.abs()).clamp_(max=8.0).nan_to_num_(nan=8.0)
-    code = torch.mul(a, 0.5).round_().add_(4.0)
-    torch.minimum(code, torch.round(a).add_(2.0), out=code)
-    torch.minimum(code, a.mul_(2.0).round_(), out=code)
-    idx = code.clamp_(max=7.0).to(torch.uint8)
-    neg.bitwise_left_shift_(3)
-    return idx.bitwise_or_(neg)
+    del inplace
+    return e2m1_codes_i32(y).to(torch.uint8)
 
 
 def e2m1_to_float(codes: torch.Tensor) -> torch.Tensor:
@@ -127,14 +246,42 @@ def e2m1_to_float(codes: torch.Tensor) -> torch.Tensor:
     return _E2M1_LUT.to(codes.device)[codes.long()]
 
 
-def _sr_step(v: torch.Tensor) -> torch.Tensor:
-    """E2M1 grid spacing at |v| >= 0: 0.5 below 2, 1 in [2, 4), 2 from 4 (NaN/inf -> 2).
+def draw_rbits(n: int, generator: Optional[torch.Generator], device: torch.device) -> torch.Tensor:
+    """``n`` uniform random bytes (uint8), deterministic for a seeded ``generator``.
 
-    Read off the fp32 exponent: 2^floor(log2 v) / 2 clamped to [0.5, 2] (exact bit ops, one
-    temporary; cheaper than nested ``where``).
+    Drawn as int64 words over the full int64 range (every byte uniform) and viewed as bytes:
+    one generator call per 8 elements is ~6x cheaper than per-element uint8 draws.
     """
-    p2 = (v.view(torch.int32) & 0x7F800000).view(torch.float32)
-    return p2.mul_(0.5).clamp_(0.5, 2.0)
+    words = torch.empty((n + 7) // 8, dtype=torch.int64, device=device)
+    words.random_(-(2**63), None, generator=generator)
+    return words.view(torch.uint8)[:n]
+
+
+def sr_e2m1_codes_i32(
+    y: torch.Tensor, rbits: torch.Tensor, ws: Optional[Workspace] = None
+) -> torch.Tensor:
+    """Stochastic-rounding E2M1 codes as int32 (see :func:`stochastic_round_e2m1`); ``ws``
+    as in :func:`e2m1_codes_i32` (with one, ``y`` is consumed).
+
+    Same math, on the fp32 bits: step/256 = 2^(e(a)-9) with e(a) clamped to [0, 2] (grid
+    spacing 0.5 below 2, 1 on [2, 4), 2 from 4; NaN/inf -> 2), so rbits * step/256 is exact
+    and t = a + rbits * step/256 is the fma's single rounding. Truncating t to the grid at t
+    is a shift: code = (bits(t) >> 22) - 252 from 1 up (saturated at 7), and below 1 the
+    step is 0.5: code 1 iff t >= 0.5, i.e. clamp((bits(t) >> 23) - 125, 0, 1).
+    """
+    if ws is None:
+        ws, y = Workspace(y.device), y.clone()
+    sign = _sign_codes(y, ws)
+    a = y.abs_().view(torch.int32)
+    step = torch.bitwise_and(a, 0x7F800000, out=ws.get("t1", y.shape, torch.int32))
+    step.clamp_(_BITS_1, _BITS_4).sub_(9 << 23)
+    t = ws.get("t2", y.shape, torch.float32)
+    t.copy_(rbits.reshape(y.shape)).mul_(step.view(torch.float32)).add_(a.view(torch.float32))
+    tb = t.view(torch.int32)
+    code = torch.bitwise_right_shift(tb, 22, out=step).sub_(_BIAS_CODE2)
+    small = torch.bitwise_right_shift(tb, 23, out=a).sub_(125).clamp_(0, 1)
+    code = torch.maximum(code, small, out=code).clamp_(max=7)
+    return code.bitwise_or_(sign)
 
 
 def stochastic_round_e2m1(
@@ -142,26 +289,17 @@ def stochastic_round_e2m1(
 ) -> torch.Tensor:
     """fp32 -> E2M1 codes with stochastic rounding (TE's software model of ``cvt.rs``).
 
-    Uses 8 random bits per element (``rbits``, uint8, drawn from ``generator`` if not given):
-    t = fma(u, step, |y|) with u = rbits/256 and step the grid spacing at |y|, then truncation
-    to the grid spacing at t, saturated to 6. ``u * step`` is exact in fp32, so the fma is one
-    fp32 addition. NaN becomes +6. The GPU's Philox bits cannot be reproduced on CPU; only the
-    distribution matches.
+    Uses 8 random bits per element (``rbits``, uint8, drawn from ``generator`` with
+    :func:`draw_rbits` if not given): t = fma(u, step, |y|) with u = rbits/256 and step the
+    grid spacing at |y|, then truncation to the grid spacing at t, saturated to 6. ``u * step``
+    is exact in fp32, so the fma is one fp32 addition. NaN becomes +6. The GPU's Philox bits
+    cannot be reproduced on CPU; only the distribution matches.
     """
     if y.dtype != torch.float32:
         raise TypeError(f"stochastic_round_e2m1 expects fp32 input, got {y.dtype}")
     if rbits is None:
-        rbits = torch.randint(0, 256, y.shape, generator=generator, dtype=torch.uint8, device=y.device)
-    u = rbits.to(torch.float32).mul_(1.0 / 256.0)
-    a = y.abs()
-    t = u.mul_(_sr_step(a)).add_(a)  # fma(u, step, a): u * step is exact, so one rounding
-    st = _sr_step(t)
-    q = t.div_(st).floor_().mul_(st)  # division by a power of two: exact
-    q = q.masked_fill_(torch.isnan(q) | (q > E2M1_MAX), E2M1_MAX)
-    codes = cast_to_e2m1(q, inplace=True)  # q is on the grid: exact lookup, never a tie
-    codes &= 0x7
-    codes |= (y < 0).view(torch.uint8) << 3
-    return codes
+        rbits = draw_rbits(y.numel(), generator, y.device)
+    return sr_e2m1_codes_i32(y, rbits).to(torch.uint8)
 
 
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
@@ -169,6 +307,27 @@ def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
     if codes.shape[-1] % 2:
         raise ValueError(f"last dim must be even to pack FP4, got {codes.shape[-1]}")
     return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous()
+
+
+def pack_fp4_i32(codes: torch.Tensor) -> torch.Tensor:
+    """:func:`pack_fp4` for contiguous int32 codes in [0, 15]: each int64 word holds a pair
+    (c0 | c1 << 32, little-endian), so the byte is (w | w >> 28) & 0xFF, with no strided
+    slicing (several times cheaper)."""
+    if codes.shape[-1] % 2:
+        raise ValueError(f"last dim must be even to pack FP4, got {codes.shape[-1]}")
+    if codes.numel() == 0:
+        return torch.zeros(*codes.shape[:-1], codes.shape[-1] // 2, dtype=torch.uint8, device=codes.device)
+    w = codes.contiguous().view(torch.int64)
+    return torch.bitwise_right_shift(w, 28).bitwise_or_(w).to(torch.uint8)
+
+
+def pack_fp4_rows(codes: torch.Tensor) -> torch.Tensor:
+    """Packed bytes of ``codes.t()`` transposed back: [M, K] codes (M even) -> [M/2, K] bytes
+    pairing rows 2i and 2i+1 (row slices: contiguous inner dim, cheap). ``.t()`` of the
+    result is ``pack_fp4(codes.t())``."""
+    if codes.shape[0] % 2:
+        raise ValueError(f"dim 0 must be even to pack FP4, got {codes.shape[0]}")
+    return codes[0::2].bitwise_or(codes[1::2].bitwise_left_shift(4)).to(torch.uint8)
 
 
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:

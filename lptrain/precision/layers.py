@@ -83,6 +83,26 @@ class _QuantizedModuleMixin:
 
     _num_members: int
 
+    def _init_layer(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        num_members: int,
+        fuse_wgrad_accumulation: bool,
+        name: str,
+        init_method: Optional[InitMethod],
+    ) -> InitMethod:
+        """Attributes every quantized layer shares, plus its quantization state; returns the
+        weight init (``init_method`` or N(0, 1/in_features))."""
+        self.in_features = in_features
+        self.out_features = out_features
+        self.name = name
+        self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
+        self._num_members = num_members
+        self._init_quant()
+        return init_method or normal_init(1.0 / math.sqrt(in_features))
+
     def _init_quant(self) -> None:
         self._qstates: dict[int, _ops.QuantState] = {}
         self._hp_state: Optional[_ops.QuantState] = None
@@ -186,14 +206,12 @@ class Linear(_QuantizedModuleMixin, nn.Module):
         name: str = "",
     ) -> None:
         super().__init__()
-        self.in_features = in_features
-        self.out_features = out_features
-        self.name = name
-        self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
-        self._num_members = 1
-        self._init_quant()
+        init = self._init_layer(
+            in_features, out_features, num_members=1, name=name, init_method=init_method,
+            fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+        )
         w = torch.empty(out_features, in_features, dtype=params_dtype)
-        (init_method or normal_init(1.0 / math.sqrt(in_features)))(w)
+        init(w)
         self.weight = nn.Parameter(self._maybe_quantize_primary(w, grouped=False))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=params_dtype)) if bias else None
 
@@ -237,14 +255,11 @@ class GroupedLinear(_QuantizedModuleMixin, nn.Module):
     ) -> None:
         super().__init__()
         self.num_gemms = num_gemms
-        self.in_features = in_features
-        self.out_features = out_features
         self.single_grouped_weight = single_grouped_weight
-        self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
-        self.name = name
-        self._num_members = num_gemms
-        self._init_quant()
-        init = init_method or normal_init(1.0 / math.sqrt(in_features))
+        init = self._init_layer(
+            in_features, out_features, num_members=num_gemms, name=name, init_method=init_method,
+            fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+        )
         if single_grouped_weight:
             w = torch.empty(num_gemms, out_features, in_features, dtype=params_dtype)
             for i in range(num_gemms):

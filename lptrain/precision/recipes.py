@@ -381,3 +381,26 @@ def recipe_from_name(name: str, **fields: Any) -> Recipe:
     except KeyError:
         raise ValueError(f"unknown recipe {name!r}; known: {sorted(RECIPES)}") from None
     return cls(**fields)
+
+
+# ---------------------------------------------------------------------------------------------
+# PrecisionConfig -> recipe fields shared by the emulated factory and the TE adapter (the TE
+# recipe classes take the same field names for these two recipes).
+
+
+def nvfp4_config_kwargs(cfg: Any) -> dict[str, bool]:
+    """NVFP4 recipe fields from a ``PrecisionConfig`` (its switches are positive, TE's negative)."""
+    return {
+        "disable_rht": not cfg.nvfp4_rht,
+        "disable_stochastic_rounding": not cfg.nvfp4_stochastic_rounding,
+        "disable_2d_quantization": not cfg.nvfp4_2d_weights,
+    }
+
+
+def delayed_config_kwargs(cfg: Any) -> dict[str, Any]:
+    """Delayed-scaling recipe fields from a ``PrecisionConfig`` (format passed separately)."""
+    return {
+        "margin": cfg.fp8_margin,
+        "amax_history_len": cfg.fp8_amax_history_len,
+        "amax_compute_algo": cfg.fp8_amax_compute_algo,
+    }

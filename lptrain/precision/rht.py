@@ -32,20 +32,66 @@ def rht_matrix() -> torch.Tensor:
     return (s[:, None] * hadamard16()) * 0.25
 
 
+_CHUNK_ELEMS = 1 << 19  # ~2 MiB of fp32 per pass: GEMM outputs stay cached before rounding
+
+
+def _matrix(inverse: bool, device: torch.device) -> torch.Tensor:
+    r = rht_matrix().to(device)
+    return r.t().contiguous() if inverse else r
+
+
+def _round_bf16_(y: torch.Tensor) -> None:
+    y.copy_(y.to(torch.bfloat16))
+
+
+def rotate_token_groups(x: torch.Tensor, inverse: bool = False, round_to_bf16: bool = True) -> torch.Tensor:
+    """RHT in the [M, K] layout: the transpose of ``apply_rht(x.t())``, without transposing.
+
+    ``x`` is [M, K] with M (tokens) divisible by 16; every 16-row group X_g becomes R^T X_g
+    (``inverse``: R X_g), i.e. y[16g + j, k] = sum_i x[16g + i, k] R[i, j]: the same 16-term
+    fp32 dot products as ``g @ R`` on the rows of x^T, accumulated in the same order (the
+    products are exact, +-0.25 x, so only the order could differ; tests assert equality).
+    This is the quantizer's path: no fp32 transpose of the operand (a strided gather costs
+    ~3x a copy), and its columnwise 1x16 blocks then run along dim 0 in place.
+    Evaluated over row chunks of ~2 MiB, rounded to bf16 chunk by chunk.
+    """
+    m, k = x.shape
+    if m % RHT_SIZE:
+        raise ValueError(f"RHT needs the token dim divisible by 16, got {m}")
+    rt = _matrix(inverse, x.device).t()
+    xc = x.float().contiguous()
+    out = torch.empty(m, k, dtype=torch.float32, device=x.device)
+    step = max(RHT_SIZE, _CHUNK_ELEMS // max(k, 1) // RHT_SIZE * RHT_SIZE)
+    for r0 in range(0, m, step):
+        o = out[r0 : r0 + step]
+        torch.matmul(rt, xc[r0 : r0 + step].view(-1, RHT_SIZE, k), out=o.view(-1, RHT_SIZE, k))
+        if round_to_bf16:
+            _round_bf16_(o)
+    return out
+
+
 def apply_rht(x_t: torch.Tensor, inverse: bool = False, round_to_bf16: bool = True) -> torch.Tensor:
     """Rotate each group of 16 consecutive elements of the last dim: y = g @ R (fp32 accumulate).
 
     ``x_t`` is the transposed operand [K, M] (M = tokens, divisible by 16). Returns fp32 values;
     with ``round_to_bf16`` they are rounded to bf16 first (TE's ``convert_accum_to_bf16``).
     ``inverse`` multiplies by R^T instead (used to un-rotate for dequantization).
+
+    Layout-driven: a transposed view of a contiguous [M, K] tensor (``x.t()``, the
+    quantizer's case) goes through :func:`rotate_token_groups` on the base and returns a
+    transposed view, so the quantizer and this function compute identical bits; otherwise
+    the contiguous rows are rotated as [n, 16] @ [16, 16] GEMMs over ~2 MiB chunks.
     """
     if x_t.shape[-1] % RHT_SIZE:
         raise ValueError(f"RHT needs the token dim divisible by 16, got {x_t.shape[-1]}")
-    r = rht_matrix().to(x_t.device)
-    if inverse:
-        r = r.t().contiguous()
+    if x_t.dim() == 2 and not x_t.is_contiguous() and x_t.t().is_contiguous():
+        return rotate_token_groups(x_t.t(), inverse, round_to_bf16).t()
+    r = _matrix(inverse, x_t.device)
     g = x_t.float().reshape(-1, RHT_SIZE)
-    y = (g @ r).reshape(x_t.shape)
-    if round_to_bf16:
-        y = y.bfloat16().float()
-    return y
+    out = torch.empty(g.shape, dtype=torch.float32, device=x_t.device)
+    step = max(1, _CHUNK_ELEMS // RHT_SIZE)
+    for r0 in range(0, g.shape[0], step):
+        o = torch.matmul(g[r0 : r0 + step], r, out=out[r0 : r0 + step])
+        if round_to_bf16:
+            _round_bf16_(o)
+    return out.view(x_t.shape)

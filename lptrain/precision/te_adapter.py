@@ -80,24 +80,16 @@ def te_recipe(cfg: Any) -> Optional[Any]:
     """The TE recipe object for a ``PrecisionConfig`` (``None`` when unquantized)."""
     from transformer_engine.common import recipe as ter
 
+    from lptrain.precision import recipes as _R
+
     if cfg.fp4_format is not None:
-        r = ter.NVFP4BlockScaling(
-            disable_rht=not cfg.nvfp4_rht,
-            disable_stochastic_rounding=not cfg.nvfp4_stochastic_rounding,
-            disable_2d_quantization=not cfg.nvfp4_2d_weights,
-        )
-        return r
+        return ter.NVFP4BlockScaling(**_R.nvfp4_config_kwargs(cfg))
     if cfg.fp8_format is None:
         return None
     fmt = ter.Format.HYBRID if cfg.fp8_format == "hybrid" else ter.Format.E4M3
     name = cfg.fp8_recipe
     if name == "delayed":
-        return ter.DelayedScaling(
-            margin=cfg.fp8_margin,
-            fp8_format=fmt,
-            amax_history_len=cfg.fp8_amax_history_len,
-            amax_compute_algo=cfg.fp8_amax_compute_algo,
-        )
+        return ter.DelayedScaling(fp8_format=fmt, **_R.delayed_config_kwargs(cfg))
     if name == "tensorwise":
         r = ter.Float8CurrentScaling(fp8_format=fmt)
         _set_qparams(r, ter, power_2=r.use_power_2_scales, eps=cfg.amax_epsilon)
@@ -156,6 +148,29 @@ def _call(cls: Any, *args: Any, **kw: Any) -> Any:
     return cls(*args, **kw)
 
 
+def _te_module(
+    cls: Any,
+    *args: Any,
+    params_dtype: torch.dtype,
+    init_method: Optional[Callable[[torch.Tensor], None]],
+    fuse_wgrad_accumulation: bool,
+    name: str,
+    **kw: Any,
+) -> nn.Module:
+    """One TE module on the current CUDA device with the arguments every lptrain TE layer
+    shares (dtype, init, fused wgrad accumulation, optional name); ``kw`` adds the rest."""
+    return _call(
+        cls,
+        *args,
+        init_method=init_method,
+        params_dtype=params_dtype,
+        fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+        device="cuda",
+        name=name or None,
+        **kw,
+    )
+
+
 def te_linear(
     in_features: int,
     out_features: int,
@@ -169,16 +184,15 @@ def te_linear(
     """A ``te.pytorch.Linear`` on the current CUDA device."""
     import transformer_engine.pytorch as te
 
-    return _call(
+    return _te_module(
         te.Linear,
         in_features,
         out_features,
         bias=bias,
-        init_method=init_method,
         params_dtype=params_dtype,
+        init_method=init_method,
         fuse_wgrad_accumulation=fuse_wgrad_accumulation,
-        device="cuda",
-        name=name or None,
+        name=name,
     )
 
 
@@ -211,17 +225,16 @@ def te_grouped_linear(
     kw: dict[str, Any] = {}
     if single_grouped_weight:
         kw["single_grouped_weight"] = True
-    return _call(
+    return _te_module(
         _te_grouped_linear_cls(),
         num_gemms,
         in_features,
         out_features,
         bias=False,
-        init_method=init_method,
         params_dtype=params_dtype,
+        init_method=init_method,
         fuse_wgrad_accumulation=fuse_wgrad_accumulation,
-        device="cuda",
-        name=name or None,
+        name=name,
         **kw,
     )
 
@@ -240,16 +253,15 @@ def te_layernorm_linear(
     """A ``te.pytorch.LayerNormLinear`` (norm fused into the GEMM's input cast)."""
     import transformer_engine.pytorch as te
 
-    return _call(
+    return _te_module(
         te.LayerNormLinear,
         in_features,
         out_features,
         eps=eps,
         bias=False,
         normalization=normalization,
-        init_method=init_method,
         params_dtype=params_dtype,
+        init_method=init_method,
         fuse_wgrad_accumulation=fuse_wgrad_accumulation,
-        device="cuda",
-        name=name or None,
+        name=name,
     )

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, Optional
 import torch
 from torch.utils._pytree import tree_map
 
+from ..formats import FP8Format
+
 if TYPE_CHECKING:
     from .grouped import GroupedQuantizedTensor
 
@@ -35,6 +37,11 @@ aten = torch.ops.aten
 def _check_orientation(orientation: str) -> None:
     if orientation not in _ORIENTATIONS:
         raise ValueError(f"orientation must be 'rowwise' or 'columnwise', got {orientation!r}")
+
+
+def rows_of(shape: Sequence[int]) -> int:
+    """M = prod(leading dims) of a logical shape (the row count of its 2-D view)."""
+    return math.prod(shape[:-1])
 
 
 def flatten_2d(x: torch.Tensor) -> torch.Tensor:
@@ -185,6 +192,14 @@ class QuantizedTensor(torch.Tensor):
         _check_orientation(orientation)
         names = self.ROWWISE_FIELDS if orientation == "rowwise" else self.COLUMNWISE_FIELDS
         return all(self._fields[k] is not None for k in names)
+
+    def _buffers(self, orientation: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(``{orientation}_data``, ``{orientation}_scale_inv``) of a present orientation
+        (the block-scaled families' shared layout)."""
+        data = self._fields[f"{orientation}_data"]
+        scale = self._fields[f"{orientation}_scale_inv"]
+        assert data is not None and scale is not None, f"{orientation} buffers absent"
+        return data, scale
 
     def _dequantize_2d(self, orientation: Orientation) -> torch.Tensor:
         """fp32 [M, K] values of the stored ``orientation`` (present); per family."""
@@ -340,3 +355,22 @@ class QuantizedTensor(torch.Tensor):
             f"{type(self).__name__}(shape={tuple(self.shape)}, dtype={self.dtype}, "
             f"quantizer={self._quantizer!r}, orientations={present})"
         )
+
+
+class FP8QuantizedTensor(QuantizedTensor):
+    """Families whose element bytes are FP8 (per-tensor, blockwise, MXFP8): the element
+    format is the quantizer's."""
+
+    @property
+    def fp8_format(self) -> FP8Format:
+        return self._quantizer.fp8_format  # type: ignore[attr-defined]
+
+
+class FP8Quantizer(Quantizer):
+    """Quantizers producing FP8 element bytes: they all carry the element ``fp8_format``."""
+
+    def __init__(
+        self, role: Role, rowwise: bool = True, columnwise: bool = True, *, fp8_format: FP8Format
+    ) -> None:
+        super().__init__(role, rowwise, columnwise)
+        self.fp8_format = fp8_format

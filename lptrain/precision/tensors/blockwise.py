@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from .. import scaling as _scaling
 from ..formats import FP8Format, cast_to_fp8, fp8_to_float
 from ._chunks import map_row_chunks
-from .base import Orientation, QuantizedTensor, Quantizer, Role
+from .base import FP8QuantizedTensor, FP8Quantizer, Orientation, Role
 
 BLOCK = 128
 
@@ -39,7 +39,7 @@ def _expand_scale(scale: torch.Tensor, rows: int, cols: int, br: int, bc: int) -
     return scale.repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
 
 
-class BlockwiseFP8Tensor(QuantizedTensor):
+class BlockwiseFP8Tensor(FP8QuantizedTensor):
     """Fields: ``rowwise_data`` [M, K] u8, ``rowwise_scale_inv`` fp32, ``columnwise_data``
     [K, M] u8, ``columnwise_scale_inv`` fp32 (compact layouts in the module doc).
 
@@ -53,46 +53,43 @@ class BlockwiseFP8Tensor(QuantizedTensor):
     STAGING_DTYPE = torch.uint8
 
     @property
-    def fp8_format(self) -> FP8Format:
-        return self._quantizer.fp8_format  # type: ignore[attr-defined]
-
-    @property
     def is_2d(self) -> bool:
         return self._quantizer.block_dim == 2  # type: ignore[attr-defined]
 
     def _derive_orientation(self, orientation: Orientation) -> dict[str, torch.Tensor]:
         if not self.is_2d:
             return super()._derive_orientation(orientation)
-        other = "columnwise" if orientation == "rowwise" else "rowwise"
-        data, sinv = self._fields[f"{other}_data"], self._fields[f"{other}_scale_inv"]
-        assert data is not None and sinv is not None
+        data, sinv = self._buffers("columnwise" if orientation == "rowwise" else "rowwise")
         return {
             f"{orientation}_data": data.t().contiguous(),
             f"{orientation}_scale_inv": sinv.t().contiguous(),
         }
 
     def _dequantize_2d(self, orientation: Orientation) -> torch.Tensor:
-        if orientation == "rowwise":
-            data, sinv = self._fields["rowwise_data"], self._fields["rowwise_scale_inv"]
-        else:
-            data, sinv = self._fields["columnwise_data"], self._fields["columnwise_scale_inv"]
-        vals = fp8_to_float(data, self.fp8_format)  # type: ignore[arg-type]
-        r, c = vals.shape
-        assert sinv is not None
-        if self.is_2d:
-            if r % BLOCK == 0 and c % BLOCK == 0:
-                vals.view(r // BLOCK, BLOCK, c // BLOCK, BLOCK).mul_(sinv[:, None, :, None])
-            else:
-                vals.mul_(_expand_scale(sinv, r, c, BLOCK, BLOCK))
-        elif c % BLOCK == 0:
-            vals.view(r, c // BLOCK, BLOCK).mul_(sinv[:, :, None])
-        else:
-            vals.mul_(_expand_scale(sinv, r, c, 1, BLOCK))
-        out = vals
-        return out if orientation == "rowwise" else out.t()
+        data, sinv = self._buffers(orientation)
+        r, c = data.shape
+        fmt = self.fp8_format
+        if self.is_2d and r % BLOCK == 0 and c % BLOCK == 0:
+
+            def tiles(o: torch.Tensor, r0: int, r1: int) -> None:
+                o.view((r1 - r0) // BLOCK, BLOCK, c // BLOCK, BLOCK).mul_(
+                    sinv[r0 // BLOCK : r1 // BLOCK, None, :, None]
+                )
+
+            vals = fp8_to_float(data, fmt, tiles, BLOCK)
+        elif not self.is_2d and c % BLOCK == 0:
+
+            def rows(o: torch.Tensor, r0: int, r1: int) -> None:
+                o.view(r1 - r0, c // BLOCK, BLOCK).mul_(sinv[r0:r1, :, None])
+
+            vals = fp8_to_float(data, fmt, rows)
+        else:  # edge blocks: broadcast the compact grid (rare shapes)
+            br = BLOCK if self.is_2d else 1
+            vals = fp8_to_float(data, fmt).mul_(_expand_scale(sinv, r, c, br, BLOCK))
+        return vals if orientation == "rowwise" else vals.t()
 
 
-class BlockwiseQuantizer(Quantizer):
+class BlockwiseQuantizer(FP8Quantizer):
     """Blockwise FP8 quantizer; ``block_dim`` 1 (1x128) or 2 (128x128)."""
 
     tensor_cls = BlockwiseFP8Tensor
@@ -108,10 +105,9 @@ class BlockwiseQuantizer(Quantizer):
         power_2_scale: bool = True,
         amax_epsilon: float = 0.0,
     ) -> None:
-        super().__init__(role, rowwise, columnwise)
+        super().__init__(role, rowwise, columnwise, fp8_format=fp8_format)
         if block_dim not in (1, 2):
             raise ValueError(f"block_dim must be 1 or 2, got {block_dim}")
-        self.fp8_format = fp8_format
         self.block_dim = block_dim
         self.power_2_scale = power_2_scale
         self.amax_epsilon = amax_epsilon

@@ -14,13 +14,13 @@ import torch
 from .. import scaling as _scaling
 from ..formats import FLT_MAX, FP8Format, cast_to_fp8, fp8_to_float
 from ._chunks import map_row_chunks
-from .base import Orientation, QuantizedTensor, Quantizer, Role
+from .base import FP8QuantizedTensor, FP8Quantizer, Orientation, Role
 
 if TYPE_CHECKING:
     from ..recipes import DelayedScalingState
 
 
-class Float8Tensor(QuantizedTensor):
+class Float8Tensor(FP8QuantizedTensor):
     """Fields: ``rowwise_data`` [M, K] u8, ``scale_inv`` (1,) fp32, ``columnwise_data`` [K, M] u8.
 
     Staged as uint8: the bytes are elementwise with one shared scale, so any contiguous byte
@@ -33,10 +33,6 @@ class Float8Tensor(QuantizedTensor):
     STAGING_DTYPE = torch.uint8
 
     @property
-    def fp8_format(self) -> FP8Format:
-        return self._quantizer.fp8_format  # type: ignore[attr-defined]
-
-    @property
     def scale_inv(self) -> torch.Tensor:
         return self._fields["scale_inv"]  # type: ignore[return-value]
 
@@ -46,14 +42,14 @@ class Float8Tensor(QuantizedTensor):
         return {f"{orientation}_data": src.t().contiguous()}
 
     def _dequantize_2d(self, orientation: Orientation) -> torch.Tensor:
-        if orientation == "rowwise":
-            data = self._fields["rowwise_data"]
-        else:
-            data = self._fields["columnwise_data"].t()  # type: ignore[union-attr]
-        return fp8_to_float(data, self.fp8_format).mul_(self.scale_inv)  # type: ignore[arg-type]
+        data = self._fields[f"{orientation}_data"]
+        assert data is not None
+        sinv = self.scale_inv
+        vals = fp8_to_float(data, self.fp8_format, lambda o, r0, r1: o.mul_(sinv))
+        return vals if orientation == "rowwise" else vals.t()
 
 
-class Float8Quantizer(Quantizer):
+class Float8Quantizer(FP8Quantizer):
     """Per-tensor FP8 quantizer.
 
     Current scaling (``state is None``): s = compute_scale_from_amax(amax(x)) (P3), optionally
@@ -76,8 +72,7 @@ class Float8Quantizer(Quantizer):
         amax_reduction: Optional[Any] = None,
         state: Optional[DelayedScalingState] = None,
     ) -> None:
-        super().__init__(role, rowwise, columnwise)
-        self.fp8_format = fp8_format
+        super().__init__(role, rowwise, columnwise, fp8_format=fp8_format)
         self.power_2_scale = power_2_scale
         self.amax_epsilon = amax_epsilon
         self.amax_reduction = amax_reduction

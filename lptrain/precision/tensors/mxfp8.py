@@ -19,12 +19,12 @@ import torch
 from .. import scaling as _scaling
 from ..formats import FP8Format, cast_to_fp8, fp8_to_float
 from ._chunks import map_row_chunks
-from .base import Orientation, QuantizedTensor, Quantizer, Role
+from .base import FP8QuantizedTensor, FP8Quantizer, Orientation, Role, rows_of
 
 MX_BLOCK = 32
 
 
-class MXFP8Tensor(QuantizedTensor):
+class MXFP8Tensor(FP8QuantizedTensor):
     """Fields: ``rowwise_data`` [M, K] u8, ``rowwise_scale_inv`` [M, K/32] u8 (E8M0),
     ``columnwise_data`` [M, K] u8, ``columnwise_scale_inv`` [M/32, K] u8 (E8M0).
 
@@ -37,25 +37,24 @@ class MXFP8Tensor(QuantizedTensor):
     COLUMNWISE_FIELDS = ("columnwise_data", "columnwise_scale_inv")
     STAGING_DTYPE = torch.bfloat16
 
-    @property
-    def fp8_format(self) -> FP8Format:
-        return self._quantizer.fp8_format  # type: ignore[attr-defined]
-
     def _dequantize_2d(self, orientation: Orientation) -> torch.Tensor:
-        data = self._fields[f"{orientation}_data"]
-        codes = self._fields[f"{orientation}_scale_inv"]
-        assert data is not None and codes is not None
-        m, k = data.shape
-        vals = fp8_to_float(data, self.fp8_format)
+        data, codes = self._buffers(orientation)
+        k = data.shape[1]
         scale = _scaling.e8m0_to_dequant_scale(codes)
         if orientation == "rowwise":
-            vals.view(m, k // MX_BLOCK, MX_BLOCK).mul_(scale[:, :, None])
-        else:
-            vals.view(m // MX_BLOCK, MX_BLOCK, k).mul_(scale[:, None, :])
-        return vals
+
+            def rows(o: torch.Tensor, r0: int, r1: int) -> None:
+                o.view(r1 - r0, k // MX_BLOCK, MX_BLOCK).mul_(scale[r0:r1, :, None])
+
+            return fp8_to_float(data, self.fp8_format, rows)
+
+        def cols(o: torch.Tensor, r0: int, r1: int) -> None:
+            o.view((r1 - r0) // MX_BLOCK, MX_BLOCK, k).mul_(scale[r0 // MX_BLOCK : r1 // MX_BLOCK, None, :])
+
+        return fp8_to_float(data, self.fp8_format, cols, MX_BLOCK)
 
 
-class MXFP8Quantizer(Quantizer):
+class MXFP8Quantizer(FP8Quantizer):
     """MXFP8 quantizer (E4M3 or E5M2 elements, E8M0 RCEIL block scales)."""
 
     tensor_cls = MXFP8Tensor
@@ -69,16 +68,12 @@ class MXFP8Quantizer(Quantizer):
         fp8_format: FP8Format,
         use_2d: bool = False,
     ) -> None:
-        super().__init__(role, rowwise, columnwise)
-        self.fp8_format = fp8_format
+        super().__init__(role, rowwise, columnwise, fp8_format=fp8_format)
         self.use_2d = use_2d
 
     def check_shape(self, shape: Sequence[int]) -> None:
         super().check_shape(shape)
-        k = shape[-1]
-        m = 1
-        for d in shape[:-1]:
-            m *= d
+        k, m = shape[-1], rows_of(shape)
         if k % MX_BLOCK or m % MX_BLOCK:
             raise ValueError(
                 f"MXFP8 needs M and K divisible by 32 (TE is_quantizable), got M={m}, K={k}"

@@ -20,26 +20,46 @@ import torch
 from .. import scaling as _scaling
 from ..formats import (
     E2M1_GRID,
-    cast_to_e2m1,
-    pack_fp4,
-    stochastic_round_e2m1,
+    Workspace,
+    draw_rbits,
+    e2m1_codes_i32,
+    pack_fp4_i32,
+    pack_fp4_rows,
+    sr_e2m1_codes_i32,
 )
-from ..rht import apply_rht
+from ..rht import apply_rht, rotate_token_groups
 from ._chunks import map_row_chunks
-from .base import Orientation, QuantizedTensor, Quantizer, Role
+from .base import Orientation, QuantizedTensor, Quantizer, Role, rows_of
 
 NV_BLOCK = 16
 
-# byte -> (low value, high value): dequantize two packed codes with one lookup per byte.
+# byte -> (low value, high value) as one int64 (two fp32, low nibble's value first): one
+# 1-D gather per byte decodes both packed codes.
 _GRID = torch.tensor(E2M1_GRID + tuple(-v for v in E2M1_GRID), dtype=torch.float32)
-_BYTE_LUT = torch.stack((_GRID.repeat(16), _GRID.repeat_interleave(16)), dim=1)  # [256, 2]
+_BYTE_LUT = torch.stack((_GRID.repeat(16), _GRID.repeat_interleave(16)), dim=1).view(torch.int64).view(-1)
+_CHUNK_BYTES = 1 << 18  # packed bytes per pass (~2 MiB of fp32 output, cached for the scaling)
 
 
-def unpack_fp4_values(packed: torch.Tensor) -> torch.Tensor:
-    """[R, C/2] packed bytes -> [R, C] fp32 E2M1 values."""
+def unpack_fp4_values(
+    packed: torch.Tensor, block_scale: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """[R, C/2] packed bytes -> [R, C] fp32 E2M1 values, times ``block_scale`` [R, C/16] if given.
+
+    Row chunks: the int32 index temporary stays small and each chunk is scaled while cached.
+    """
     r, half = packed.shape
     lut = _BYTE_LUT.to(packed.device)
-    return lut.index_select(0, packed.reshape(-1).int()).view(r, half * 2)
+    out = torch.empty(r, half * 2, dtype=torch.float32, device=packed.device)
+    words = out.view(torch.int64)  # [R, C/2]: one (low, high) value pair per byte
+
+    step = max(1, _CHUNK_BYTES // max(half, 1))
+    for r0 in range(0, r, step):
+        r1 = min(r, r0 + step)
+        idx = packed[r0:r1].reshape(-1).to(torch.int32)
+        torch.index_select(lut, 0, idx, out=words[r0:r1].view(-1))
+        if block_scale is not None:
+            out[r0:r1].view(r1 - r0, -1, NV_BLOCK).mul_(block_scale[r0:r1, :, None])
+    return out
 
 
 class NVFP4Tensor(QuantizedTensor):
@@ -62,15 +82,10 @@ class NVFP4Tensor(QuantizedTensor):
 
     def _values(self, orientation: Orientation) -> torch.Tensor:
         """fp32 dequantized values in the stored layout ([M, K] rowwise, [K, M] columnwise)."""
-        data = self._fields[f"{orientation}_data"]
-        sbytes = self._fields[f"{orientation}_scale_inv"]
+        data, sbytes = self._buffers(orientation)
         gamax = self._fields[f"amax_{orientation}"]
-        assert data is not None and sbytes is not None and gamax is not None
-        vals = unpack_fp4_values(data)
-        r, c = vals.shape
-        scale = _scaling.nvfp4_dequant_block_scale(sbytes, gamax)
-        vals.view(r, c // NV_BLOCK, NV_BLOCK).mul_(scale[:, :, None])
-        return vals
+        assert gamax is not None
+        return unpack_fp4_values(data, _scaling.nvfp4_dequant_block_scale(sbytes, gamax))
 
     def columnwise_rht_operand(self) -> torch.Tensor:
         """The columnwise [K, M] fp32 GEMM operand as stored (rotated when RHT is on)."""
@@ -114,41 +129,42 @@ class NVFP4Quantizer(Quantizer):
 
     def check_shape(self, shape: Sequence[int]) -> None:
         super().check_shape(shape)
-        k = shape[-1]
-        m = 1
-        for d in shape[:-1]:
-            m *= d
+        k, m = shape[-1], rows_of(shape)
         if k % NV_BLOCK:
             raise ValueError(f"NVFP4 needs K divisible by 16, got K={k}")
         if (self.columnwise or self.use_2d) and m % NV_BLOCK:
             raise ValueError(f"NVFP4 columnwise/2D needs M divisible by 16, got M={m}")
 
-    def _codes(self, y: torch.Tensor) -> torch.Tensor:
-        """E2M1 codes of the scaled temporary ``y`` (consumed)."""
+    def _codes(self, x: torch.Tensor, enc: torch.Tensor, ws: Workspace) -> torch.Tensor:
+        """int32 E2M1 codes of fp32(x * enc) (RNE, or SR with fresh bits), in ``ws``."""
+        y = torch.mul(x, enc, out=ws.get("y", x.shape, torch.float32))
         if self.stochastic_rounding:
-            return stochastic_round_e2m1(y, self.generator)
-        return cast_to_e2m1(y, inplace=True)
+            return sr_e2m1_codes_i32(y, draw_rbits(y.numel(), self.generator, y.device), ws)
+        return e2m1_codes_i32(y, ws)
 
     def _quantize_blocks(
         self, xf: torch.Tensor, gamax: torch.Tensor, dim: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(codes [M, K], scale bytes) with 16-element blocks along ``dim`` of ``xf`` [M, K].
+        """(packed bytes, scale bytes) with 16-element blocks along ``dim`` of ``xf`` [M, K].
 
-        dim=1: rowwise 1x16 blocks, scales [M, K/16]. dim=0: blocks of 16 rows computed in
-        place on [M, K] (elementwise math, so identical to quantizing x^T), scales [M/16, K].
+        dim=1: rowwise 1x16 blocks; bytes [M, K/2] packed along K, scales [M, K/16].
+        dim=0: blocks of 16 rows computed in place on [M, K] (elementwise math, so identical
+        to quantizing x^T) with scales [M/16, K]; the bytes pair rows 2i, 2i+1 ([M/2, K]), so
+        their transpose is the [K, M/2] packing of x^T.
         """
         k = xf.shape[1]
-        s_enc = _scaling.nvfp4_global_encode_scale(gamax)
+        scaler = _scaling.NVFP4BlockScaler(_scaling.nvfp4_global_encode_scale(gamax))
+        ws = Workspace(xf.device)
 
         def rows(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             xv = c.view(c.shape[0], k // NV_BLOCK, NV_BLOCK)
-            sbytes, enc = _scaling.nvfp4_block_scales(_scaling.block_amax(xv, 2), s_enc)
-            return self._codes(xv * enc[:, :, None]).view(c.shape[0], k), sbytes
+            sbytes, enc = scaler(_scaling.block_amax(xv, 2, ws))
+            return pack_fp4_i32(self._codes(xv, enc[:, :, None], ws).view(c.shape[0], k)), sbytes
 
         def cols(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             xv = c.view(c.shape[0] // NV_BLOCK, NV_BLOCK, k)
-            sbytes, enc = _scaling.nvfp4_block_scales(_scaling.block_amax(xv, 1), s_enc)
-            return self._codes(xv * enc[:, None, :]).view(c.shape[0], k), sbytes
+            sbytes, enc = scaler(_scaling.block_amax(xv, 1, ws))
+            return pack_fp4_rows(self._codes(xv, enc[:, None, :], ws).view(c.shape[0], k)), sbytes
 
         if dim == 1:
             return map_row_chunks(rows, xf)  # type: ignore[return-value]
@@ -158,41 +174,41 @@ class NVFP4Quantizer(Quantizer):
         xf = x2d.float()
         k = xf.shape[1]
         out: dict[str, Optional[torch.Tensor]] = dict.fromkeys(NVFP4Tensor._field_names())
+        gamax = _scaling.amax(xf).reshape(1)
         if self.use_2d:
-            gamax = _scaling.amax(xf).reshape(1)
-            s_enc = _scaling.nvfp4_global_encode_scale(gamax)
+            scaler = _scaling.NVFP4BlockScaler(_scaling.nvfp4_global_encode_scale(gamax))
+            ws = Workspace(xf.device)
 
-            def tiles(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            def tiles(c: torch.Tensor) -> tuple[torch.Tensor, ...]:
                 xv = c.view(c.shape[0] // NV_BLOCK, NV_BLOCK, k // NV_BLOCK, NV_BLOCK)
-                tb, enc = _scaling.nvfp4_block_scales(_scaling.block_amax(xv, (1, 3)), s_enc)
-                return self._codes(xv * enc[:, None, :, None]).view(c.shape[0], k), tb
+                tb, enc = scaler(_scaling.block_amax(xv, (1, 3), ws))
+                codes = self._codes(xv, enc[:, None, :, None], ws).view(c.shape[0], k)
+                row = pack_fp4_i32(codes) if self.rowwise else codes[:0]
+                col = pack_fp4_rows(codes) if self.columnwise else codes[:0]
+                return row, col, tb
 
-            codes, tile_bytes = map_row_chunks(tiles, xf, NV_BLOCK)
+            row_b, col_b, tile_bytes = map_row_chunks(tiles, xf, NV_BLOCK)
             if self.rowwise:
-                out["rowwise_data"] = pack_fp4(codes)
+                out["rowwise_data"] = row_b
                 out["rowwise_scale_inv"] = tile_bytes.repeat_interleave(NV_BLOCK, 0)
                 out["amax_rowwise"] = gamax
             if self.columnwise:
-                out["columnwise_data"] = pack_fp4(codes.t())
+                out["columnwise_data"] = col_b.t().contiguous()
                 out["columnwise_scale_inv"] = tile_bytes.t().repeat_interleave(NV_BLOCK, 0)
                 out["amax_columnwise"] = gamax.clone()
             return out
-        gamax = _scaling.amax(xf).reshape(1)
         if self.rowwise:
-            codes, sbytes = self._quantize_blocks(xf, gamax, 1)
-            out["rowwise_data"], out["rowwise_scale_inv"] = pack_fp4(codes), sbytes
+            out["rowwise_data"], out["rowwise_scale_inv"] = self._quantize_blocks(xf, gamax, 1)
             out["amax_rowwise"] = gamax
         if self.columnwise:
-            if self.with_rht:  # rotate 16-token groups of x^T, round to bf16, own amax
-                yt = apply_rht(xf.t())
-                camax = _scaling.amax(yt).reshape(1)
-                codes, sbytes = self._quantize_blocks(yt, camax, 1)
-                out["columnwise_data"], out["columnwise_scale_inv"] = pack_fp4(codes), sbytes
+            if self.with_rht:  # rotate 16-token groups (x^T's rows), round to bf16, own amax
+                src = rotate_token_groups(xf)
+                camax = _scaling.amax(src).reshape(1)
             else:
-                camax = gamax.clone()
-                codes, sbytes = self._quantize_blocks(xf, camax, 0)
-                out["columnwise_data"] = pack_fp4(codes.t())
-                out["columnwise_scale_inv"] = sbytes.t().contiguous()
+                src, camax = xf, gamax.clone()
+            data, sbytes = self._quantize_blocks(src, camax, 0)
+            out["columnwise_data"] = data.t().contiguous()
+            out["columnwise_scale_inv"] = sbytes.t().contiguous()
             out["amax_columnwise"] = camax
         return out
 
