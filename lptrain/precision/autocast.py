@@ -7,7 +7,8 @@ bookkeeping follows numerics.md 2.1: every module whose forward ran inside the r
 records its forward amaxes; the scales are updated when the *outermost* region exits
 (forward roles), and after the backward of the first module that ran in the region
 (grad roles) -- with a MAX all-reduce of the amaxes over ``amax_reduction_group`` when
-that group has more than one rank.
+that group has more than one rank (``None``: the world group when torch.distributed is
+running, as in TE; see :func:`default_amax_reduction_group`).
 
 ``quantized_model_init(recipe)`` makes the factory create weights as quantized tensors
 (primary weights), keeping their high-precision init value so fp32 master weights can be
@@ -69,6 +70,21 @@ _AUTOCAST_STACK: list[_Frame] = []
 _MODEL_INIT_STACK: list[tuple[Any, bool]] = []
 
 
+def default_amax_reduction_group() -> Any:
+    """The group amaxes are reduced over when the caller names none: like TE's autocast,
+    the default (world) group whenever torch.distributed runs with more than one rank.
+
+    Why: both backends must treat ``amax_reduction_group=None`` the same way; otherwise the
+    same multi-rank run keeps ranks' delayed-scaling scales in sync on TE and lets them
+    drift apart on the emulated backend. Pass a single-rank group to opt out explicitly.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.group.WORLD
+    return None
+
+
 @contextlib.contextmanager
 def autocast(
     recipe: Any = None,
@@ -87,6 +103,8 @@ def autocast(
     group = amax_reduction_group
     if group is None and outer is not None:
         group = outer.group
+    if group is None and outer is None:
+        group = default_amax_reduction_group()
     region = outer.region if outer is not None else _Region(recipe=recipe, group=group)
     frame = _Frame(enabled=enabled, recipe=recipe, group=group, region=region)
     _AUTOCAST_STACK.append(frame)

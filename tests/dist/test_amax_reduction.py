@@ -8,7 +8,8 @@ records each rank's *local* amaxes from the tensors themselves (x, W, the grads 
 each module, via a retained grad) and recomputes numerics.md 2.1 from their global max in
 plain Python/fp32, independently of ``lptrain.precision``. Expected: after the autocast exits
 the forward roles (input, weight) match, after the backward the grad roles match, on every
-rank bitwise. Negative control: the same run with no group gives rank-dependent scales.
+rank bitwise. With no group named, the world group is used (TE's semantics), giving the
+same bits. Negative control: a single-rank group per rank gives rank-dependent scales.
 Also: ``TensorwiseScaling``'s ``amax_reduction`` quantizer hook with a process group.
 """
 
@@ -62,8 +63,10 @@ def _delayed_rank(rank: int, world_size: int) -> dict[str, object]:
     recipe = factory.recipe
     assert recipe is not None and recipe.name == "delayed"
     out: dict[str, object] = {}
-    for mode in ("group", "none"):
-        group = dist.group.WORLD if mode == "group" else None
+    # new_group is collective: every rank creates every single-rank group, in the same order.
+    own_group = [dist.new_group([r]) for r in range(world_size)][rank]
+    for mode in ("group", "default", "self"):
+        group = {"group": dist.group.WORLD, "default": None, "self": own_group}[mode]
         torch.manual_seed(1234)  # same weights on every rank
         lin1, lin2 = factory.linear(32, 64), factory.linear(64, 32)
         steps = []
@@ -179,18 +182,29 @@ def test_reduced_scales_identical_and_equal_global_reference(delayed_results: li
             assert all(torch.equal(u, v) for u, v in zip(a[m][role], b[m][role], strict=True)), (m, role)
 
 
-def test_without_group_scales_differ_across_ranks(delayed_results: list[dict]) -> None:
-    """Negative control: no amax group -> each rank follows its own amaxes."""
-    local = [[s["local"] for s in res["none"]] for res in delayed_results]
+def test_no_group_named_reduces_over_world_like_te(delayed_results: list[dict]) -> None:
+    """``amax_reduction_group=None`` under torch.distributed means the world group (as TE)."""
+    for res in delayed_results:
+        for got, want in zip(res["default"], res["group"], strict=True):
+            for when in ("after_fwd", "after_bwd"):
+                for m in ("lin1", "lin2"):
+                    for role in ROLES:
+                        g, w = got[when][m][role], want[when][m][role]
+                        assert torch.equal(g[0], w[0]) and torch.equal(g[1], w[1]), (when, m, role)
+
+
+def test_single_rank_group_scales_differ_across_ranks(delayed_results: list[dict]) -> None:
+    """Negative control: a one-rank group -> each rank follows its own amaxes."""
+    local = [[s["local"] for s in res["self"]] for res in delayed_results]
     for rank, res in enumerate(delayed_results):
         exp = _expected(local, reduce=False, rank=rank)
         for m in ("lin1", "lin2"):
             for role in ROLES:
                 want = _as_tensors(*exp[-1][m][role])
-                scale, hist = res["none"][-1]["after_bwd"][m][role]
+                scale, hist = res["self"][-1]["after_bwd"][m][role]
                 assert torch.equal(scale, want[0]) and torch.equal(hist, want[1]), (rank, m, role)
-    s0 = delayed_results[0]["none"][-1]["after_bwd"]
-    s1 = delayed_results[1]["none"][-1]["after_bwd"]
+    s0 = delayed_results[0]["self"][-1]["after_bwd"]
+    s1 = delayed_results[1]["self"][-1]["after_bwd"]
     for m in ("lin1", "lin2"):
         for role in ("input", "grad"):
             assert not torch.equal(s0[m][role][0], s1[m][role][0]), (m, role)
