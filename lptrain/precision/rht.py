@@ -10,6 +10,8 @@ The rotation cancels inside the wgrad GEMM because both operands get the same R.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 RHT_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
@@ -44,6 +46,27 @@ def _round_bf16_(y: torch.Tensor) -> None:
     y.copy_(y.to(torch.bfloat16))
 
 
+def rotate_group_rows_into(
+    x: torch.Tensor, out: torch.Tensor, inverse: bool = False, round_to_bf16: bool = True
+) -> torch.Tensor:
+    """One chunk of :func:`rotate_token_groups`: ``x`` [m, K] (m divisible by 16) rotated into
+    ``out`` (same shape, e.g. a reused cache-sized buffer) with one GEMM call, then rounded.
+
+    Why reuse a buffer: writing the GEMM into a fresh full-size tensor costs ~4x the GEMM
+    itself on CPU (first-touch page faults); the quantizer rotates each row chunk into a
+    scratch buffer, twice if it must (block amaxes first, then the codes), which is cheaper
+    and gives the same bits (the same call on the same rows).
+    """
+    m, k = x.shape
+    if m % RHT_SIZE:
+        raise ValueError(f"RHT needs the token dim divisible by 16, got {m}")
+    rt = _matrix(inverse, x.device).t()
+    torch.matmul(rt, x.float().view(-1, RHT_SIZE, k), out=out.view(-1, RHT_SIZE, k))
+    if round_to_bf16:
+        _round_bf16_(out)
+    return out
+
+
 def rotate_token_groups(x: torch.Tensor, inverse: bool = False, round_to_bf16: bool = True) -> torch.Tensor:
     """RHT in the [M, K] layout: the transpose of ``apply_rht(x.t())``, without transposing.
 
@@ -51,22 +74,19 @@ def rotate_token_groups(x: torch.Tensor, inverse: bool = False, round_to_bf16: b
     (``inverse``: R X_g), i.e. y[16g + j, k] = sum_i x[16g + i, k] R[i, j]: the same 16-term
     fp32 dot products as ``g @ R`` on the rows of x^T, accumulated in the same order (the
     products are exact, +-0.25 x, so only the order could differ; tests assert equality).
-    This is the quantizer's path: no fp32 transpose of the operand (a strided gather costs
+    This is the quantizer's layout: no fp32 transpose of the operand (a strided gather costs
     ~3x a copy), and its columnwise 1x16 blocks then run along dim 0 in place.
-    Evaluated over row chunks of ~2 MiB, rounded to bf16 chunk by chunk.
+    Evaluated over row chunks of ~2 MiB (:func:`rotate_group_rows_into`), rounded to bf16
+    chunk by chunk.
     """
     m, k = x.shape
     if m % RHT_SIZE:
         raise ValueError(f"RHT needs the token dim divisible by 16, got {m}")
-    rt = _matrix(inverse, x.device).t()
     xc = x.float().contiguous()
     out = torch.empty(m, k, dtype=torch.float32, device=x.device)
     step = max(RHT_SIZE, _CHUNK_ELEMS // max(k, 1) // RHT_SIZE * RHT_SIZE)
     for r0 in range(0, m, step):
-        o = out[r0 : r0 + step]
-        torch.matmul(rt, xc[r0 : r0 + step].view(-1, RHT_SIZE, k), out=o.view(-1, RHT_SIZE, k))
-        if round_to_bf16:
-            _round_bf16_(o)
+        rotate_group_rows_into(xc[r0 : r0 + step], out[r0 : r0 + step], inverse, round_to_bf16)
     return out
 
 
@@ -95,3 +115,35 @@ def apply_rht(x_t: torch.Tensor, inverse: bool = False, round_to_bf16: bool = Tr
         if round_to_bf16:
             _round_bf16_(o)
     return out.view(x_t.shape)
+
+
+@dataclass
+class ChunkedRowRotation:
+    """Accumulates ``apply_rht(v, inverse, round_to_bf16=False)`` of a contiguous [R, C] tensor
+    v that is produced chunk by chunk: ``sink(vals, e0, e1)`` takes flat elements [e0, e1)
+    of v (chunks of exactly ``chunk_elems``, the last one shorter) and writes their rotation
+    into ``out``. The GEMM calls are the ones :func:`apply_rht` makes on the whole tensor
+    (same chunk boundaries and shapes), so the bits are identical; v never exists in full.
+    """
+
+    out: torch.Tensor
+    matrix: torch.Tensor
+    chunk_elems: int = _CHUNK_ELEMS
+    _flat: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._flat = self.out.view(-1, RHT_SIZE)
+
+    def sink(self, vals: torch.Tensor, e0: int, e1: int) -> None:
+        g0, g1 = e0 // RHT_SIZE, e1 // RHT_SIZE
+        torch.matmul(vals.view(-1, RHT_SIZE), self.matrix, out=self._flat[g0:g1])
+
+
+def rht_rows_from_chunks(
+    rows: int, cols: int, inverse: bool = False, device: torch.device | str = "cpu"
+) -> ChunkedRowRotation:
+    """A :class:`ChunkedRowRotation` for an fp32 [rows, cols] tensor (cols divisible by 16)."""
+    if cols % RHT_SIZE:
+        raise ValueError(f"RHT needs the token dim divisible by 16, got {cols}")
+    out = torch.empty(rows, cols, dtype=torch.float32, device=device)
+    return ChunkedRowRotation(out, _matrix(inverse, out.device))

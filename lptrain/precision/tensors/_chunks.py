@@ -21,9 +21,17 @@ def map_row_chunks(
 ) -> tuple[torch.Tensor, ...]:
     """Apply ``fn`` to row chunks of ``x`` [M, K] (multiples of ``align`` rows) and concatenate
     each of its outputs along dim 0."""
+    return map_row_ranges(lambda c, _r0: fn(c), x, align)
+
+
+def map_row_ranges(
+    fn: Callable[[torch.Tensor, int], tuple[torch.Tensor, ...]], x: torch.Tensor, align: int = 1
+) -> tuple[torch.Tensor, ...]:
+    """:func:`map_row_chunks` where ``fn`` also gets the chunk's first row (to pick the
+    matching rows of precomputed per-block data)."""
     m, k = x.shape
     rows = max(align, (TARGET_ELEMS // max(k, 1)) // align * align)
     if rows >= m:
-        return fn(x)
-    parts = [fn(x[r : r + rows]) for r in range(0, m, rows)]
+        return fn(x, 0)
+    parts = [fn(x[r : r + rows], r) for r in range(0, m, rows)]
     return tuple(torch.cat(group) for group in zip(*parts, strict=True))

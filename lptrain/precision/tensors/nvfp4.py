@@ -12,14 +12,13 @@ S_enc; so do we. Packing: two codes per byte, element 2i in the low nibble.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Optional
 
 import torch
 
 from .. import scaling as _scaling
 from ..formats import (
-    E2M1_GRID,
     Workspace,
     draw_rbits,
     e2m1_codes_i32,
@@ -27,17 +26,85 @@ from ..formats import (
     pack_fp4_rows,
     sr_e2m1_codes_i32,
 )
-from ..rht import apply_rht, rotate_token_groups
-from ._chunks import map_row_chunks
+from ..rht import rht_rows_from_chunks, rotate_group_rows_into
+from ._chunks import map_row_chunks, map_row_ranges
 from .base import Orientation, QuantizedTensor, Quantizer, Role, rows_of
 
 NV_BLOCK = 16
 
-# byte -> (low value, high value) as one int64 (two fp32, low nibble's value first): one
-# 1-D gather per byte decodes both packed codes.
-_GRID = torch.tensor(E2M1_GRID + tuple(-v for v in E2M1_GRID), dtype=torch.float32)
-_BYTE_LUT = torch.stack((_GRID.repeat(16), _GRID.repeat_interleave(16)), dim=1).view(torch.int64).view(-1)
-_CHUNK_BYTES = 1 << 18  # packed bytes per pass (~2 MiB of fp32 output, cached for the scaling)
+_CHUNK_BYTES = 1 << 17  # packed bytes per pass (1 MiB of fp32 output, cached for the scaling)
+_F16_TO_E2M1 = 16384.0  # fp16 built from an E2M1 code is the E2M1 value times 2^-14 (bias 15 vs 1)
+_LO_HI_MAG = 0x00070007  # magnitude bits of both nibbles once spread to bits 0-3 and 16-19
+_LO_HI_SIGN = 0x00080008
+
+
+def _e2m1_bytes_to_f16_pairs(packed: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """Packed E2M1 bytes [n] -> int32 [n] whose halves are the fp16 patterns of the two
+    codes (low nibble in the low half, i.e. element 2i first when viewed as fp16).
+
+    Code ``s ee m`` becomes fp16 ``s 000ee m 000000000``: exponent bias 15 instead of 1, so the
+    fp16 value is the E2M1 value times 2^-14 (the subnormal 0.5 included: fp16 subnormals are
+    mantissa * 2^-24). Both nibbles are handled in one int32 lane: t * 4097 = t | t << 12 puts
+    the low nibble at bits 0-3 and the high one at 16-19. Pure elementwise int32 ops, which
+    torch runs on every thread (the per-byte table gather this replaces is single-threaded).
+    """
+    w.copy_(packed)
+    w.mul_(4097).bitwise_and_(_LO_HI_MAG | _LO_HI_SIGN)
+    torch.bitwise_and(w, _LO_HI_SIGN, out=s)
+    w.bitwise_and_(_LO_HI_MAG).bitwise_left_shift_(9)
+    return w.bitwise_or_(s.bitwise_left_shift_(12))
+
+
+def _decode_scale(block_scale: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], bool]:
+    """(flat fp32 per-16 factor, whether it already includes 2^14). The factor 2^14 is folded
+    into the block scale when that product is finite: (v * 2^-14) * (b * 2^14) is the same
+    real number as v * b, rounded once, so the result is bit-identical to grid value * b."""
+    if block_scale is None:
+        return None, False
+    b = block_scale.to(torch.float32).reshape(-1)
+    folded = b * _F16_TO_E2M1
+    if bool(torch.isfinite(folded).all()):
+        return folded, True
+    return b, False
+
+
+def decode_fp4_chunks(
+    packed: torch.Tensor,
+    block_scale: Optional[torch.Tensor],
+    sink: Optional[Callable[[torch.Tensor, int, int], None]] = None,
+    chunk_elems: int = 2 * _CHUNK_BYTES,
+    out: Optional[torch.Tensor] = None,
+) -> None:
+    """Decode the packed bytes (row-major, element 2i = low nibble of byte i) chunk by chunk:
+    ``sink(values, e0, e1)`` gets the fp32 values of flat elements [e0, e1) (times their block
+    scale, ``block_scale`` holding one factor per 16 consecutive elements). Chunks are
+    ``chunk_elems`` elements (a multiple of 16) and the buffer handed over is reused, unless
+    ``out`` (contiguous fp32, one element per code) is given: then each chunk is decoded in
+    place into ``out`` and ``sink`` (optional) sees that slice."""
+    if chunk_elems % NV_BLOCK:
+        raise ValueError(f"chunk_elems must be a multiple of 16, got {chunk_elems}")
+    flat = packed.reshape(-1)
+    n = flat.numel()
+    if n == 0:
+        return
+    scale, folded = _decode_scale(block_scale)
+    cb = chunk_elems // 2
+    m = min(n, cb)
+    w = torch.empty(m, dtype=torch.int32, device=packed.device)
+    s = torch.empty(m, dtype=torch.int32, device=packed.device)
+    dst = out.view(-1) if out is not None else None
+    vals = torch.empty(2 * m if dst is None else 0, dtype=torch.float32, device=packed.device)
+    for b0 in range(0, n, cb):
+        b1 = min(n, b0 + cb)
+        k = b1 - b0
+        o = vals[: 2 * k] if dst is None else dst[2 * b0 : 2 * b1]
+        o.copy_(_e2m1_bytes_to_f16_pairs(flat[b0:b1], w[:k], s[:k]).view(torch.float16))
+        if not folded:
+            o.mul_(_F16_TO_E2M1)
+        if scale is not None:
+            o.view(-1, NV_BLOCK).mul_(scale[b0 // 8 : b1 // 8, None])
+        if sink is not None:
+            sink(o, 2 * b0, 2 * b1)
 
 
 def unpack_fp4_values(
@@ -45,21 +112,20 @@ def unpack_fp4_values(
 ) -> torch.Tensor:
     """[R, C/2] packed bytes -> [R, C] fp32 E2M1 values, times ``block_scale`` [R, C/16] if given.
 
-    Row chunks: the int32 index temporary stays small and each chunk is scaled while cached.
+    Flat chunks (:func:`decode_fp4_chunks`): the int32 temporaries stay cache-sized and each
+    chunk is scaled while cached; the scaled values are elementwise, so chunking is exact.
     """
     r, half = packed.shape
-    lut = _BYTE_LUT.to(packed.device)
     out = torch.empty(r, half * 2, dtype=torch.float32, device=packed.device)
-    words = out.view(torch.int64)  # [R, C/2]: one (low, high) value pair per byte
-
-    step = max(1, _CHUNK_BYTES // max(half, 1))
-    for r0 in range(0, r, step):
-        r1 = min(r, r0 + step)
-        idx = packed[r0:r1].reshape(-1).to(torch.int32)
-        torch.index_select(lut, 0, idx, out=words[r0:r1].view(-1))
-        if block_scale is not None:
-            out[r0:r1].view(r1 - r0, -1, NV_BLOCK).mul_(block_scale[r0:r1, :, None])
+    decode_fp4_chunks(packed, block_scale, out=out)
     return out
+
+
+def _global_amax(block_amaxes: torch.Tensor) -> torch.Tensor:
+    """(1,) global amax from NaN-ignoring block amaxes (>= +0, never NaN): their max."""
+    if block_amaxes.numel() == 0:
+        return torch.zeros(1, dtype=torch.float32, device=block_amaxes.device)
+    return block_amaxes.amax().reshape(1)
 
 
 class NVFP4Tensor(QuantizedTensor):
@@ -92,12 +158,18 @@ class NVFP4Tensor(QuantizedTensor):
         return self._values("columnwise")
 
     def _dequantize_2d(self, orientation: Orientation) -> torch.Tensor:
+        if orientation == "columnwise" and self.with_rht:
+            # undo the rotation so values compare with the logical tensor: the decoded chunks
+            # feed the inverse RHT GEMMs directly (no full-size intermediate)
+            data, sbytes = self._buffers(orientation)
+            gamax = self._fields["amax_columnwise"]
+            assert gamax is not None
+            scale = _scaling.nvfp4_dequant_block_scale(sbytes, gamax)
+            fill = rht_rows_from_chunks(data.shape[0], data.shape[1] * 2, True, data.device)
+            decode_fp4_chunks(data, scale, fill.sink, fill.chunk_elems)
+            return fill.out.t()
         vals = self._values(orientation)
-        if orientation == "rowwise":
-            return vals
-        if self.with_rht:  # undo the rotation so values compare with the logical tensor
-            vals = apply_rht(vals, inverse=True, round_to_bf16=False)
-        return vals.t()
+        return vals if orientation == "rowwise" else vals.t()
 
 
 class NVFP4Quantizer(Quantizer):
@@ -143,39 +215,73 @@ class NVFP4Quantizer(Quantizer):
         return e2m1_codes_i32(y, ws)
 
     def _quantize_blocks(
-        self, xf: torch.Tensor, gamax: torch.Tensor, dim: int
+        self, xf: torch.Tensor, gamax: torch.Tensor, dim: int, bamax: torch.Tensor, rotate: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(packed bytes, scale bytes) with 16-element blocks along ``dim`` of ``xf`` [M, K].
+        """(packed bytes, scale bytes) with 16-element blocks along ``dim`` of ``xf`` [M, K],
+        given their block amaxes ``bamax`` ([M, K/16] for dim=1, [M/16, K] for dim=0).
 
         dim=1: rowwise 1x16 blocks; bytes [M, K/2] packed along K, scales [M, K/16].
         dim=0: blocks of 16 rows computed in place on [M, K] (elementwise math, so identical
         to quantizing x^T) with scales [M/16, K]; the bytes pair rows 2i, 2i+1 ([M/2, K]), so
-        their transpose is the [K, M/2] packing of x^T.
+        their transpose is the [K, M/2] packing of x^T. ``rotate`` (dim=0 only): each chunk
+        is first rotated by the RHT into a scratch buffer (:func:`rotate_group_rows_into`).
         """
         k = xf.shape[1]
         scaler = _scaling.NVFP4BlockScaler(_scaling.nvfp4_global_encode_scale(gamax))
         ws = Workspace(xf.device)
 
-        def rows(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        def rows(c: torch.Tensor, r0: int) -> tuple[torch.Tensor, torch.Tensor]:
             xv = c.view(c.shape[0], k // NV_BLOCK, NV_BLOCK)
-            sbytes, enc = scaler(_scaling.block_amax(xv, 2, ws))
+            sbytes, enc = scaler(bamax[r0 : r0 + c.shape[0]])
             return pack_fp4_i32(self._codes(xv, enc[:, :, None], ws).view(c.shape[0], k)), sbytes
 
-        def cols(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        def cols(c: torch.Tensor, r0: int) -> tuple[torch.Tensor, torch.Tensor]:
+            if rotate:
+                c = rotate_group_rows_into(c, ws.get("rot", c.shape, torch.float32))
             xv = c.view(c.shape[0] // NV_BLOCK, NV_BLOCK, k)
-            sbytes, enc = scaler(_scaling.block_amax(xv, 1, ws))
+            g0 = r0 // NV_BLOCK
+            sbytes, enc = scaler(bamax[g0 : g0 + xv.shape[0]])
             return pack_fp4_rows(self._codes(xv, enc[:, None, :], ws).view(c.shape[0], k)), sbytes
 
         if dim == 1:
-            return map_row_chunks(rows, xf)  # type: ignore[return-value]
-        return map_row_chunks(cols, xf, NV_BLOCK)  # type: ignore[return-value]
+            return map_row_ranges(rows, xf)  # type: ignore[return-value]
+        return map_row_ranges(cols, xf, NV_BLOCK)  # type: ignore[return-value]
+
+    @staticmethod
+    def _block_amaxes(
+        xf: torch.Tensor, rowwise: bool, columnwise: bool, rotate: bool = False
+    ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """(rowwise [M, K/16], columnwise [M/16, K]) block amaxes of ``xf`` [M, K] (see
+        :meth:`_quantize_blocks`; ``rotate``: columnwise ones of its RHT-rotated chunks), both
+        from one chunked pass over ``xf``. Their max is the global amax (exact: a max of
+        NaN-ignoring maxes), so no separate amax pass is needed. The chunks are those of
+        :meth:`_quantize_blocks` (16-row aligned), so a rotated chunk is rotated identically
+        in both passes."""
+        m, k = xf.shape
+        if m == 0:
+            z = xf.new_zeros(0, k // NV_BLOCK), xf.new_zeros(0, k)
+            return (z[0] if rowwise else None), (z[1] if columnwise else None)
+        ws = Workspace(xf.device)
+
+        def both(c: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            res: list[torch.Tensor] = []
+            if rowwise:
+                res.append(_scaling.block_amax(c.view(c.shape[0], k // NV_BLOCK, NV_BLOCK), 2, ws))
+            if columnwise:
+                if rotate:
+                    c = rotate_group_rows_into(c, ws.get("rot", c.shape, torch.float32))
+                res.append(_scaling.block_amax(c.view(c.shape[0] // NV_BLOCK, NV_BLOCK, k), 1, ws))
+            return tuple(res)
+
+        out = iter(map_row_chunks(both, xf, NV_BLOCK))
+        return (next(out) if rowwise else None), (next(out) if columnwise else None)
 
     def _quantize_fields(self, x2d: torch.Tensor) -> dict[str, Optional[torch.Tensor]]:
         xf = x2d.float()
         k = xf.shape[1]
         out: dict[str, Optional[torch.Tensor]] = dict.fromkeys(NVFP4Tensor._field_names())
-        gamax = _scaling.amax(xf).reshape(1)
         if self.use_2d:
+            gamax = _scaling.amax(xf).reshape(1)
             scaler = _scaling.NVFP4BlockScaler(_scaling.nvfp4_global_encode_scale(gamax))
             ws = Workspace(xf.device)
 
@@ -197,16 +303,18 @@ class NVFP4Quantizer(Quantizer):
                 out["columnwise_scale_inv"] = tile_bytes.t().repeat_interleave(NV_BLOCK, 0)
                 out["amax_columnwise"] = gamax.clone()
             return out
-        if self.rowwise:
-            out["rowwise_data"], out["rowwise_scale_inv"] = self._quantize_blocks(xf, gamax, 1)
+        # Block amaxes first, in their own chunked pass: the global amax is their max, so no
+        # separate amax pass is needed (with RHT the columnwise ones come from rotated chunks).
+        rotate = self.with_rht  # columnwise: 16-token groups of x^T, rounded to bf16, own amax
+        row_bamax, col_bamax = self._block_amaxes(xf, self.rowwise, self.columnwise, rotate)
+        gamax: Optional[torch.Tensor] = None
+        if row_bamax is not None:
+            gamax = _global_amax(row_bamax)
+            out["rowwise_data"], out["rowwise_scale_inv"] = self._quantize_blocks(xf, gamax, 1, row_bamax)
             out["amax_rowwise"] = gamax
-        if self.columnwise:
-            if self.with_rht:  # rotate 16-token groups (x^T's rows), round to bf16, own amax
-                src = rotate_token_groups(xf)
-                camax = _scaling.amax(src).reshape(1)
-            else:
-                src, camax = xf, gamax.clone()
-            data, sbytes = self._quantize_blocks(src, camax, 0)
+        if col_bamax is not None:
+            camax = gamax.clone() if gamax is not None and not rotate else _global_amax(col_bamax)
+            data, sbytes = self._quantize_blocks(xf, camax, 0, col_bamax, rotate=rotate)
             out["columnwise_data"] = data.t().contiguous()
             out["columnwise_scale_inv"] = sbytes.t().contiguous()
             out["amax_columnwise"] = camax

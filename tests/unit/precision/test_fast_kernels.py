@@ -161,3 +161,105 @@ def test_rotate_token_groups_is_the_transpose_of_apply_rht() -> None:
             b = apply_rht(x.t().contiguous(), inverse, rnd)  # contiguous [K, M] path
             assert torch.equal(a, b.t()), (inverse, rnd)
             assert torch.equal(apply_rht(x.t(), inverse, rnd), b)  # transposed-view path
+
+
+def _e4m3_reference(b: torch.Tensor) -> torch.Tensor:
+    """E4M3 (fn) byte -> value from the bit fields in fp64 (exact), then fp32: sign, 4-bit
+    exponent with bias 7, 3-bit mantissa, subnormals at exponent 0, NaN at magnitude 0x7F."""
+    v = b.long()
+    e, m = (v >> 3) & 0xF, v & 7
+    mag = torch.where(e == 0, m.double() * 2.0**-9, (1 + m.double() / 8) * torch.exp2(e.double() - 7))
+    val = torch.where(v & 0x80 != 0, -mag, mag)
+    return val.masked_fill((v & 0x7F) == 0x7F, float("nan")).float()
+
+
+@pytest.mark.parametrize("shape", [(1, 256), (2, 128), (700, 512), (33, 7)])
+def test_e4m3_int_decode_matches_bit_field_reference(shape: tuple[int, int]) -> None:
+    # (700, 512) spans several 2^18-element chunks; (33, 7) has odd columns.
+    g = torch.Generator().manual_seed(5)
+    bits = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+    bits.view(-1)[: min(256, bits.numel())] = torch.arange(min(256, bits.numel()), dtype=torch.uint8)
+    got = fp8_to_float(bits, E4M3)
+    want = _e4m3_reference(bits)
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(got), nan)
+    # bit patterns, so +0/-0 and the subnormals (m * 2^-9) are compared exactly
+    assert torch.equal(got.view(torch.int32)[~nan], want.view(torch.int32)[~nan])
+    # NaN payload: the one torch's own E4M3 -> fp32 conversion produces
+    torch_nan = bits.view(torch.float8_e4m3fn).float().view(torch.int32)[nan]
+    assert torch.equal(got.view(torch.int32)[nan], torch_nan)
+
+
+def _fp4_reference(packed: torch.Tensor, block_scale: torch.Tensor | None) -> torch.Tensor:
+    """Grid value of every nibble (element 2i = low nibble) times its block scale, the
+    product formed exactly in fp64 (3-bit grid x 24-bit scale) and rounded once to fp32."""
+    codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(packed.shape[0], -1).long()
+    grid = torch.tensor(E2M1_GRID, dtype=torch.float64)
+    v = grid[codes & 7]
+    v = torch.where(codes >= 8, -v, v)
+    if block_scale is not None:
+        v = v * block_scale.double().repeat_interleave(16, dim=1)
+    return v.float()
+
+
+def _assert_same_values(got: torch.Tensor, want: torch.Tensor) -> None:
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(got), nan)
+    assert torch.equal(got.view(torch.int32)[~nan], want.view(torch.int32)[~nan])  # -0 too
+
+
+@pytest.mark.parametrize("shape", [(16, 8), (3, 40), (300, 1024)])
+def test_fp4_int_unpack_matches_grid_reference(shape: tuple[int, int]) -> None:
+    from lptrain.precision.tensors.nvfp4 import unpack_fp4_values
+
+    g = torch.Generator().manual_seed(6)
+    packed = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+    packed.view(-1)[: min(256, packed.numel())] = torch.arange(min(256, packed.numel()), dtype=torch.uint8)
+    packed[-1] = 0x88  # -0 / -0: a zero block with negative-zero codes
+    _assert_same_values(unpack_fp4_values(packed), _fp4_reference(packed, None))
+    scale = torch.rand(shape[0], shape[1] * 2 // 16, generator=g) * 1000
+    flat = scale.view(-1)
+    specials = [float("inf"), float("nan"), 0.0, 1e-42, 2.0**-126, 3e38, 1e-45]
+    flat[: len(specials)] = torch.tensor(specials)[: flat.numel()]
+    # finite path (2^14 folded into the scale) and the fallback (scale * 2^14 overflows)
+    for s in (scale, torch.full_like(scale, 3e38), scale.clamp(max=1e3)):
+        _assert_same_values(unpack_fp4_values(packed, s), _fp4_reference(packed, s))
+
+
+@pytest.mark.parametrize("shape", [(64, 48), (1040, 512)])
+def test_fused_rht_columnwise_dequantize_equals_decode_then_inverse_rht(shape: tuple[int, int]) -> None:
+    """NVFP4 columnwise dequantize with RHT decodes chunks straight into the inverse-RHT GEMMs;
+    it must give the bits of the two-step path (full decode, then ``apply_rht``). (1040, 512)
+    spans two 2^19-element GEMM chunks, the second one partial."""
+    from lptrain.precision.recipes import NVFP4Scaling
+
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(shape, generator=g) * torch.exp2(torch.randint(-30, 30, shape, generator=g).float())
+    x.view(-1)[:6] = torch.tensor([float("nan"), float("inf"), -0.0, 1e-40, float("-inf"), 0.0])
+    x[16:32] = 0.0  # zero blocks
+    for role in ("input", "grad"):
+        t = NVFP4Scaling(seed=1).make_quantizer(role).quantize(x)
+        want = apply_rht(t.columnwise_rht_operand(), inverse=True, round_to_bf16=False).t()
+        got = t.dequantize("columnwise")
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), role
+
+
+@pytest.mark.parametrize("rowwise", [True, False])
+def test_chunked_rht_columnwise_quantize_equals_quantizing_the_rotated_tensor(rowwise: bool) -> None:
+    """The quantizer rotates each row chunk into a scratch buffer twice (block amaxes, then
+    codes) instead of materialising the rotated tensor; over several chunks (1056 rows of 512:
+    two 2^19-element chunks, the last partial) the columnwise bytes, scales and amax must equal
+    quantizing the fully rotated tensor without RHT."""
+    from lptrain.precision.api import quantize
+
+    g = torch.Generator().manual_seed(8)
+    shape = (1056, 512)
+    x = torch.randn(shape, generator=g) * torch.exp2(torch.randint(-20, 20, shape, generator=g).float())
+    x[32:48] = 0.0  # a zero block group
+    x[100, 7] = float("nan")
+    q = quantize(x, "nvfp4", role="input", rht=True, rowwise=rowwise)
+    plain = quantize(rotate_token_groups(x), "nvfp4", role="input", rht=False, rowwise=False)
+    v, p = q.storage_views(), plain.storage_views()
+    for k in ("columnwise_data", "columnwise_scale_inv", "amax_columnwise"):
+        assert torch.equal(v[k].view(torch.uint8), p[k].view(torch.uint8)), k
+    assert ("rowwise_data" in v) == rowwise
