@@ -19,6 +19,8 @@ from typing import Any, ClassVar, Optional
 
 import torch
 
+from lptrain.config.rules import RECIPE_ALIGNMENT
+
 from . import scaling as _scaling
 from .formats import FLT_MAX, Format, FP8Format
 from .tensors import (
@@ -36,8 +38,15 @@ class Recipe(ABC):
     """Base: a recipe name, GEMM/grouped alignment, and quantizers per role."""
 
     name: ClassVar[str]
-    alignment: ClassVar[int] = 16
+    # GEMM dimension alignment (whole quantization blocks). One table serves this class and
+    # the config rule PREC-GEMM-ALIGN (lptrain.config.rules.RECIPE_ALIGNMENT, torch-free), so
+    # validation and execution cannot disagree; filled in per subclass by its name.
+    alignment: ClassVar[int]
     grouped_alignment: ClassVar[int] = 16
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.alignment = RECIPE_ALIGNMENT[cls.name]
 
     fp8_format: Any = Format.HYBRID
 
@@ -277,7 +286,6 @@ class MXFP8Scaling(Recipe):
     """TE ``MXFP8BlockScaling``: E8M0 scale per 32 elements (1x32 rowwise, 32x1 columnwise)."""
 
     name: ClassVar[str] = "mxfp8"
-    alignment: ClassVar[int] = 32
     grouped_alignment: ClassVar[int] = 32
     margin: float = 0  # unused by every kernel, kept for parity with TE
     fp8_format: Any = Format.E4M3
@@ -305,7 +313,6 @@ class NVFP4Scaling(Recipe):
     """
 
     name: ClassVar[str] = "nvfp4"
-    alignment: ClassVar[int] = 32
     grouped_alignment: ClassVar[int] = 128
     fp8_format: Any = Format.E4M3  # the block-scale type; elements are E2M1
     disable_rht: bool = False
