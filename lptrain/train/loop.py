@@ -1,17 +1,21 @@
 """Single-process pretraining loop: the default CPU job (`lptrain pretrain --recipe tiny_cpu.yaml`).
 
-Walk of one run: factory (precision) -> model -> data -> fp32 master weights + AdamW -> loop
-(micro-batches, NaN guard, clip, step, LR schedule) -> eval -> metrics JSONL + loss-curve PNG.
+Walk of one run: factory (precision) -> model -> data -> fp32 master weights + AdamW or
+Muon+AdamW -> loop (micro-batches, NaN guard, clip, step, LR schedule) -> eval -> metrics
+JSONL + loss-curve PNG.
 
-This is the data-parallel-free baseline. The distributed engine (buffers, distributed
-optimizer, Muon, checkpointing) plugs in through its own issues; until then a recipe that
-needs it is refused here with a message naming the key, never run half-way.
+This is the data-parallel-free baseline. With one rank the distributed optimizer owns every
+shard (Muon's layer-wise optimizer every matrix) and overlap settings have no collective to
+overlap, so ``ddp.*`` flags are honoured trivially; FP8/FP4 primary weights are requantized
+from the fp32 masters every step. A multi-rank launch is refused up front until the
+distributed engine lands, never run half-way.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,23 +23,13 @@ from typing import Any
 
 import torch
 
+from lptrain.config import World, derive
 from lptrain.config.schema import LPTrainConfig
 from lptrain.optim.schedule import lr_at
 
 
 class TrainingDivergedError(RuntimeError):
     """A loss or gradient went NaN/Inf; the message names the step and the tensor."""
-
-
-def _unsupported_here(world_size: int) -> list[str]:
-    """Settings this single-process loop cannot honour yet, as ``key=value`` strings.
-
-    With one rank the distributed optimizer owns every shard (Muon's layer-wise optimizer
-    owns every matrix) and overlap settings have no collective to overlap, so ``ddp.*`` flags
-    are honoured trivially; FP8/FP4 primary weights are handled by :class:`_MasterOptimizer`
-    (requantized from the fp32 masters every step).
-    """
-    return [f"WORLD_SIZE={world_size} (data parallelism)"] if world_size > 1 else []
 
 
 def _check_finite_grads(model: torch.nn.Module, step: int) -> None:
@@ -183,16 +177,12 @@ def pretrain(cfg: LPTrainConfig, output_dir: str | Path) -> dict[str, Any]:
     from lptrain.precision.factory import build_factory
 
     console = Console()
-    import os
-
-    missing = _unsupported_here(int(os.environ.get("WORLD_SIZE", "1")))
-    if missing:
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1:
         raise SystemExit(
             "lptrain pretrain: this build runs a single process; "
-            f"not yet supported: {', '.join(missing)}"
+            f"not yet supported: WORLD_SIZE={world_size} (data parallelism)"
         )
-    from lptrain.config import World, derive
-
     cfg = derive(cfg, World.detect())  # idempotent: the CLI already derived; direct callers may not
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
