@@ -23,27 +23,39 @@ def ffn_hidden_size(hidden: int, ffn: int | None) -> int:
     return ffn if ffn else 4 * hidden
 
 
+def swiglu_linears(
+    ctx: BuildContext, prefix: str, ffn: int, suffix: str = ""
+) -> tuple[nn.Module, nn.Module]:
+    """The factory linears of one SwiGLU MLP: ``fc1`` hidden -> 2*ffn, ``fc2`` ffn -> hidden.
+
+    ``suffix`` (``".{expert}"``) gives a loop-layout expert its canonical per-expert names,
+    which also seed its init, so every layout initialises the same weights.
+    """
+    hidden = ctx.cfg.hidden_size
+    fc1 = ctx.factory.linear(
+        hidden,
+        2 * ffn,
+        bias=False,
+        init_method=ctx.init(f"{prefix}linear_fc1.weight{suffix}", ctx.std),
+        name=f"{prefix}linear_fc1{suffix}",
+    )
+    fc2 = ctx.factory.linear(
+        ffn,
+        hidden,
+        bias=False,
+        init_method=ctx.init(f"{prefix}linear_fc2.weight{suffix}", ctx.output_std),
+        name=f"{prefix}linear_fc2{suffix}",
+    )
+    return fc1, fc2
+
+
 class MLP(nn.Module):
     """Dense SwiGLU MLP built from two factory linears."""
 
     def __init__(self, ctx: BuildContext, prefix: str) -> None:
         super().__init__()
-        hidden = ctx.cfg.hidden_size
-        ffn = ffn_hidden_size(hidden, ctx.cfg.ffn_hidden_size)
-        self.linear_fc1 = ctx.factory.linear(
-            hidden,
-            2 * ffn,
-            bias=False,
-            init_method=ctx.init(f"{prefix}linear_fc1.weight", ctx.std),
-            name=f"{prefix}linear_fc1",
-        )
-        self.linear_fc2 = ctx.factory.linear(
-            ffn,
-            hidden,
-            bias=False,
-            init_method=ctx.init(f"{prefix}linear_fc2.weight", ctx.output_std),
-            name=f"{prefix}linear_fc2",
-        )
+        ffn = ffn_hidden_size(ctx.cfg.hidden_size, ctx.cfg.ffn_hidden_size)
+        self.linear_fc1, self.linear_fc2 = swiglu_linears(ctx, prefix, ffn)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return self.linear_fc2(swiglu(self.linear_fc1(x))), {}

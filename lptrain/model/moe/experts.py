@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from lptrain.model.build_context import BuildContext
-from lptrain.model.mlp import swiglu
+from lptrain.model.mlp import swiglu, swiglu_linears
 
 
 class GroupedMLP(nn.Module):
@@ -65,21 +65,7 @@ class ExpertMLP(nn.Module):
 
     def __init__(self, ctx: BuildContext, prefix: str, expert: int, ffn: int) -> None:
         super().__init__()
-        hidden = ctx.cfg.hidden_size
-        self.linear_fc1 = ctx.factory.linear(
-            hidden,
-            2 * ffn,
-            bias=False,
-            init_method=ctx.init(f"{prefix}linear_fc1.weight.{expert}", ctx.std),
-            name=f"{prefix}linear_fc1.{expert}",
-        )
-        self.linear_fc2 = ctx.factory.linear(
-            ffn,
-            hidden,
-            bias=False,
-            init_method=ctx.init(f"{prefix}linear_fc2.weight.{expert}", ctx.output_std),
-            name=f"{prefix}linear_fc2.{expert}",
-        )
+        self.linear_fc1, self.linear_fc2 = swiglu_linears(ctx, prefix, ffn, f".{expert}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_fc2(swiglu(self.linear_fc1(x)))
