@@ -16,14 +16,17 @@ from typing import Optional
 
 import typer
 
+from lptrain.cli_errors import LPTrainGroup, root_callback
 from lptrain.config.compose import DEFAULT_RECIPE
 
 app = typer.Typer(
+    cls=LPTrainGroup,  # one error surface: `error: ...` + documented exit status (lptrain.errors)
     help="lptrain: low-precision LLM pretraining (FP8, MXFP8, blockwise FP8, NVFP4, Muon, MoE) "
     "with every flag combination validated before a GPU is touched.",
     no_args_is_help=True,
     rich_markup_mode="rich",
 )
+app.callback()(root_callback)  # --debug (anywhere on the line) shows tracebacks
 
 
 class Target(str, enum.Enum):
@@ -69,12 +72,8 @@ def _fail_input(message: str) -> typer.Exit:
 
 def _load(recipe: str, overrides: Optional[list[str]]):  # -> Composed
     from lptrain.config.compose import load
-    from lptrain.config.errors import ConfigError
 
-    try:
-        return load(recipe, overrides or [])
-    except ConfigError as e:
-        raise _fail_input(str(e)) from None
+    return load(recipe, overrides or [])  # a ConfigError becomes `error: ...`, exit 2 (cli_errors)
 
 
 def _world(dp: Optional[int], target: Optional[Target], te_version: Optional[str]):  # -> World
@@ -172,10 +171,23 @@ def pretrain(
     dp: Optional[int] = DpOpt,
     target: Optional[Target] = TargetOpt,
     te_version: Optional[str] = TeOpt,
+    dry_run: bool = typer.Option(
+        False, "--dry-run",
+        help="Validate, build the model on the meta device, open the data, then exit (writes nothing).",
+    ),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="Replace a run already in the run folder instead of refusing."
+    ),
+    nproc_per_node: int = typer.Option(
+        1, "--nproc-per-node", min=1,
+        help="Start N local ranks (torch's elastic launcher, as torchrun does); under an existing "
+        "torchrun/SLURM world ($WORLD_SIZE set) the run joins that world instead.",
+    ),
 ) -> None:
     """Validate, write resolved_config.yaml into the run folder, then train.
 
-    Refuses to start (exit 1, same report as validate-config) when any rule fails.
+    Refuses to start (exit 1, same report as validate-config) when any rule fails; exit 2 when
+    the recipe, data or run folder cannot be used, 3 when the run starts and fails.
     """
     from lptrain.config.check import check, has_errors
     from lptrain.config.derive import derive
@@ -185,25 +197,54 @@ def pretrain(
     if output_dir is not None:
         all_overrides.append(f"run.output_dir={output_dir}")
     composed = _load(recipe, all_overrides)
-    world = _world(dp, target, te_version)
+    from lptrain.launch.local import launch_local, world_from_env
+
+    rank, env_world, _ = world_from_env()
+    spawn = nproc_per_node > 1 and env_world == 1 and not dry_run
+    world = _world(dp or (nproc_per_node if spawn else None), target, te_version)
     violations = check(composed.cfg, world)
     if has_errors(violations):
         _report(violations, Path(recipe).name, world, as_json=False)
         _console().print("[red]refusing to start: fix the errors above[/red]")
         raise typer.Exit(1)
-    if violations:
+    if violations and rank == 0:
         _report(violations, Path(recipe).name, world, as_json=False)
+    if spawn:  # validated for the real world size; each rank runs this command again
+        args = ["pretrain", "--recipe", recipe, *(overrides or [])]
+        if output_dir is not None:
+            args += ["--output-dir", output_dir]
+        if target is not None:
+            args += ["--target", target.value]
+        if te_version is not None:
+            args += ["--te-version", te_version]
+        if overwrite:
+            args.append("--overwrite")
+        raise typer.Exit(launch_local(nproc_per_node, args))
     cfg = derive(composed.cfg, world)
     out = Path(cfg.run.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "resolved_config.yaml").write_text(config_yaml(cfg))
+    from lptrain import preflight
+    from lptrain.train.run_dir import check_output_dir
+
+    if rank != 0:  # rank 0 owns the run folder; the others only train
+        from lptrain.train import pretrain as run_pretrain
+
+        run_pretrain(cfg, out, **({"overwrite": True} if overwrite else {}))
+        return
+    check_output_dir(cfg, out, overwrite)  # resume, or refuse a folder holding another run (exit 2)
+    if dry_run:
+        preflight.check_output_dir(out)
+        for line in preflight.dry_run(cfg).lines():
+            typer.echo(line)
+        raise typer.Exit(0)
+    preflight.prepare_output_dir(out)  # OutputDirError (exit 2) before anything is written
+    preflight.write_text(out / "resolved_config.yaml", config_yaml(cfg))
     typer.echo(f"wrote {out / 'resolved_config.yaml'}")
     try:
         from lptrain.train import pretrain as run_pretrain
     except ImportError as e:
         typer.echo(f"training loop not available in this build ({e}); config written, not training")
         raise typer.Exit(0) from None
-    run_pretrain(cfg, out)
+    run_pretrain(cfg, out, **({"overwrite": True} if overwrite else {}))
 
 
 @app.command("rules")
@@ -238,6 +279,14 @@ except ImportError:  # pragma: no cover - depends on which packages are present
     register_data = None
 if register_data is not None:
     register_data(app)
+
+from lptrain.launch.slurm import register as register_slurm  # noqa: E402  (lptrain slurm)
+
+register_slurm(app)
+
+from lptrain.plot_command import register as register_plot  # noqa: E402  (lptrain plot RUN_DIR)
+
+register_plot(app)
 
 
 def main() -> None:

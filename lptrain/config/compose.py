@@ -38,6 +38,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from lptrain.config.errors import ConfigError
 from lptrain.config.schema import LPTrainConfig
+from lptrain.config.yaml_files import first_line as _first_line
+from lptrain.config.yaml_files import read_yaml as _read_yaml
 
 KNOWN_TARGETS: tuple[str, ...] = ("cpu", "sm89", "sm90", "sm100")
 DEFAULT_RECIPE = "tiny_cpu.yaml"
@@ -212,46 +214,6 @@ def _validate(data: Any, cls: type, prefix: str, layer: _Layer) -> None:
             )
 
 
-# --------------------------------------------------------------------------- YAML files
-
-
-def _line_map(node: yaml.Node, prefix: str, out: dict[str, int]) -> None:
-    if isinstance(node, yaml.MappingNode):
-        for k, v in node.value:
-            key = f"{prefix}{k.value}"
-            out[key] = k.start_mark.line + 1
-            _line_map(v, key + ".", out)
-
-
-def _read_yaml(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
-    """Parse one YAML file into (mapping, dotted key -> line); syntax errors name the line."""
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read: {e.strerror or e}") from None
-    try:
-        data = yaml.safe_load(text)
-        node = yaml.compose(text)
-    except yaml.MarkedYAMLError as e:
-        mark = e.problem_mark or e.context_mark
-        line = f":{mark.line + 1}" if mark is not None else ""
-        problem = e.problem or e.context or "invalid YAML"
-        ctx = e.context_mark
-        if e.problem and e.context and ctx is not None and mark is not None and ctx.line != mark.line:
-            problem += f" ({e.context} started at line {ctx.line + 1})"
-        raise ConfigError(f"{path}{line}: YAML syntax error: {problem}") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: YAML syntax error: {e}") from None
-    if data is None:
-        return {}, {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}:1: expected a mapping of sections, got {type(data).__name__}")
-    lines: dict[str, int] = {}
-    if node is not None:
-        _line_map(node, "", lines)
-    return data, lines
-
-
 # --------------------------------------------------------------------------- lookup
 
 
@@ -381,6 +343,10 @@ def parse_overrides(overrides: Iterable[str]) -> tuple[_Layer, dict[str, Any]]:
     meta: dict[str, Any] = {}
     source = "command-line override"
     for item in overrides:
+        try:
+            item.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ConfigError(f"{source} {item!a}: not valid UTF-8 text") from None
         if "=" not in item:
             raise ConfigError(f"{source} '{item}': expected key=value (e.g. model.num_layers=4)")
         key, raw = item.split("=", 1)
@@ -389,8 +355,8 @@ def parse_overrides(overrides: Iterable[str]) -> tuple[_Layer, dict[str, Any]]:
             raise ConfigError(f"{source} '{item}': empty key")
         try:
             value = yaml.safe_load(raw) if raw.strip() else None
-        except yaml.YAMLError:
-            value = raw
+        except (yaml.YAMLError, ValueError, RecursionError, OverflowError):
+            value = raw  # not YAML: kept as text (a type error names it if text is wrong)
         if key.startswith("meta."):
             meta[key[5:]] = value
             continue
@@ -425,10 +391,6 @@ def _accepts_str(tp: Any) -> bool:
     if tp is str:
         return True
     return typing.get_origin(tp) is Union and str in typing.get_args(tp)
-
-
-def _first_line(msg: str) -> str:
-    return msg.strip().splitlines()[0] if msg.strip() else "invalid value"
 
 
 @lru_cache(maxsize=1)

@@ -27,9 +27,12 @@ def derive(cfg: LPTrainConfig, world: World) -> LPTrainConfig:
     out = copy.deepcopy(cfg)
     prec, ddp, opt, model = out.precision, out.ddp, out.optimizer, out.model
 
-    # precision.backend=auto: Transformer Engine when CUDA and TE are there, else emulated.
+    # precision.backend=auto: Transformer Engine only for a quantized recipe that TE supports
+    # in this world, else emulated (plain PyTorch GEMMs when unquantized).
     if prec.backend == "auto":
-        prec.backend = "te" if (world.cuda and world.te_version) else "emulated"
+        from lptrain.config.rulesets.precision import auto_backend
+
+        prec.backend = auto_backend(out, world)
 
     # Gradients of bf16 params are reduced in fp32 unless the recipe says otherwise.
     if ddp.grad_reduce_in_fp32 is None:

@@ -1,20 +1,29 @@
-"""The one exception type for configuration input that cannot be read."""
+"""The exception type for configuration input that cannot be read (an ``InputError``)."""
 
 from __future__ import annotations
 
+from typing import Optional
 
-class ConfigError(Exception):
+from lptrain.errors import InputError
+
+
+class ConfigError(InputError):
     """Unreadable configuration input: missing recipe, YAML syntax error, unknown key, wrong type.
 
-    The message is a single human-readable line (or a few) naming the file, line and dotted
-    key where known; the CLI prints it as-is, without a traceback, and exits with status 2.
-    Rule violations of a well-formed config are *not* ConfigErrors: they are collected by
-    :func:`lptrain.config.check.check` and reported together.
+    The message is one human-readable line naming the file, line and dotted key where known;
+    the CLI prints it without a traceback and exits with status 2 (it is an
+    :class:`lptrain.errors.InputError`). Rule violations of a well-formed config are *not*
+    ConfigErrors: they are collected by :func:`lptrain.config.check.check` and reported
+    together (exit 1).
     """
 
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.message = message
-
-    def __str__(self) -> str:
-        return self.message
+    def __init__(
+        self,
+        message: str,
+        *,
+        key: Optional[str] = None,
+        file: Optional[str] = None,
+        line: Optional[int] = None,
+        fix: Optional[str] = None,
+    ) -> None:
+        super().__init__(message, key=key, file=file, line=line, fix=fix)

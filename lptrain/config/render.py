@@ -21,7 +21,7 @@ RULES_DOC_HEADER = """\
 rule below and reports all violations together: rule id, severity, the dotted keys
 involved, what is wrong and why, and a concrete fix. Exit status: 0 valid (warnings
 allowed), 1 at least one error, 2 the input could not be read (missing recipe, YAML
-syntax error, unknown key, wrong type). `--json` prints
+syntax error, unknown key, wrong type, non-UTF-8 or empty file, duplicated key). `--json` prints
 `{"valid": bool, "violations": [{"rule", "severity", "keys", "message", "fix"}]}`.
 
 World-dependent rules use the running machine, or `--dp N`, `--target {cpu,sm89,sm90,sm100}`

@@ -47,9 +47,27 @@ WANDB_MODES = ("online", "offline", "disabled")
 RECIPE_ALIGNMENT = {"delayed": 16, "tensorwise": 16, "blockwise": 16, "mxfp8": 32, "nvfp4": 32}
 # Minimum compute capability for the Transformer Engine backend.
 RECIPE_MIN_SM = {"delayed": 89, "tensorwise": 89, "blockwise": 90, "mxfp8": 100, "nvfp4": 100}
-# Minimum Transformer Engine versions.
-RECIPE_MIN_TE = {"tensorwise": "2.2", "blockwise": "2.3", "nvfp4": "2.7"}
+# Transformer Engine facts, from TE's release history (checked against its v2.0-v2.19 sources).
+# TE_MIN_VERSION: the oldest TE lptrain's adapter is written for (QParams, Float8CurrentScaling).
+TE_MIN_VERSION = "2.2"
+# First TE release shipping each recipe class: Float8CurrentScaling 2.2, Float8BlockScaling
+# 2.3, NVFP4BlockScaling 2.8 (DelayedScaling and MXFP8BlockScaling predate 2.2).
+RECIPE_MIN_TE = {"delayed": "2.2", "tensorwise": "2.2", "blockwise": "2.3", "mxfp8": "2.2",
+                 "nvfp4": "2.8"}
+# TE 2.3-2.8 run Float8BlockScaling on Hopper only; 2.9 adds Blackwell (through MXFP8 GEMMs).
+BLOCKWISE_BLACKWELL_MIN_TE = "2.9"
+# GroupedLinear applies the recipe's amax_epsilon (QParams) from 2.3; Linear already in 2.2.
+GROUPED_AMAX_EPSILON_MIN_TE = "2.3"
+# GroupedLinear(single_grouped_weight=...) appears in 2.14; from 2.15 it is honoured only with
+# NVTE_GROUPED_LINEAR_SINGLE_PARAM=1 at construction, and from 2.19 only with
+# use_grouped_tensor=True (the TE adapter sets both).
 SINGLE_GROUPED_WEIGHT_MIN_TE = "2.14"
+SINGLE_GROUPED_WEIGHT_ENV_TE = "2.15"
+USE_GROUPED_TENSOR_TE = "2.19"
+# TE refuses MXFP8 from compute capability 12.0 on ("not supported on 12.0+ architectures").
+MXFP8_FIRST_UNSUPPORTED_SM = 120
+# Float8BlockScaling GEMMs need a CUDA 12.9+ build of torch/TE (TE's block-scaling check).
+BLOCKWISE_MIN_CUDA = "12.9"
 
 
 @dataclass(frozen=True)
@@ -149,9 +167,20 @@ def get_key(c: Any, key: str) -> Any:
 
 def all_rules() -> list[Rule]:
     """Every rule, in catalog order (sections as in flag-rules.md, then value-set rules)."""
-    from lptrain.config.rulesets import choices, ddp, model, moe, muon, precision
+    from lptrain.config.rulesets import (
+        choices,
+        data,
+        ddp,
+        loop,
+        model,
+        moe,
+        muon,
+        precision,
+        ranges,
+    )
 
-    return [*precision.RULES, *ddp.RULES, *muon.RULES, *moe.RULES, *model.RULES, *choices.RULES]
+    return [*precision.RULES, *ddp.RULES, *muon.RULES, *moe.RULES, *model.RULES, *choices.RULES,
+            *ranges.RULES, *data.RULES, *loop.RULES]
 
 
 def rule_ids() -> list[str]:

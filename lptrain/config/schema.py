@@ -130,9 +130,17 @@ class MuonConfig:
 
     momentum: float = opt(0.95, "Momentum coefficient, in [0, 1).")
     nesterov: bool = opt(True, "Use Nesterov momentum.")
-    ns_steps: int = opt(5, "Newton-Schulz iterations (>= 1).")
-    coefficients: str = opt("quintic", "Newton-Schulz coefficients: simple or quintic.")
-    scale_mode: str = opt("spectral", "Update scaling: shape_scaling, spectral or unit_rms_norm.")
+    ns_steps: int = opt(
+        5, "Newton-Schulz iterations: simple >= 1, quintic a multiple of 5, polar_express >= 8."
+    )
+    coefficients: str = opt(
+        "quintic", "Newton-Schulz coefficients: simple, quintic or polar_express."
+    )
+    scale_mode: str = opt(
+        "spectral",
+        "Update scaling: spectral (update RMS 1: takes AdamW's lr), shape_scaling or "
+        "unit_rms_norm (RMS 1/sqrt(fan_in): Keller-style lr ~0.02).",
+    )
     extra_scale_factor: float = opt(1.0, "Extra multiplier on the orthogonalized update.")
     split_qkv: bool = opt(True, "Orthogonalize Q, K and V separately.")
     scalar_optimizer: str = opt("adamw", "Optimizer for non-matrix params (embeddings, norms): adamw.")
@@ -187,6 +195,12 @@ class TrainConfig:
     eval_iters: int = opt(10, "Batches per evaluation.")
     log_interval: Optional[int] = opt(10, "Log metrics every N steps.")
     exit_interval: Optional[int] = opt(None, "Stop after N steps in this job (for requeue).")
+    exit_duration_mins: Optional[float] = opt(
+        None, "Save (when checkpoint.save is set) and stop after N minutes of this job."
+    )
+    on_nonfinite: str = opt(
+        "stop", "NaN/Inf loss or grad norm: stop (raise, naming step and tensor) or skip the step."
+    )
     gradient_accumulation_fusion: bool = opt(
         True, "Quantized linears accumulate wgrad straight into main_grad."
     )
@@ -204,6 +218,9 @@ class CheckpointConfig:
         "dp_reshardable", "dp_reshardable, fully_reshardable or fully_sharded_model_space."
     )
     async_save: bool = opt(False, "Save in the background.")
+    save_on_interrupt: bool = opt(
+        False, "Also save on SIGINT (Ctrl-C); SIGTERM/SIGUSR1 always save when save is set."
+    )
 
 
 @dataclass

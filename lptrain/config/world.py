@@ -1,4 +1,4 @@
-"""The world a config is checked against: data-parallel size, GPU generation, TE version.
+"""The world a config is checked against: data-parallel size, GPU generation, CUDA and TE versions.
 
 Read from the running environment, or given explicitly (``--dp``, ``--target``,
 ``--te-version``) so a config can be checked for a cluster from a laptop. Detection avoids
@@ -15,10 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-TARGETS: tuple[str, ...] = ("cpu", "sm89", "sm90", "sm100")
+TARGETS: tuple[str, ...] = ("cpu", "sm89", "sm90", "sm100", "sm120")
 # When checking for a cluster (--target given), Transformer Engine is assumed present at
-# this version unless --te-version says otherwise: recent enough for every recipe.
-ASSUMED_TE_VERSION = "2.14"
+# this version unless --te-version says otherwise: recent enough for every recipe and
+# feature lptrain uses (see the TE facts in lptrain.config.rules), and a CUDA build new
+# enough for blockwise FP8 (12.9).
+ASSUMED_TE_VERSION = "2.19"
+ASSUMED_CUDA_VERSION = "12.9"
 _TE_DISTRIBUTIONS = ("transformer_engine", "transformer-engine", "transformer_engine_torch")
 
 
@@ -30,6 +33,8 @@ class World:
     target: str = "cpu"
     te_version: Optional[str] = None
     cuda: bool = False
+    # The CUDA version torch was built with ("12.9"); None when unknown or without CUDA.
+    cuda_version: Optional[str] = None
 
     @property
     def sm(self) -> int:
@@ -42,25 +47,31 @@ class World:
         dp: Optional[int] = None,
         target: Optional[str] = None,
         te_version: Optional[str] = None,
+        cuda_version: Optional[str] = None,
     ) -> World:
         """Explicit values win; the rest comes from the environment.
 
-        A given GPU ``target`` means "checking for a cluster": CUDA is assumed present and
-        Transformer Engine at ``te_version`` or :data:`ASSUMED_TE_VERSION`.
+        A given GPU ``target`` means "checking for a cluster": CUDA is assumed present at
+        ``cuda_version`` or :data:`ASSUMED_CUDA_VERSION`, and Transformer Engine at
+        ``te_version`` or :data:`ASSUMED_TE_VERSION`.
         """
         if dp is None:
             dp = _env_int("WORLD_SIZE", 1)
+        if te_version is not None:
+            te_version = check_version(te_version)
         if target is not None:
             if target not in TARGETS:
                 raise ValueError(f"unknown target {target!r}; choose from {', '.join(TARGETS)}")
             if target == "cpu":
                 return cls(dp=dp, target="cpu", te_version=te_version, cuda=False)
-            return cls(dp=dp, target=target, te_version=te_version or ASSUMED_TE_VERSION, cuda=True)
+            return cls(dp=dp, target=target, te_version=te_version or ASSUMED_TE_VERSION, cuda=True,
+                       cuda_version=cuda_version or ASSUMED_CUDA_VERSION)
         env_target = _detect_gpu_target()
         installed = te_version or installed_te_version()
         if env_target is None:
             return cls(dp=dp, target="cpu", te_version=installed, cuda=False)
-        return cls(dp=dp, target=env_target, te_version=installed, cuda=True)
+        return cls(dp=dp, target=env_target, te_version=installed, cuda=True,
+                   cuda_version=cuda_version or _torch_cuda_version())
 
 
 def sm_number(target: str) -> int:
@@ -79,6 +90,24 @@ def parse_version(text: str) -> tuple[int, ...]:
     return tuple(out)
 
 
+_VERSION_RE = re.compile(r"\d+(\.\d+)*([.-]?(a|b|rc|dev|post)\d*)*(\+[0-9A-Za-z.]+)?")  # PEP 440-ish
+
+
+def check_version(text: str) -> str:
+    """``text`` stripped, or :class:`ConfigError` when it is not a version (``--te-version
+    banana`` would otherwise compare as the empty tuple, older than every real version)."""
+    from lptrain.config.errors import ConfigError
+
+    value = str(text).strip()
+    if not _VERSION_RE.fullmatch(value):
+        raise ConfigError(
+            f"--te-version {text!r} is not a version number",
+            key="--te-version",
+            fix="give a Transformer Engine version such as 2.14 or 2.8.0",
+        )
+    return value
+
+
 def installed_te_version() -> Optional[str]:
     for dist in _TE_DISTRIBUTIONS:
         try:
@@ -93,6 +122,16 @@ def _env_int(name: str, default: int) -> int:
         return int(os.environ.get(name, default))
     except ValueError:
         return default
+
+
+def _torch_cuda_version() -> Optional[str]:
+    """``torch.version.cuda`` ("12.9"), or None (CPU build, or torch unimportable)."""
+    try:
+        import torch
+
+        return torch.version.cuda
+    except Exception:
+        return None
 
 
 def _detect_gpu_target() -> Optional[str]:

@@ -50,6 +50,7 @@ def register(app: typer.Typer) -> None:
         from lptrain.data.errors import DataError
         from lptrain.data.prepare import prepare_dataset, print_report
         from lptrain.data.sources import DEFAULT_GLOBS
+        from lptrain.errors import LPTrainError
 
         try:
             if builtin is not None:
@@ -79,7 +80,7 @@ def register(app: typer.Typer) -> None:
                     workers=workers, text_key=text_key, globs=tuple(glob) if glob else DEFAULT_GLOBS,
                     skip_bad_lines=skip_bad_lines, progress=progress,
                 )
-        except DataError as exc:
+        except LPTrainError as exc:  # one line and the documented status (2: unusable input)
             typer.echo(f"error: {exc}", err=True)
-            raise typer.Exit(1) from exc
+            raise typer.Exit(exc.exit_code) from None
         print_report(report, sys.stdout)

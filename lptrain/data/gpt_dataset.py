@@ -36,6 +36,12 @@ class _EpochLayout:
     single: np.ndarray
 
 
+def split_seed(data_seed: int, dataset_index: int) -> int:
+    """The split/shuffle seed of the ``dataset_index``-th dataset of a blend (one place, so
+    validation predicts exactly the split the loader makes)."""
+    return int(data_seed) + 1000 * int(dataset_index)
+
+
 def split_documents(num_docs: int, valid_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """Disjoint sorted ``(train_ids, valid_ids)``, fixed by ``seed``; valid gets >= 1 doc if > 0."""
     if not 0.0 <= valid_fraction < 1.0:

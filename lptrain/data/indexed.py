@@ -26,8 +26,10 @@ from typing import Any
 import numpy as np
 
 from lptrain.data.errors import DataError
+from lptrain.errors import OutputDirError
 
 MAGIC = b"LPTIDX01"
+REPREPARE = "prepare the dataset again with `lptrain prepare-data`"
 FORMAT_VERSION = 1
 _FULL_VERIFY_LIMIT = 1 << 30  # verify the token checksum by default below 1 GiB
 
@@ -70,9 +72,15 @@ class IndexedDatasetWriter:
     def __post_init__(self) -> None:
         self.dtype = dtype_for_vocab(self.vocab_size)
         self._bin = bin_path(self.prefix)
-        self._bin.parent.mkdir(parents=True, exist_ok=True)
         self._tmp_bin = self._bin.with_name(self._bin.name + f".tmp-{os.getpid()}")
-        self._f = open(self._tmp_bin, "wb")  # noqa: SIM115 - closed in finalize/abort
+        try:
+            self._bin.parent.mkdir(parents=True, exist_ok=True)
+            self._f = open(self._tmp_bin, "wb")  # noqa: SIM115 - closed in finalize/abort
+        except OSError as e:
+            raise OutputDirError(
+                f"cannot write the dataset {self._bin}: {e.strerror or e}",
+                fix="choose a writable --output PREFIX",
+            ) from None
         self._hash = hashlib.blake2b(digest_size=32)
         self._lengths: list[np.ndarray] = []
         self._num_tokens = 0
@@ -147,6 +155,16 @@ class IndexedDatasetWriter:
         return header
 
 
+def tokenizer_fix(prefix: str, name: str) -> str:
+    """How to point ``data.tokenizer`` at the tokenizer a dataset was prepared with."""
+    if name == "byte":
+        return "set data.tokenizer=byte"
+    trained = Path(f"{prefix}.tokenizer.json")  # where prepare-data --train-tokenizer saves it
+    if trained.is_file():
+        return f"set data.tokenizer={trained}"
+    return f"set data.tokenizer to the path of the tokenizers JSON file {name.removeprefix('hf:')}"
+
+
 def encode_index(header: dict[str, Any], offsets: np.ndarray) -> bytes:
     body = json.dumps(header, sort_keys=True).encode("utf-8")
     pad = (-(len(MAGIC) + 8 + len(body))) % 8
@@ -158,30 +176,37 @@ def read_index(prefix: str | os.PathLike[str]) -> tuple[dict[str, Any], np.ndarr
     """Header and offsets of ``PREFIX.idx``; raises :class:`DataError` on any inconsistency."""
     path = idx_path(prefix)
     if not path.is_file():
-        raise DataError(f"dataset index not found: {path} (prepare it with `lptrain prepare-data`)")
+        raise DataError(
+            f"dataset index not found: {path} (not prepared yet, or a wrong path?)",
+            fix="prepare it with `lptrain prepare-data --input ... --output PREFIX`, or fix data.source/data.paths",
+        )
     raw = path.read_bytes()
     if raw[: len(MAGIC)] != MAGIC or len(raw) < len(MAGIC) + 8:
-        raise DataError(f"{path} is not an lptrain index (bad magic bytes)")
+        raise DataError(f"{path} is not an lptrain index (bad magic bytes)", fix=REPREPARE)
     (hlen,) = struct.unpack("<Q", raw[len(MAGIC) : len(MAGIC) + 8])
     start = len(MAGIC) + 8
     try:
         header = json.loads(raw[start : start + hlen].decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise DataError(f"corrupt index header in {path}: {exc}") from exc
+        raise DataError(f"corrupt index header in {path}: {exc}", fix=REPREPARE) from None
     if header.get("format") != "lptrain-indexed" or header.get("version") != FORMAT_VERSION:
-        raise DataError(f"{path}: unsupported index format {header.get('format')!r} v{header.get('version')!r}")
+        raise DataError(
+            f"{path}: unsupported index format {header.get('format')!r} v{header.get('version')!r}",
+            fix=REPREPARE,
+        )
     n_docs = int(header["num_documents"])
     body = raw[start + hlen :]
     if len(body) != 8 * (n_docs + 1):
         raise DataError(
             f"index size mismatch in {path}: {len(body)} offset bytes for {n_docs} documents "
-            f"(expected {8 * (n_docs + 1)})"
+            f"(expected {8 * (n_docs + 1)})",
+            fix=REPREPARE,
         )
     offsets = np.frombuffer(body, dtype="<i8").astype(np.int64)
     if _offsets_digest(offsets) != header["offsets_blake2b"]:
-        raise DataError(f"offsets checksum mismatch in {path}: the index is corrupt")
+        raise DataError(f"offsets checksum mismatch in {path}: the index is corrupt", fix=REPREPARE)
     if offsets[0] != 0 or offsets[-1] != header["num_tokens"] or np.any(np.diff(offsets) <= 0):
-        raise DataError(f"inconsistent document offsets in {path}")
+        raise DataError(f"inconsistent document offsets in {path}", fix=REPREPARE)
     return header, offsets
 
 
@@ -194,26 +219,32 @@ class IndexedDataset:
         h = self.header
         bpath = bin_path(prefix)
         if h["dtype"] not in ("uint16", "uint32"):
-            raise DataError(f"{idx_path(prefix)}: unsupported token dtype {h['dtype']!r}")
+            raise DataError(f"{idx_path(prefix)}: unsupported token dtype {h['dtype']!r}", fix=REPREPARE)
         self.dtype = np.dtype(h["dtype"])
         if h["max_token_id"] > np.iinfo(self.dtype).max or h["vocab_size"] > np.iinfo(self.dtype).max + 1:
             raise DataError(
-                f"wrong dtype in {idx_path(prefix)}: {h['dtype']} cannot hold vocabulary {h['vocab_size']}"
+                f"wrong dtype in {idx_path(prefix)}: {h['dtype']} cannot hold vocabulary {h['vocab_size']}",
+                fix=REPREPARE,
             )
         if not bpath.is_file():
-            raise DataError(f"token file not found: {bpath} (its index exists: {idx_path(prefix)})")
+            raise DataError(
+                f"token file not found: {bpath} (its index exists: {idx_path(prefix)})", fix=REPREPARE
+            )
         size = bpath.stat().st_size
         expected = h["num_tokens"] * self.dtype.itemsize
         if size != expected:
             raise DataError(
                 f"size mismatch for {bpath}: {size} bytes on disk, the index says "
                 f"{h['num_tokens']} tokens x {self.dtype.itemsize} bytes = {expected} "
-                "(wrong dtype, truncated or from another dataset)"
+                "(wrong dtype, truncated or from another dataset)",
+                fix=REPREPARE,
             )
         if verify is None:
             verify = size <= _FULL_VERIFY_LIMIT
         if verify and _blake2b_file(bpath) != h["tokens_blake2b"]:
-            raise DataError(f"token checksum mismatch for {bpath}: the dataset is corrupt or was replaced")
+            raise DataError(
+                f"token checksum mismatch for {bpath}: the dataset is corrupt or was replaced", fix=REPREPARE
+            )
         self.tokens = np.memmap(bpath, dtype=self.dtype, mode="r")
         self.doc_lengths = np.diff(self.offsets)
 
@@ -245,5 +276,7 @@ class IndexedDataset:
             raise DataError(
                 f"dataset {self.prefix} has token id {self.header['max_token_id']} (tokenizer "
                 f"{self.header['tokenizer'].get('name')}, vocab {self.vocab_size}) beyond the model "
-                f"vocabulary of {model_vocab_size}; set model.vocab_size >= {self.header['max_token_id'] + 1}"
+                f"vocabulary of {model_vocab_size}",
+                key="model.vocab_size",
+                fix=f"set model.vocab_size >= {self.header['max_token_id'] + 1}",
             )

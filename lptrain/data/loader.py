@@ -22,8 +22,8 @@ import torch
 from lptrain.data.blend import BlendedStream
 from lptrain.data.builtin import ensure_builtin_dataset
 from lptrain.data.errors import DataError
-from lptrain.data.gpt_dataset import GPTDataset, split_documents
-from lptrain.data.indexed import IndexedDataset
+from lptrain.data.gpt_dataset import GPTDataset, split_documents, split_seed
+from lptrain.data.indexed import IndexedDataset, tokenizer_fix
 from lptrain.data.sampler import GlobalBatchSampler
 
 _DEFAULT_CACHE = "~/.cache/lptrain"  # DataConfig.cache_dir's default; LPTRAIN_CACHE_DIR overrides it
@@ -153,7 +153,9 @@ def open_dataset(prefix: str, tokenizer: str, vocab_size: int) -> IndexedDataset
     if got.get("sha256") != want.sha256:
         raise DataError(
             f"dataset {prefix} was tokenized with {got.get('name')} (sha256 {str(got.get('sha256'))[:12]}) "
-            f"but data.tokenizer is {want.name} (sha256 {want.sha256[:12]})"
+            f"but data.tokenizer is {want.name} (sha256 {want.sha256[:12]})",
+            key="data.tokenizer",
+            fix=tokenizer_fix(prefix, str(got.get("name"))),
         )
     ds.check_vocab(vocab_size)
     return ds
@@ -171,7 +173,7 @@ def build_streams(
     valid_parts: list[GPTDataset] = []
     for k, prefix in enumerate(prefixes):
         ds = open_dataset(prefix, data_cfg.tokenizer, vocab_size)
-        seed = int(data_cfg.seed) + 1000 * k
+        seed = split_seed(data_cfg.seed, k)
         tr, va = split_documents(len(ds), float(data_cfg.split_valid_fraction), seed)
         train_parts.append(GPTDataset(ds, tr, seq_length, seed, f"{prefix} (train)"))
         if len(va):

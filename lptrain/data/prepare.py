@@ -25,6 +25,7 @@ from lptrain.data.errors import DataError
 from lptrain.data.indexed import IndexedDatasetWriter
 from lptrain.data.sources import DEFAULT_GLOBS, ReadStats, discover_files, iter_documents
 from lptrain.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, train_bpe
+from lptrain.errors import OutputDirError
 
 _worker_tok: ByteTokenizer | HFTokenizer | None = None
 
@@ -145,7 +146,13 @@ def prepare_dataset(
             raise DataError(f"unknown --train-tokenizer {train_tokenizer!r} (supported: bpe)")
         if not vocab_size:
             raise DataError("--train-tokenizer bpe needs --vocab-size N")
-        Path(prefix).parent.mkdir(parents=True, exist_ok=True)
+        try:
+            Path(prefix).parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise OutputDirError(
+                f"cannot create the output folder of {prefix}: {e.strerror or e}",
+                fix="choose a writable --output PREFIX",
+            ) from None
         tok_path = f"{prefix}.tokenizer.json"
         train_stats = ReadStats()
         texts = (t for t, _ in iter_documents(file_list, text_key, skip_bad_lines, train_stats) if t)

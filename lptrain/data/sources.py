@@ -22,6 +22,9 @@ from lptrain.data.errors import DataError
 DEFAULT_GLOBS = ("*.txt", "*.md", "*.rst", "*.py", "*.jsonl")
 _REPLACEMENT_UTF8 = "\ufffd".encode()
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+_SNIFF_BYTES = 1 << 16
+_MAX_INVALID_UTF8_SHARE = 0.1  # above this share of bad bytes, a file is not text with typos
+_BINARY_FIX = "pass text, Markdown, code or JSONL files (in a directory, pick them with --glob)"
 
 
 @dataclass
@@ -116,6 +119,34 @@ def _jsonl_docs(
         yield "", pending
 
 
+def check_not_binary(path: Path, head: bytes) -> None:
+    """Refuse a file whose first bytes are not text: a NUL byte (no text format has one) or
+    more than 10% invalid UTF-8. Without this a binary file became a dataset of U+FFFD with
+    only a warning."""
+    head = head[:_SNIFF_BYTES]
+    if b"\0" in head:
+        raise DataError(f"{path} looks like a binary file (it holds NUL bytes), not text", fix=_BINARY_FIX)
+    if not head:
+        return
+    # "+ 3": a multi-byte character cut at the sniff boundary is not the file's fault.
+    text = head.decode("utf-8", errors="replace")
+    bad = text.count("\ufffd") - head.count(_REPLACEMENT_UTF8)
+    if bad > _MAX_INVALID_UTF8_SHARE * len(head) + 3:
+        raise DataError(
+            f"{path} looks like a binary file ({bad} invalid UTF-8 sequences in its first "
+            f"{len(head)} bytes), not text",
+            fix=_BINARY_FIX,
+        )
+
+
+def _read_head(path: Path) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read(_SNIFF_BYTES)
+    except OSError as e:
+        raise DataError(f"cannot read input {path}: {e.strerror or e}") from None
+
+
 def iter_documents(
     files: Sequence[Path],
     text_key: str = "text",
@@ -131,13 +162,17 @@ def iter_documents(
         if not path.is_file():
             raise DataError(f"input path not found: {path}")
         stats.files += 1
+        check_not_binary(path, _read_head(path))
         if path.suffix == ".jsonl":
             for doc, nbytes in _jsonl_docs(path, text_key, skip_bad_lines, stats):
                 if doc:
                     stats.documents += 1
                 yield doc, nbytes
             continue
-        raw = path.read_bytes()
+        try:
+            raw = path.read_bytes()
+        except OSError as e:
+            raise DataError(f"cannot read input {path}: {e.strerror or e}") from None
         stats.bytes_read += len(raw)
         if not raw:
             stats.skipped_empty_files.append(str(path))

@@ -26,7 +26,10 @@ def attention_shape(hidden: int, heads: int, groups: int | None) -> tuple[int, i
 
 
 class SelfAttention(nn.Module):
-    """Pre-projected causal attention on ``F.scaled_dot_product_attention`` (fp32 math)."""
+    """Pre-projected causal attention on ``F.scaled_dot_product_attention``.
+
+    RoPE is applied in fp32; the attention itself runs in the activation dtype (fp32 on the
+    CPU, bf16 on CUDA, where SDPA picks its flash kernel)."""
 
     def __init__(self, ctx: BuildContext, prefix: str) -> None:
         super().__init__()
@@ -59,12 +62,12 @@ class SelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         g, qpg, hd = self.num_groups, self.q_per_group, self.head_dim
-        qkv = self.linear_qkv(x).float().view(b, s, g, qpg + 2, hd)
+        qkv = self.linear_qkv(x).to(x.dtype).view(b, s, g, qpg + 2, hd)
         q = qkv[:, :, :, :qpg].reshape(b, s, g * qpg, hd).transpose(1, 2)  # head = g*qpg + j
         k = qkv[:, :, :, qpg].transpose(1, 2)  # [b, g, s, hd]
         v = qkv[:, :, :, qpg + 1].transpose(1, 2)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
+        q = apply_rotary(q.float(), cos, sin).to(x.dtype)
+        k = apply_rotary(k.float(), cos, sin).to(x.dtype)
         if qpg > 1:  # query head h reads KV group h // q_per_group
             k = k.repeat_interleave(qpg, dim=1)
             v = v.repeat_interleave(qpg, dim=1)

@@ -1,17 +1,58 @@
-"""``build_model(cfg)``: the model stage of a run (config + layer factory -> ``GPTModel``)."""
+"""``build_model(cfg)``: the model stage of a run (config + layer factory -> ``GPTModel``),
+placed on the run's device (``run.device``; ``auto`` = CUDA when available).
+
+Placement: on the emulated backend (CPU, or CUDA when TE is not used) the model is built
+under ``torch.device(device)``, so every parameter -- quantized primary weights included --
+is created where it lives; on the TE backend the TE layers are created on CUDA by TE and
+the rest (embedding, norms, router, RoPE tables) is moved with ``model.to(device)``, the
+way Megatron builds TE models. Initial values do not depend on the device: they are drawn
+on the CPU from per-parameter generators and copied in (``lptrain.model.init``).
+"""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
 from lptrain.config.schema import LPTrainConfig
+from lptrain.errors import DeviceError
 from lptrain.model.build_context import BuildContext
 from lptrain.model.gpt import GPTModel
 from lptrain.model.params import tag_parameters
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+
+
+def resolve_device(cfg: LPTrainConfig) -> torch.device:
+    """``run.device`` as a ``torch.device``: ``auto`` -> the current CUDA device when CUDA is
+    available, else CPU; ``cuda`` without CUDA raises ``DeviceError`` (one line with the fix;
+    the rule RUN-DEVICE-CUDA reports the same before a run starts)."""
+    name = cfg.run.device
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise DeviceError(
+                "run.device=cuda but torch.cuda.is_available() is False",
+                key="run.device",
+                fix="set run.device=auto or run.device=cpu, or install a CUDA build of torch",
+            )
+        return torch.device("cuda", torch.cuda.current_device())
+    if name == "cpu":
+        return torch.device("cpu")
+    raise DeviceError(f"run.device must be auto, cpu or cuda, got {name!r}", key="run.device",
+                      fix="set run.device=auto")
+
+
+def compute_dtype_for(device: torch.device, params_dtype: torch.dtype) -> torch.dtype:
+    """Activation dtype between layers: the 16-bit params dtype on CUDA (TE then gets bf16
+    inputs, which NVFP4's RHT requires, and GEMMs run at bf16 speed), fp32 elsewhere (bf16
+    math is slow on CPU; the emulated GEMMs round their operands to the storage format
+    anyway)."""
+    if device.type == "cuda" and params_dtype in (torch.bfloat16, torch.float16):
+        return params_dtype
+    return torch.float32
 
 
 def params_dtype_of(name: str) -> torch.dtype:
@@ -29,7 +70,19 @@ def default_factory(cfg: LPTrainConfig) -> Any:
         cfg.precision,
         num_layers=cfg.model.num_layers,
         fuse_wgrad_accumulation=cfg.train.gradient_accumulation_fusion,
+        run_cfg=cfg,
     )
+
+
+def _target_device(cfg: LPTrainConfig, device: Union[str, torch.device, None]) -> torch.device:
+    """An explicit ``device`` wins, then a caller's ``with torch.device(...)`` context that
+    is not the CPU (e.g. ``meta`` for a dry run), then ``run.device``."""
+    if device is not None:
+        return torch.device(device)
+    ambient = torch.get_default_device()
+    if ambient.type != "cpu":
+        return ambient
+    return resolve_device(cfg)
 
 
 def build_model(
@@ -37,13 +90,25 @@ def build_model(
     factory: Optional[Any] = None,
     *,
     expert_model_parallel_rank: int = 0,
+    device: Union[str, torch.device, None] = None,
 ) -> GPTModel:
-    """Build the tagged ``GPTModel`` on the CPU; initial weights depend only on
-    ``cfg.train.seed`` and each parameter's canonical name (see ``lptrain.model.init``).
+    """Build the tagged ``GPTModel`` with every parameter and buffer on the run's device.
+
+    ``device`` overrides ``run.device`` (see :func:`resolve_device`). Initial weights depend
+    only on ``cfg.train.seed`` and each parameter's canonical name (see
+    ``lptrain.model.init``), not on the device. Activations flow in
+    :func:`compute_dtype_for` (bf16 on CUDA with bf16 params, fp32 otherwise).
 
     ``expert_model_parallel_rank`` selects which ``num_experts / EP`` experts this rank
     holds (``cfg.model.moe.expert_model_parallel_size``); their weights equal the same
     experts of a single-rank model.
+
+    On the TE backend, layers built with fused wgrad accumulation
+    (``train.gradient_accumulation_fusion``) get an fp32 zero ``main_grad`` on each GEMM
+    weight, which TE reads unconditionally; their weight gradients then arrive there (with
+    ``grad_added_to_main_grad``), not in ``.grad``. The data-parallel engine replaces it with
+    a view into its grad buffer. Emulated layers fuse only into a ``main_grad`` someone
+    installed, so a model built here takes ordinary ``.grad`` gradients on the CPU.
     """
     if factory is None:
         factory = default_factory(cfg)
@@ -51,6 +116,14 @@ def build_model(
     ep = cfg.model.moe.expert_model_parallel_size if cfg.model.moe.num_experts else 1
     if not 0 <= expert_model_parallel_rank < ep:
         raise ValueError(f"expert_model_parallel_rank {expert_model_parallel_rank} not in [0, {ep})")
+    target = _target_device(cfg, device)
+    te_backend = getattr(factory, "backend", "emulated") == "te"
+    if te_backend and target.type not in ("cuda", "meta"):
+        raise DeviceError(
+            f"precision.backend=te builds Transformer Engine layers on CUDA, but the model "
+            f"device is {target}", key="run.device",
+            fix="set run.device=auto (or cuda), or precision.backend=emulated",
+        )
     ctx = BuildContext(
         cfg=cfg.model,
         factory=factory,
@@ -59,6 +132,16 @@ def build_model(
         expert_model_parallel_size=ep,
         expert_model_parallel_rank=expert_model_parallel_rank,
     )
-    model = GPTModel(ctx)
+    compute_dtype = compute_dtype_for(target, dtype)
+    if te_backend and target.type == "cuda":
+        model = GPTModel(ctx, compute_dtype=compute_dtype)
+        model.to(target)
+    else:
+        with torch.device(target):
+            model = GPTModel(ctx, compute_dtype=compute_dtype)
     tag_parameters(model)
+    if te_backend:
+        from lptrain.precision.params import attach_main_grads
+
+        attach_main_grads(model)
     return model

@@ -7,12 +7,15 @@ transformer layers comes from the precision layer factory, each layer's forward 
 Quantized GEMMs run only inside ``factory.autocast()``, which the caller (trainer, eval,
 tests) wraps around the forward as with TE's autocast -- ``with model.autocast(): loss, aux
 = model(tokens, labels)`` -- so the amax-reduction group stays the trainer's choice and
-regions never nest by accident. Activations flow in fp32
-(``compute_dtype``): parameters may be bf16, but norms, attention, softmax, the router and the
-loss are computed in fp32 (bf16 math is both slower on CPU and less accurate).
+regions never nest by accident. Activations between layers flow in ``compute_dtype``: fp32
+on the CPU (bf16 math is both slower there and less accurate), the 16-bit params dtype on
+CUDA (``lptrain.model.build.compute_dtype_for``; TE layers then get bf16 inputs). Norms,
+softmax, the router, the MoE combine and the loss are computed in fp32 either way.
 
 The embedding and the output head are not quantized (Megatron keeps its output layer out
-of TE/FP8): the head is an fp32 GEMM with the (possibly bf16) weight upcast.
+of TE/FP8): on the CPU the head is an fp32 GEMM with the (possibly bf16) weight upcast; with
+16-bit activations it is a 16-bit GEMM (fp32 accumulation) whose logits are upcast for the
+fp32 loss, as Megatron's output layer.
 """
 
 from __future__ import annotations
@@ -45,6 +48,29 @@ def is_moe_layer(index: int, moe_layer_freq: int, num_experts: int) -> bool:
     """Megatron's integer ``moe_layer_freq`` pattern: layer ``i`` (0-based) is MoE iff
     ``i % freq == 0`` (freq 1 = all layers)."""
     return num_experts > 0 and index % max(1, moe_layer_freq) == 0
+
+
+class TokenEmbedding(nn.Embedding):
+    """``nn.Embedding`` whose table is upcast to the compute dtype before the gather, so the
+    backward accumulates repeated tokens in that dtype and casts to the param dtype once.
+    A module call (not a bare ``F.embedding`` on the weight), so forward pre-hooks -- the
+    data-parallel engine's overlapped param gather -- see every use of the weight."""
+
+    def forward(self, tokens: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:  # type: ignore[override]
+        return F.embedding(tokens, self.weight.to(dtype))
+
+
+class OutputHead(nn.Linear):
+    """The unquantized LM head: an fp32 GEMM on CPU (bf16 weight upcast), bf16 on CUDA."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return head_logits(x, self.weight)
+
+
+def head_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    if x.dtype == torch.float32:
+        return x @ weight.float().t()
+    return F.linear(x, weight.to(x.dtype)).float()
 
 
 class TransformerLayer(nn.Module):
@@ -92,18 +118,23 @@ class GPTModel(nn.Module):
         self.expert_model_parallel_size = ctx.expert_model_parallel_size
         self.expert_model_parallel_rank = ctx.expert_model_parallel_rank
         with ctx.factory.model_init():
-            self.embedding = nn.Embedding(self.padded_vocab_size, cfg.hidden_size, dtype=ctx.params_dtype)
+            self.embedding = TokenEmbedding(self.padded_vocab_size, cfg.hidden_size, dtype=ctx.params_dtype)
             ctx.init("embedding.weight", ctx.std)(self.embedding.weight.data)
             head_dim = cfg.hidden_size // cfg.num_attention_heads
             self.rotary = RotaryEmbedding(head_dim, cfg.rotary_base, cfg.seq_length)
             self.layers = nn.ModuleList(TransformerLayer(ctx, i) for i in range(cfg.num_layers))
             self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, ctx.params_dtype)
-            self.output_layer: Optional[nn.Linear] = None
+            self.output_layer: Optional[OutputHead] = None
             if not cfg.tie_embeddings:
-                self.output_layer = nn.Linear(
+                self.output_layer = OutputHead(
                     cfg.hidden_size, self.padded_vocab_size, bias=False, dtype=ctx.params_dtype
                 )
                 ctx.init("output_layer.weight", ctx.std)(self.output_layer.weight.data)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model's parameters live (the run device ``build_model`` placed it on)."""
+        return self.embedding.weight.device
 
     @property
     def output_weight(self) -> torch.Tensor:
@@ -121,7 +152,7 @@ class GPTModel(nn.Module):
     ) -> Union[torch.Tensor, tuple[torch.Tensor, dict[str, torch.Tensor]]]:
         # Upcast the embedding table: the gather's backward then accumulates repeated tokens
         # in fp32 and casts to the parameter dtype once.
-        x = F.embedding(tokens, self.embedding.weight.to(self.compute_dtype))
+        x = self.embedding(tokens, self.compute_dtype)
         cos, sin = self.rotary(tokens.shape[1])
         totals = {k: x.new_zeros((), dtype=torch.float32) for k in AUX_KEYS}
         for layer in self.layers:
@@ -129,7 +160,9 @@ class GPTModel(nn.Module):
             for k, v in losses.items():
                 totals[k] = totals[k] + v
         x = self.final_norm(x)
-        logits = x.float() @ self.output_weight.float().t()
+        x = x.float() if self.compute_dtype == torch.float32 else x
+        # Tied: the embedding's weight, already gathered before the first layer.
+        logits = head_logits(x, self.embedding.weight) if self.output_layer is None else self.output_layer(x)
         if self.padded_vocab_size != self.vocab_size:
             logits = logits[..., : self.vocab_size]
         if labels is None:

@@ -30,7 +30,9 @@ def init_values(seed: int, name: str, shape: tuple[int, ...] | torch.Size, std: 
     """The fp32 CPU values of N(0, std^2) that parameter ``name`` starts from."""
     gen = torch.Generator(device="cpu")
     gen.manual_seed(param_seed(seed, name))
-    return torch.randn(tuple(shape), generator=gen, dtype=torch.float32) * std
+    # device="cpu" explicitly: models are built under ``torch.device(run device)``, and the
+    # values must not depend on it.
+    return torch.randn(tuple(shape), generator=gen, dtype=torch.float32, device="cpu") * std
 
 
 def named_normal_init(seed: int, name: str, std: float) -> InitMethod:

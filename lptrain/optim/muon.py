@@ -1,13 +1,14 @@
 """Muon for hidden matrices, and ``MuonWithAdamW`` pairing it with AdamW for everything else.
 
-The math follows /work/shared/reference/muon.md section 1 and megatron-behaviors.md 2.3.
 Per matrix parameter ``W`` (out x in) with gradient ``G`` and fp32 momentum buffer ``M``:
 
-1. decoupled weight decay, base lr: ``W <- W * (1 - lr * wd)``;
+1. decoupled weight decay, base lr: ``W <- W * (1 - lr * wd)`` (Keller, Moonlight, torch);
 2. EMA momentum: ``M <- beta*M + (1-beta)*G``; the vector to orthogonalize is
-   ``U = G + beta*(M - G)`` with Nesterov (= ``(1-beta)*G + beta*M``, muon.md 1.1), else ``M``;
-3. ``O = NS(U)`` (``newton_schulz``); with ``split_qkv`` a fused QKV weight is orthogonalized
-   as separate Q, K and V pieces; a grouped expert weight ``[E, out, in]`` per member;
+   ``U = G + beta*(M - G)`` with Nesterov (= ``(1-beta)*G + beta*M``), else ``M``. The sum
+   form ``M <- beta*M + G`` differs by the factor (1-beta), which NS's normalization removes;
+3. ``O = NS(U)`` (``newton_schulz``: ``O ~ U (U^T U)^(-1/2)``, the polar factor); with
+   ``split_qkv`` a fused QKV weight is orthogonalized as separate Q, K and V pieces; a grouped
+   expert weight ``[E, out, in]`` per member;
 4. ``W <- W - lr * s(out, in) * extra_scale_factor * O`` with ``s = muon_scale`` of the
    orthogonalized piece's shape (as upstream, a Q piece is scaled by its own shape).
 
@@ -30,34 +31,26 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
 from lptrain.config.schema import OptimizerConfig
+from lptrain.optim.named_state import NamedStateMixin
 from lptrain.optim.newton_schulz import NS_EPS, CoefficientsArg, newton_schulz, resolve_coefficients
+from lptrain.optim.ns_coefficients import ns_steps_problem
+from lptrain.optim.scaling import SCALE_MODES, muon_scale
 
-SCALE_MODES = ("shape_scaling", "spectral", "unit_rms_norm")
-
-
-def muon_scale(out_features: int, in_features: int, mode: str) -> float:
-    """Update scale s(A, B) for an A x B (fan_out x fan_in) matrix (muon.md 1.3).
-
-    * ``spectral``: sqrt(max(A, B)) -- update RMS ~ 1, Megatron's default (times
-      ``extra_scale_factor=0.2`` it is Moonlight's "match AdamW RMS");
-    * ``shape_scaling``: sqrt(max(1, A/B)) -- Keller's original;
-    * ``unit_rms_norm``: sqrt(A/B) -- RMS->RMS operator norm 1 (Scion / Dion's default).
-    """
-    a, b = out_features, in_features
-    if mode == "spectral":
-        return math.sqrt(max(a, b))
-    if mode == "shape_scaling":
-        return math.sqrt(max(1.0, a / b))
-    if mode == "unit_rms_norm":
-        return math.sqrt(a / b)
-    raise ValueError(
-        f"optimizer.muon.scale_mode={mode!r} is not one of {', '.join(SCALE_MODES)}"
-    )
+__all__ = [
+    "GROUP_NAMES",
+    "SCALE_MODES",
+    "Muon",
+    "MuonWithAdamW",
+    "muon_momentum_",
+    "muon_scale",
+    "muon_update",
+    "orthogonalize",
+]
 
 
 def muon_momentum_(
@@ -67,7 +60,7 @@ def muon_momentum_(
 
     ``M <- M + (1-beta)*(G - M)``; returns ``G + beta*(M - G)`` with Nesterov, else a copy of
     ``M``. (The sum form M <- beta*M + G differs by the factor (1-beta), which NS's
-    normalization removes; muon.md 1.1.)
+    normalization removes.)
     """
     momentum_buf.lerp_(grad, 1.0 - beta)
     if nesterov:
@@ -149,6 +142,10 @@ def _validate_hparams(group: dict[str, Any]) -> None:
     if int(group["ns_steps"]) < 1:
         raise ValueError(f"optimizer.muon.ns_steps={group['ns_steps']} must be >= 1")
     resolve_coefficients(group["coefficients"])
+    if isinstance(group["coefficients"], str):
+        problem = ns_steps_problem(group["coefficients"], int(group["ns_steps"]))
+        if problem:
+            raise ValueError(f"optimizer.muon.ns_steps: {problem}")
     muon_scale(1, 1, group["scale_mode"])
     if group["lr"] < 0:
         raise ValueError(f"optimizer.lr={group['lr']} must be >= 0")
@@ -177,13 +174,85 @@ def _validate_param(p: torch.Tensor) -> None:
             )
 
 
-class Muon(torch.optim.Optimizer):
+def _muon_group_step(
+    group: dict[str, Any], state: Any
+) -> tuple[Optional[torch.Tensor], int]:
+    """One Muon step on every param of ``group`` that has a grad.
+
+    Returns the sum of squared update entries (``s * extra_scale_factor * O``, before lr) and
+    their count, for :attr:`Muon.last_update_rms`; ``(None, 0)`` when no param had a grad.
+    """
+    sq: list[torch.Tensor] = []
+    count = 0
+    for p in group["params"]:
+        if p.grad is None:
+            continue
+        st = state[p]
+        if "momentum_buffer" not in st:
+            st["momentum_buffer"] = torch.zeros_like(
+                p, dtype=torch.float32, memory_format=torch.contiguous_format
+            )
+        buf = st["momentum_buffer"]
+        if p.dim() == 3:
+            # Per member on views: bitwise identical to discrete expert weights.
+            updates = [_update_matrix(p[i], p.grad[i], buf[i], group, None)
+                       for i in range(p.shape[0])]
+        else:
+            shapes = getattr(p, "qkv_split_shapes", None)
+            split = group["split_qkv"] and getattr(p, "is_qkv", False)
+            updates = [_update_matrix(p, p.grad, buf, group, shapes if split else None)]
+        for u in updates:
+            sq.append(u.square().sum())
+            count += u.numel()
+    return (torch.stack(sq).sum() if sq else None), count
+
+
+def _update_matrix(
+    p: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor, group: dict[str, Any],
+    qkv_split_shapes: Optional[Sequence[int]],
+) -> torch.Tensor:
+    """Decay and step one 2-D matrix in place; returns its (pre-lr) fp32 update."""
+    lr, wd = group["lr"], group["weight_decay"]
+    update = muon_update(
+        grad, buf, beta=group["momentum"], nesterov=group["nesterov"],
+        ns_steps=group["ns_steps"], coefficients=group["coefficients"],
+        scale_mode=group["scale_mode"], extra_scale_factor=group["extra_scale_factor"],
+        qkv_split_shapes=qkv_split_shapes, eps=group["eps"],
+    )
+    if wd != 0:
+        p.mul_(1.0 - lr * wd)
+    p.add_(update.to(p.dtype), alpha=-lr)
+    return update
+
+
+class _UpdateRMS:
+    """Keeps the Muon update RMS of the last step (a tensor until read: no device sync)."""
+
+    _rms_sumsq: Optional[torch.Tensor] = None
+    _rms_count: int = 0
+
+    def _record_rms(self, sq: list[torch.Tensor], count: int) -> None:
+        self._rms_sumsq = torch.stack(sq).sum() if sq else None
+        self._rms_count = count
+
+    @property
+    def last_update_rms(self) -> Optional[float]:
+        """RMS over all Muon matrix entries of the last step's update ``s * extra * O``
+        (before lr): ~1 for ``spectral``, ~0.2 with ``extra_scale_factor=0.2``; None before the
+        first step or when no Muon param had a grad."""
+        if self._rms_sumsq is None or self._rms_count == 0:
+            return None
+        return math.sqrt(float(self._rms_sumsq) / self._rms_count)
+
+
+class Muon(_UpdateRMS, NamedStateMixin, torch.optim.Optimizer):
     """Muon (momentum + Newton-Schulz orthogonalization) for matrix params, single process.
 
     Per-group hyperparameters: ``lr``, ``weight_decay``, ``momentum``, ``nesterov``,
     ``ns_steps``, ``coefficients``, ``scale_mode``, ``extra_scale_factor``, ``split_qkv``,
     ``eps``. State per param: ``momentum_buffer`` (fp32, shape of the param). Params must be
-    2-D, or 3-D with ``num_grouped_members`` (see the module docstring for the contract).
+    2-D, or 3-D with ``num_grouped_members`` (see the module docstring for the contract);
+    ``(name, param)`` pairs name them, and state then loads by name.
     """
 
     def __init__(
@@ -220,59 +289,98 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        sq: list[torch.Tensor] = []
+        count = 0
         for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(
-                        p, dtype=torch.float32, memory_format=torch.contiguous_format
-                    )
-                buf = state["momentum_buffer"]
-                if p.dim() == 3:
-                    # Per member on views: bitwise identical to discrete expert weights.
-                    for i in range(p.shape[0]):
-                        self._update_matrix(p[i], p.grad[i], buf[i], group, None)
-                else:
-                    shapes = getattr(p, "qkv_split_shapes", None)
-                    split = group["split_qkv"] and getattr(p, "is_qkv", False)
-                    self._update_matrix(p, p.grad, buf, group, shapes if split else None)
+            s, n = _muon_group_step(group, self.state)
+            if s is not None:
+                sq.append(s)
+                count += n
+        self._record_rms(sq, count)
         return loss
 
-    @staticmethod
-    def _update_matrix(
-        p: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor, group: dict[str, Any],
-        qkv_split_shapes: Optional[Sequence[int]],
-    ) -> None:
-        lr, wd = group["lr"], group["weight_decay"]
-        update = muon_update(
-            grad, buf, beta=group["momentum"], nesterov=group["nesterov"],
-            ns_steps=group["ns_steps"], coefficients=group["coefficients"],
-            scale_mode=group["scale_mode"], extra_scale_factor=group["extra_scale_factor"],
-            qkv_split_shapes=qkv_split_shapes, eps=group["eps"],
-        )
-        if wd != 0:
-            p.mul_(1.0 - lr * wd)
-        p.add_(update.to(p.dtype), alpha=-lr)
+
+def _adamw_group_step(group: dict[str, Any], state: Any) -> None:
+    """torch's AdamW (``torch.optim.adam.adam`` with decoupled decay) on one group: the same
+    kernel and state layout (``step``, ``exp_avg``, ``exp_avg_sq``) as ``torch.optim.AdamW``,
+    so the result is bitwise identical to it."""
+    from torch.optim.adam import adam
+
+    params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+    for p in group["params"]:
+        if p.grad is None:
+            continue
+        st = state[p]
+        if len(st) == 0:
+            # As torch: a CPU scalar step in the default float dtype (not fused/capturable).
+            scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+            st["step"] = torch.tensor(0.0, dtype=scalar)
+            st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        params.append(p)
+        grads.append(p.grad)
+        exp_avgs.append(st["exp_avg"])
+        exp_avg_sqs.append(st["exp_avg_sq"])
+        steps.append(st["step"])
+    if not params:
+        return
+    beta1, beta2 = group["betas"]
+    adam(
+        params, grads, exp_avgs, exp_avg_sqs, [], steps,
+        foreach=group["foreach"], capturable=False, differentiable=False,
+        fused=group["fused"], grad_scale=None, found_inf=None, has_complex=False,
+        decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2,
+        lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
+    )
 
 
-class MuonWithAdamW:
-    """Muon for ``muon_params`` and AdamW for ``adamw_params``, behind one optimizer interface.
+ParamArg = Union[torch.Tensor, tuple[str, torch.Tensor]]
+GROUP_NAMES = ("muon", "adamw_decay", "adamw_no_decay")
 
-    Both children hold exactly the tensor objects passed in (e.g. fp32 masters whose ``.grad``
-    the caller sets). ``param_groups`` lists every group of both children (same dict objects),
-    each tagged ``group["optimizer"]`` = ``"muon"`` or ``"adamw"``, so
-    ``for g in opt.param_groups: g["lr"] = lr`` drives both. AdamW decays params with
-    ``ndim >= 2`` (embeddings, head) and not 1-D ones (norms, biases), like the AdamW trainer.
-    Both use ``optimizer_cfg.lr`` / ``weight_decay``; Muon's settings come from
-    ``optimizer_cfg.muon``.
+
+def _names_and_tensors(
+    items: Iterable[ParamArg],
+) -> tuple[list[Optional[str]], list[torch.Tensor]]:
+    names: list[Optional[str]] = []
+    tensors: list[torch.Tensor] = []
+    for item in items:
+        if isinstance(item, tuple):
+            name, t = item
+            names.append(str(name))
+            tensors.append(t)
+        else:
+            names.append(None)
+            tensors.append(item)
+    return names, tensors
+
+
+class MuonWithAdamW(_UpdateRMS, NamedStateMixin, torch.optim.Optimizer):
+    """Muon for ``muon_params`` and AdamW for ``adamw_params``: one ``torch.optim.Optimizer``.
+
+    Three param groups, always present (possibly empty) and always in this order, each tagged
+    ``group["name"]`` and ``group["optimizer"]``:
+
+    * ``muon`` (``optimizer="muon"``): Muon with ``optimizer_cfg.muon``'s settings;
+    * ``adamw_decay`` (``"adamw"``): params with ``ndim >= 2`` (embeddings, head), decayed;
+    * ``adamw_no_decay`` (``"adamw"``): 1-D params (norms, biases), ``weight_decay=0``.
+
+    All take ``optimizer_cfg.lr``; ``for g in opt.param_groups: g["lr"] = lr`` and any
+    ``torch.optim.lr_scheduler`` drive them, and :meth:`lr_by_group` reads them back for
+    logging. AdamW groups run torch's AdamW kernel (bitwise ``torch.optim.AdamW``).
+
+    Params are tensors or ``(name, tensor)`` pairs (names for all or none, e.g. the model's
+    fully-qualified names): with names, groups carry ``param_names`` and ``load_state_dict``
+    pairs state by name (:mod:`lptrain.optim.named_state`), so
+    ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` and resharding see
+    canonical keys. The optimizer holds exactly the tensor objects passed in (e.g. fp32
+    masters whose ``.grad`` the caller sets). :attr:`last_update_rms` is the Muon update RMS
+    of the last step.
     """
 
     def __init__(
         self,
-        muon_params: Iterable[torch.Tensor],
-        adamw_params: Iterable[torch.Tensor],
+        muon_params: Iterable[ParamArg],
+        adamw_params: Iterable[ParamArg],
         optimizer_cfg: OptimizerConfig,
     ) -> None:
         o, m = optimizer_cfg, optimizer_cfg.muon
@@ -281,41 +389,72 @@ class MuonWithAdamW:
                 f"optimizer.muon.scalar_optimizer={m.scalar_optimizer!r} is not supported "
                 "(only adamw)"
             )
-        muon_params, adamw_params = list(muon_params), list(adamw_params)
+        muon_names, muon_tensors = _names_and_tensors(muon_params)
+        adamw_names, adamw_tensors = _names_and_tensors(adamw_params)
+        all_names = muon_names + adamw_names
+        named = any(n is not None for n in all_names)
+        if named and any(n is None for n in all_names):
+            raise ValueError("MuonWithAdamW: give names for all params or for none")
+        if named and len(set(all_names)) != len(all_names):
+            raise ValueError("MuonWithAdamW: duplicate param names")
         seen: set[int] = set()
-        for p in muon_params + adamw_params:
+        for p in muon_tensors + adamw_tensors:
             if id(p) in seen:
                 raise ValueError("MuonWithAdamW: a tensor was passed twice (or to both lists)")
             seen.add(id(p))
-        self.muon: Optional[Muon] = None
-        self.adamw: Optional[torch.optim.AdamW] = None
-        if muon_params:
-            self.muon = Muon(
-                [{"params": muon_params, "optimizer": "muon"}],
-                lr=o.lr, weight_decay=o.weight_decay, momentum=m.momentum,
-                nesterov=m.nesterov, ns_steps=m.ns_steps, coefficients=m.coefficients,
-                scale_mode=m.scale_mode, extra_scale_factor=m.extra_scale_factor,
-                split_qkv=m.split_qkv,
-            )
-        decay = [p for p in adamw_params if p.dim() >= 2]
-        no_decay = [p for p in adamw_params if p.dim() < 2]
-        groups = [
-            {"params": ps, "weight_decay": wd, "optimizer": "adamw"}
-            for ps, wd in ((decay, o.weight_decay), (no_decay, 0.0))
-            if ps
-        ]
-        if groups:
-            self.adamw = torch.optim.AdamW(
-                groups, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps
-            )
+        self._kind_defaults: dict[str, dict[str, Any]] = {
+            "muon": dict(
+                lr=o.lr, weight_decay=o.weight_decay, momentum=m.momentum, nesterov=m.nesterov,
+                ns_steps=m.ns_steps, coefficients=m.coefficients, scale_mode=m.scale_mode,
+                extra_scale_factor=m.extra_scale_factor, split_qkv=m.split_qkv, eps=NS_EPS,
+            ),
+            "adamw": dict(
+                lr=o.lr, weight_decay=o.weight_decay, betas=(o.adam_beta1, o.adam_beta2),
+                eps=o.adam_eps, amsgrad=False, maximize=False, foreach=None, capturable=False,
+                differentiable=False, fused=None,
+            ),
+        }
+        adamw = list(zip(adamw_names, adamw_tensors, strict=True))
+        members = {
+            "muon": list(zip(muon_names, muon_tensors, strict=True)),
+            "adamw_decay": [(n, p) for n, p in adamw if p.dim() >= 2],
+            "adamw_no_decay": [(n, p) for n, p in adamw if p.dim() < 2],
+        }
+        groups: list[dict[str, Any]] = []
+        for name in GROUP_NAMES:
+            g: dict[str, Any] = {
+                "name": name,
+                "optimizer": "muon" if name == "muon" else "adamw",
+                "params": [p for _, p in members[name]],
+            }
+            if named:
+                g["param_names"] = [n for n, _ in members[name]]
+            if name == "adamw_no_decay":
+                g["weight_decay"] = 0.0
+            groups.append(g)
+        super().__init__(groups, {"lr": o.lr, "weight_decay": o.weight_decay})
 
-    @property
-    def optimizers(self) -> list[torch.optim.Optimizer]:
-        return [opt for opt in (self.muon, self.adamw) if opt is not None]
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group; ``param_group["optimizer"]`` (``muon`` or ``adamw``) picks the algorithm
+        and its defaults (from the config this optimizer was built with)."""
+        kind = param_group.get("optimizer")
+        if kind not in self._kind_defaults:
+            raise ValueError(
+                f"MuonWithAdamW param group needs optimizer='muon' or 'adamw', got {kind!r}"
+            )
+        for key, value in self._kind_defaults[kind].items():
+            param_group.setdefault(key, value)
+        param_group.setdefault("name", kind)
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        if kind == "muon":
+            _validate_hparams(group)
+            for p in group["params"]:
+                _validate_param(p)
 
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return [g for opt in self.optimizers for g in opt.param_groups]
+    def lr_by_group(self) -> dict[str, float]:
+        """``{group name: lr}`` for logging."""
+        return {g["name"]: float(g["lr"]) for g in self.param_groups}
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
@@ -323,29 +462,15 @@ class MuonWithAdamW:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for opt in self.optimizers:
-            opt.step()
+        sq: list[torch.Tensor] = []
+        count = 0
+        for group in self.param_groups:
+            if group["optimizer"] == "muon":
+                s, n = _muon_group_step(group, self.state)
+                if s is not None:
+                    sq.append(s)
+                    count += n
+            else:
+                _adamw_group_step(group, self.state)
+        self._record_rms(sq, count)
         return loss
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for opt in self.optimizers:
-            opt.zero_grad(set_to_none=set_to_none)
-
-    def state_dict(self) -> dict[str, Any]:
-        """``{"muon": ..., "adamw": ...}`` (a child absent because it has no params is None)."""
-        return {
-            "muon": None if self.muon is None else self.muon.state_dict(),
-            "adamw": None if self.adamw is None else self.adamw.state_dict(),
-        }
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        for key, opt in (("muon", self.muon), ("adamw", self.adamw)):
-            sd = state_dict.get(key)
-            if (opt is None) != (sd is None):
-                raise ValueError(
-                    f"MuonWithAdamW.load_state_dict: {key} state is "
-                    f"{'missing' if sd is None else 'present'} but this optimizer "
-                    f"{'has' if opt is not None else 'has no'} {key} params"
-                )
-            if opt is not None:
-                opt.load_state_dict(sd)

@@ -2,20 +2,25 @@
 
 Pure math, no torch.distributed. ``newton_schulz(x)`` approximates ``U V^T`` for
 ``x = U S V^T`` by iterating the odd quintic ``p(s) = a*s + b*s^3 + c*s^5`` on the singular
-values (reference: /work/shared/reference/muon.md section 1.2):
+values:
 
 * transpose so rows <= cols (the Gram matrix ``X X^T`` is then min(m, n)^2), transpose back;
 * divide by ``max(||X||_F, eps)`` so every singular value is <= 1 (``||X||_2 <= ||X||_F``);
   clamping the norm (rather than adding eps) keeps ``NS(c * X) == NS(X)`` for any c > 0 up to
-  rounding, which is why the EMA and sum momentum forms give the same update;
-* each step ``A = X X^T; X = a*X + (b*A + c*A@A) @ X``.
+  rounding, which is why the EMA (M <- beta*M + (1-beta)*G) and sum (M <- beta*M + G) momentum
+  forms, which differ by the factor (1-beta), give the same update;
+* each step ``A = X X^T; X = a*X + (b*A + c*A@A) @ X`` (cost 4*m^2*n + 2*m^3 FLOPs for m <= n);
+* the tuple used at each step follows the set's rule (:mod:`lptrain.optim.ns_coefficients`):
+  cycled for ``simple``/``quintic``, last tuple repeated past the end for ``polar_express``.
 
 Precision: lptrain runs the iterations in fp32. Upstream (Keller, torch, Megatron with
 ``fp32_matmul_prec="medium"``) runs them in bf16; fp32 is a superset in accuracy and, on the
 CPUs this framework is tested on, much faster than bf16 GEMMs. The result is always fp32.
 
-The quintic coefficient sets do not converge to singular values of exactly 1: they trade
-accuracy near 1 for a steep slope at 0 (muon.md: ``simple`` lands in ~0.7-1.15).
+``simple`` and ``quintic`` do not converge to singular values of exactly 1: they trade
+accuracy near 1 for a steep slope at 0 (``simple`` has p(1) = 0.70 and lands singular values in
+about 0.7-1.15). ``polar_express`` ends on a tuple with p(1) = 1, p'(1) = 0 and converges to the
+exact polar factor as steps are added.
 """
 
 from __future__ import annotations
@@ -25,15 +30,9 @@ from typing import Union
 
 import torch
 
-from lptrain.optim.ns_coefficients import COEFFICIENT_SETS, Coefficients
+from lptrain.optim.ns_coefficients import COEFFICIENT_SETS, Coefficients, coefficient_index
 
-# Names that are documented but not implemented, with the reason shown to the user.
-_UNAVAILABLE: dict[str, str] = {
-    "polar_express": "its per-step coefficients are not in the reference (muon.md 1.2 lists only "
-    "the first and last of 5 tuples), so lptrain does not implement it yet",
-}
-
-NS_EPS = 1e-7  # Keller / torch.optim.Muon (muon.md 1.2); NVIDIA uses 1e-15.
+NS_EPS = 1e-7  # Keller / torch.optim.Muon; NVIDIA uses 1e-15.
 
 CoefficientsArg = Union[str, Sequence[Sequence[float]]]
 
@@ -47,11 +46,6 @@ def resolve_coefficients(coefficients: CoefficientsArg) -> Coefficients:
     if isinstance(coefficients, str):
         if coefficients in COEFFICIENT_SETS:
             return COEFFICIENT_SETS[coefficients]
-        if coefficients in _UNAVAILABLE:
-            raise ValueError(
-                f"optimizer.muon.coefficients={coefficients!r} is not available: "
-                f"{_UNAVAILABLE[coefficients]}; use one of {', '.join(COEFFICIENT_SETS)}"
-            )
         raise ValueError(
             f"optimizer.muon.coefficients={coefficients!r} is not one of "
             f"{', '.join(COEFFICIENT_SETS)}"
@@ -65,6 +59,17 @@ def resolve_coefficients(coefficients: CoefficientsArg) -> Coefficients:
     return tuples  # type: ignore[return-value]
 
 
+def coefficients_per_step(coefficients: CoefficientsArg, steps: int) -> Coefficients:
+    """The ``(a, b, c)`` tuple applied at each of ``steps`` steps, in order.
+
+    ``simple`` and ``quintic`` (and explicit tuples) cycle; ``polar_express`` repeats its last
+    tuple once the table is exhausted.
+    """
+    coeffs = resolve_coefficients(coefficients)
+    name = coefficients if isinstance(coefficients, str) else None
+    return tuple(coeffs[coefficient_index(name, len(coeffs), i)] for i in range(steps))
+
+
 def newton_schulz(
     x: torch.Tensor,
     steps: int = 5,
@@ -73,8 +78,11 @@ def newton_schulz(
 ) -> torch.Tensor:
     """Approximate polar factor of ``x`` (2-D, or 3-D = a batch of matrices), in fp32.
 
-    ``coefficients`` is a set name or explicit ``(a, b, c)`` tuples; tuple ``i % len`` is
-    used at step ``i`` (cycled). The output has the shape of ``x`` and dtype fp32.
+    ``coefficients`` is a set name or explicit ``(a, b, c)`` tuples. A named set picks the
+    tuple for each step by its own rule (:func:`coefficients_per_step`); explicit tuples are
+    cycled. Step-count rules (quintic: multiples of 5, polar_express: >= 8) are enforced by the
+    optimizer and the config rules, not here, so this function can evaluate any step count.
+    The output has the shape of ``x`` and dtype fp32.
 
     The transposed input is made contiguous before iterating, so ``NS(X^T)`` and ``NS(X)^T``
     run the identical computation and agree bitwise.
@@ -83,7 +91,7 @@ def newton_schulz(
         raise ValueError(f"newton_schulz needs a 2-D or 3-D tensor, got shape {tuple(x.shape)}")
     if steps < 1:
         raise ValueError(f"optimizer.muon.ns_steps={steps} must be >= 1")
-    coeffs = resolve_coefficients(coefficients)
+    schedule = coefficients_per_step(coefficients, steps)
     transpose = x.shape[-2] > x.shape[-1]
     X = x.detach().float()
     if transpose:
@@ -91,8 +99,7 @@ def newton_schulz(
     X = X.contiguous()
     norm = torch.linalg.matrix_norm(X, ord="fro", keepdim=True)
     X = X / norm.clamp_min(eps)
-    for i in range(steps):
-        a, b, c = coeffs[i % len(coeffs)]
+    for a, b, c in schedule:
         A = X @ X.mT
         B = b * A + c * (A @ A)
         X = a * X + B @ X
@@ -112,9 +119,7 @@ def polynomial_singular_values(
     NS applies an odd polynomial, so ``NS(U diag(s) V^T) = U diag(f(s)) V^T`` exactly in exact
     arithmetic; this scalar map ``f`` is the reference the tests compare against.
     """
-    coeffs = resolve_coefficients(coefficients)
     y = s / torch.linalg.vector_norm(s).clamp_min(eps)
-    for i in range(steps):
-        a, b, c = coeffs[i % len(coeffs)]
+    for a, b, c in coefficients_per_step(coefficients, steps):
         y = a * y + b * y**3 + c * y**5
     return y

@@ -10,7 +10,7 @@ to AdamW. Nothing is inferred from names or ``ndim``: an untagged tensor is an e
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Union
+from typing import Any, Union
 
 import torch
 from torch import nn
@@ -44,31 +44,37 @@ def copy_param_attributes(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
 
 
 def split_params_for_muon(
-    params: Union[nn.Module, Iterable[torch.Tensor]],
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    params: Union[nn.Module, Iterable[torch.Tensor], Iterable[tuple[str, torch.Tensor]]],
+) -> tuple[list[Any], list[Any]]:
     """``(muon_params, adamw_params)`` in input order; every tensor lands in exactly one list.
 
-    ``params`` is a model (its ``parameters()`` with ``requires_grad``; tied weights once) or
-    an iterable of tensors (e.g. fp32 masters, taken as given; duplicates are dropped). Raises
-    ``ValueError`` for a tensor without a ``use_muon`` attribute (the model tags every param
-    in ``lptrain.model.params.tag_parameters``; masters need ``copy_param_attributes``).
+    ``params`` is a model (its ``parameters()`` with ``requires_grad``; tied weights once), an
+    iterable of tensors (e.g. fp32 masters, taken as given; duplicates are dropped), or an
+    iterable of ``(name, tensor)`` pairs (e.g. ``model.named_parameters()``, or
+    ``zip(names, masters)``), in which case both lists hold the pairs, ready for a named
+    :class:`lptrain.optim.muon.MuonWithAdamW`. Raises ``ValueError`` for a tensor without a
+    ``use_muon`` attribute (the model tags every param in
+    ``lptrain.model.params.tag_parameters``; masters need ``copy_param_attributes``).
     """
+    items: list[Any]
     if isinstance(params, nn.Module):
-        tensors = [p for p in params.parameters() if p.requires_grad]
+        items = [p for p in params.parameters() if p.requires_grad]
     else:
-        tensors = list(params)
-    muon: list[torch.Tensor] = []
-    adamw: list[torch.Tensor] = []
+        items = list(params)
+    muon: list[Any] = []
+    adamw: list[Any] = []
     seen: set[int] = set()
-    for i, p in enumerate(tensors):
+    for i, item in enumerate(items):
+        p = item[1] if isinstance(item, tuple) else item
         if id(p) in seen:
             continue
         seen.add(id(p))
         if not hasattr(p, "use_muon"):
+            what = f"{item[0]!r}" if isinstance(item, tuple) else f"#{i}"
             raise ValueError(
-                f"split_params_for_muon: tensor #{i} of shape {tuple(p.shape)} has no use_muon "
+                f"split_params_for_muon: tensor {what} of shape {tuple(p.shape)} has no use_muon "
                 "attribute; tag the model (tag_parameters) and copy tags onto masters "
                 "(copy_param_attributes)"
             )
-        (muon if is_muon_param(p) else adamw).append(p)
+        (muon if is_muon_param(p) else adamw).append(item)
     return muon, adamw

@@ -1,8 +1,10 @@
 """Low-precision emulation core: formats, scaling primitives, recipes, quantized tensors.
 
-Pure PyTorch (CPU, fp32 math), bit-faithful to Transformer Engine's kernels as described in
-/work/shared/reference/numerics.md. Importing this package never imports Transformer Engine.
-The public contract is documented in docs/precision-interface.md.
+Pure PyTorch (CPU, fp32 math, never fp64), bit-faithful to Transformer Engine's kernels: the
+quantized bytes, scales and amaxes equal TE's (stochastic-rounding bits and GEMM outputs
+excepted). The math it follows (formats, scale computations, rounding, the section labels
+such as P3 or 2.5 cited in the modules) is specified in docs/numerics.md; the public contract
+is docs/precision-interface.md. Importing this package never imports Transformer Engine.
 
 Also re-exported: the layer-level API of the ops modules (``quantized_model_init``,
 ``build_factory``, ``recipe_from_config``, ``LayerFactory``). The ``autocast`` *function* is
@@ -15,6 +17,7 @@ from .autocast import quantized_model_init
 from .factory import build_factory, recipe_from_config
 from .formats import E4M3, E5M2, Format, FP8Format
 from .layers import LayerFactory
+from .params import attach_main_grads, master_weight_init
 from .recipes import (
     RECIPES,
     BlockwiseScaling,
@@ -67,7 +70,9 @@ __all__ = [
     "Recipe",
     "Role",
     "TensorwiseScaling",
+    "attach_main_grads",
     "build_factory",
+    "master_weight_init",
     "quantize",
     "quantized_model_init",
     "recipe_from_config",

@@ -62,17 +62,21 @@ def build_factory(
     *,
     num_layers: int,
     fuse_wgrad_accumulation: bool = False,
+    run_cfg: Optional[Any] = None,
 ) -> LayerFactory:
     """The run's ``LayerFactory``: recipe, backend, bf16 first/last layers, primary weights.
 
     ``precision.backend=te`` without CUDA or TE raises ``BackendUnavailableError`` naming the
-    setting and the install hint; ``auto`` falls back to the emulated backend.
+    setting and the install hint. ``auto`` (normally already resolved by ``derive``) picks TE
+    only for a quantized recipe that TE supports on this machine, judged on ``run_cfg`` (the
+    whole ``LPTrainConfig``; without it, on ``precision_cfg`` and default model/run
+    settings), else the emulated backend -- plain PyTorch GEMMs for an unquantized run.
     """
     from lptrain.precision.te_adapter import resolve_backend, te_recipe
 
     cfg = precision_cfg
     recipe = recipe_from_config(cfg)
-    backend = resolve_backend(cfg.backend)
+    backend = resolve_backend(cfg.backend, run_cfg if run_cfg is not None else cfg)
     bf16_start = bf16_end = 0
     if cfg.first_last_layers_bf16:
         bf16_start = cfg.num_layers_at_start_in_bf16

@@ -8,6 +8,14 @@ Recipe construction follows numerics.md 2.3: some TE recipes declare their ``QPa
 (``fp8_quant_fwd_inp`` / ``_fwd_weight`` / ``_bwd_grad``) as un-annotated class attributes,
 so constructor arguments do not set them; ``amax_epsilon`` (and the blockwise pow2 choice)
 is applied by assigning the attributes after construction.
+
+Version differences handled here (TE 2.2 to 2.19; the minima per feature are the rule
+catalog's, ``lptrain.config.rules``): ``Float8CurrentScaling.use_power_2_scales`` only
+exists from 2.8 (earlier releases keep the choice in the QParams); ``NVFP4BlockScaling``
+from 2.8; ``GroupedLinear(single_grouped_weight=True)`` from 2.14, honoured from 2.15 only
+with ``NVTE_GROUPED_LINEAR_SINGLE_PARAM=1`` at construction and from 2.19 only with
+``use_grouped_tensor=True`` (whose native path takes ``m_splits`` as a CUDA int64 tensor);
+``te.pytorch.autocast`` / ``quantized_model_init`` from 2.9 (``fp8_*`` spellings before).
 """
 
 from __future__ import annotations
@@ -15,21 +23,25 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
-from collections.abc import Callable, Iterator
+import os
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Optional
 
 import torch
 from torch import nn
+
+from lptrain.errors import DeviceError
 
 INSTALL_HINT = (
     "install Transformer Engine on a CUDA machine with `pip install 'lptrain[te]'` "
     "(or `pip install --no-build-isolation transformer_engine[pytorch]`), or set "
     "precision.backend=emulated (or auto) to run the bit-faithful CPU emulation"
 )
+SINGLE_PARAM_ENV = "NVTE_GROUPED_LINEAR_SINGLE_PARAM"
 
 
-class BackendUnavailableError(RuntimeError):
-    """``precision.backend=te`` was requested where TE or CUDA is missing."""
+class BackendUnavailableError(DeviceError):
+    """``precision.backend=te`` was requested where TE, CUDA or a TE feature is missing."""
 
 
 def te_importable() -> bool:
@@ -51,16 +63,44 @@ def te_available() -> bool:
     return True
 
 
-def resolve_backend(backend: str) -> str:
+def te_version() -> Optional[tuple[int, ...]]:
+    """The imported TE's version as a tuple ((2, 19, 0)), or None when TE is not importable."""
+    from lptrain.config.world import installed_te_version, parse_version
+
+    try:
+        import transformer_engine
+
+        text = getattr(transformer_engine, "__version__", None) or installed_te_version()
+    except Exception:
+        return None
+    return parse_version(text) if text else None
+
+
+def _te_at_least(version: str) -> bool:
+    from lptrain.config.world import parse_version
+
+    have = te_version()
+    return have is not None and have >= parse_version(version)
+
+
+def resolve_backend(backend: str, cfg: Any = None) -> str:
     """Map ``precision.backend`` (auto | te | emulated) to the backend that will run.
 
-    ``auto`` picks te when CUDA and TE are both present, else emulated. ``te`` without them
-    raises :class:`BackendUnavailableError` naming the setting and the install hint.
+    ``auto`` asks :func:`lptrain.config.rulesets.precision.auto_backend` (the same decision
+    ``derive`` makes) with this machine's world: TE only for a quantized recipe TE supports
+    here, else emulated. ``cfg`` is the run's ``LPTrainConfig`` or its ``PrecisionConfig``
+    (the rest then defaults). ``te`` without CUDA or TE raises
+    :class:`BackendUnavailableError` naming the setting and the install hint.
     """
     if backend == "emulated":
         return "emulated"
     if backend == "auto":
-        return "te" if te_available() else "emulated"
+        if cfg is None or not (torch.cuda.is_available() and te_available()):
+            return "emulated"
+        from lptrain.config.rulesets.precision import auto_backend
+        from lptrain.config.world import World
+
+        return auto_backend(_full_config(cfg), World.detect())
     if backend == "te":
         if not torch.cuda.is_available():
             raise BackendUnavailableError(
@@ -76,6 +116,41 @@ def resolve_backend(backend: str) -> str:
     raise ValueError(f"precision.backend must be auto, te or emulated, got {backend!r}")
 
 
+def _full_config(cfg: Any) -> Any:
+    """An ``LPTrainConfig`` for ``cfg`` (a whole config, or only its precision section)."""
+    from lptrain.config.schema import LPTrainConfig, PrecisionConfig
+
+    if isinstance(cfg, PrecisionConfig):
+        return LPTrainConfig(precision=cfg)
+    return cfg
+
+
+# TE recipe class per lptrain recipe name, and the key that selects it.
+_TE_RECIPE_CLASSES = {
+    "delayed": ("DelayedScaling", "precision.fp8_recipe"),
+    "tensorwise": ("Float8CurrentScaling", "precision.fp8_recipe"),
+    "blockwise": ("Float8BlockScaling", "precision.fp8_recipe"),
+    "mxfp8": ("MXFP8BlockScaling", "precision.fp8_recipe"),
+    "nvfp4": ("NVFP4BlockScaling", "precision.fp4_format"),
+}
+
+
+def _recipe_class(ter: Any, name: str) -> Any:
+    """TE's recipe class for lptrain recipe ``name``; a TE too old to have it raises
+    :class:`BackendUnavailableError` with the minimum from the rule catalog."""
+    from lptrain.config.rules import RECIPE_MIN_TE
+
+    cls_name, key = _TE_RECIPE_CLASSES[name]
+    cls = getattr(ter, cls_name, None)
+    if cls is None:
+        raise BackendUnavailableError(
+            f"{key}: the {name} recipe needs Transformer Engine >= {RECIPE_MIN_TE[name]} "
+            f"({cls_name}); installed: {_version_text()}. Upgrade TE or set "
+            "precision.backend=emulated"
+        )
+    return cls
+
+
 def te_recipe(cfg: Any) -> Optional[Any]:
     """The TE recipe object for a ``PrecisionConfig`` (``None`` when unquantized)."""
     from transformer_engine.common import recipe as ter
@@ -83,26 +158,34 @@ def te_recipe(cfg: Any) -> Optional[Any]:
     from lptrain.precision import recipes as _R
 
     if cfg.fp4_format is not None:
-        return ter.NVFP4BlockScaling(**_R.nvfp4_config_kwargs(cfg))
+        return _recipe_class(ter, "nvfp4")(**_R.nvfp4_config_kwargs(cfg))
     if cfg.fp8_format is None:
         return None
     fmt = ter.Format.HYBRID if cfg.fp8_format == "hybrid" else ter.Format.E4M3
     name = cfg.fp8_recipe
+    if name not in _TE_RECIPE_CLASSES:
+        raise ValueError(
+            f"precision.fp8_recipe must be delayed, tensorwise, blockwise or mxfp8, got {name!r}"
+        )
+    cls = _recipe_class(ter, name)
     if name == "delayed":
-        return ter.DelayedScaling(fp8_format=fmt, **_R.delayed_config_kwargs(cfg))
+        return cls(fp8_format=fmt, **_R.delayed_config_kwargs(cfg))
+    r = cls(fp8_format=fmt)
     if name == "tensorwise":
-        r = ter.Float8CurrentScaling(fp8_format=fmt)
-        _set_qparams(r, ter, power_2=r.use_power_2_scales, eps=cfg.amax_epsilon)
-        return r
-    if name == "blockwise":
-        r = ter.Float8BlockScaling(fp8_format=fmt)
+        # use_power_2_scales (env NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES) exists from TE 2.8;
+        # earlier releases hold the same default (False) in the class QParams.
+        pow2 = getattr(r, "use_power_2_scales", r.fp8_quant_fwd_inp.power_2_scale)
+        _set_qparams(r, ter, power_2=bool(pow2), eps=cfg.amax_epsilon)
+    elif name == "blockwise":
         # Pow2 is on by default (env NVTE_FP8_BLOCK_SCALING_FP32_SCALES unset); keep what the
         # class attribute says and only add the epsilon (assigning is what takes effect).
         _set_qparams(r, ter, power_2=r.fp8_quant_fwd_inp.power_2_scale, eps=cfg.amax_epsilon)
-        return r
-    if name == "mxfp8":
-        return ter.MXFP8BlockScaling(fp8_format=fmt)
-    raise ValueError(f"precision.fp8_recipe must be delayed, tensorwise, blockwise or mxfp8, got {name!r}")
+    return r
+
+
+def _version_text() -> str:
+    v = te_version()
+    return ".".join(map(str, v)) if v else "none"
 
 
 def _set_qparams(r: Any, ter: Any, *, power_2: bool, eps: float) -> None:
@@ -135,16 +218,24 @@ def te_model_init(recipe: Any, preserve_high_precision_init_val: bool = True) ->
         yield
 
 
-def _call(cls: Any, *args: Any, **kw: Any) -> Any:
-    """Construct a TE module, dropping optional kwargs this TE version does not know
-    (``name`` and ``single_grouped_weight`` are recent additions)."""
+# Optional TE constructor kwargs that may be dropped when this TE's signature lacks them:
+# ``name`` is cosmetic (debug names, 2.5+), ``use_grouped_tensor`` only exists (and is only
+# needed) from 2.19. Anything else, ``single_grouped_weight`` included, must reach TE or fail.
+_DROPPABLE = ("name", "use_grouped_tensor")
+
+
+def _accepts(cls: Any, kwarg: str) -> bool:
     import inspect
 
     params = inspect.signature(cls.__init__).parameters
-    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        for opt in ("name", "single_grouped_weight"):
-            if opt in kw and opt not in params:
-                kw.pop(opt)
+    return kwarg in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def _call(cls: Any, *args: Any, **kw: Any) -> Any:
+    """Construct a TE module, dropping the optional kwargs this TE version does not know."""
+    for opt in _DROPPABLE:
+        if opt in kw and not _accepts(cls, opt):
+            kw.pop(opt)
     return cls(*args, **kw)
 
 
@@ -158,14 +249,16 @@ def _te_module(
     **kw: Any,
 ) -> nn.Module:
     """One TE module on the current CUDA device with the arguments every lptrain TE layer
-    shares (dtype, init, fused wgrad accumulation, optional name); ``kw`` adds the rest."""
+    shares (dtype, init, fused wgrad accumulation, optional name); ``kw`` adds the rest.
+    Under a caller's ``with torch.device("meta")`` (a dry run) TE builds it on meta."""
+    device = "meta" if torch.get_default_device().type == "meta" else "cuda"
     return _call(
         cls,
         *args,
         init_method=init_method,
         params_dtype=params_dtype,
         fuse_wgrad_accumulation=fuse_wgrad_accumulation,
-        device="cuda",
+        device=device,
         name=name or None,
         **kw,
     )
@@ -198,7 +291,8 @@ def te_linear(
 
 @functools.cache
 def _te_grouped_linear_cls() -> type:
-    """``te.pytorch.GroupedLinear`` plus lptrain's ``member_weight`` accessor (made once)."""
+    """``te.pytorch.GroupedLinear`` plus lptrain's ``member_weight`` accessor and ``m_splits``
+    handling (made once)."""
     import transformer_engine.pytorch as te
 
     class TEGroupedLinear(te.GroupedLinear):
@@ -207,7 +301,36 @@ def _te_grouped_linear_cls() -> type:
                 return self.weight[i]
             return getattr(self, f"weight{i}")
 
+        def forward(self, inp: torch.Tensor, m_splits: Sequence[int], *args: Any, **kw: Any) -> Any:
+            # TE >= 2.19's native grouped-tensor path takes the splits as a CUDA int64 tensor
+            # (a host list raises there); older TE wants the host list.
+            if getattr(self, "use_grouped_tensor", False) and not isinstance(m_splits, torch.Tensor):
+                m_splits = torch.tensor(list(m_splits), dtype=torch.int64, device=inp.device)
+            return super().forward(inp, m_splits, *args, **kw)
+
     return TEGroupedLinear
+
+
+@contextlib.contextmanager
+def _single_param_env(enabled: bool) -> Iterator[None]:
+    """Set ``NVTE_GROUPED_LINEAR_SINGLE_PARAM=1`` while a GroupedLinear is constructed.
+
+    From TE 2.15 ``GroupedLinear.__init__`` reads it and otherwise turns
+    ``single_grouped_weight`` off with only a warning; it is read nowhere else, so the
+    variable is restored afterwards and the rest of the process is unaffected.
+    """
+    old = os.environ.get(SINGLE_PARAM_ENV)
+    if not enabled or (old is not None and old.strip().isdigit() and int(old) > 0):
+        yield
+        return
+    os.environ[SINGLE_PARAM_ENV] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(SINGLE_PARAM_ENV, None)
+        else:
+            os.environ[SINGLE_PARAM_ENV] = old
 
 
 def te_grouped_linear(
@@ -221,22 +344,43 @@ def te_grouped_linear(
     fuse_wgrad_accumulation: bool = False,
     name: str = "",
 ) -> nn.Module:
-    """A ``te.pytorch.GroupedLinear`` (bias-free) with lptrain's ``member_weight`` accessor."""
+    """A ``te.pytorch.GroupedLinear`` (bias-free) with lptrain's ``member_weight`` accessor.
+
+    ``single_grouped_weight`` is passed with what each TE release needs to honour it (the
+    environment variable from 2.15, ``use_grouped_tensor=True`` from 2.19) and checked on
+    the built module: a TE that would fall back to per-expert weights raises instead.
+    """
+    cls = _te_grouped_linear_cls()
     kw: dict[str, Any] = {}
     if single_grouped_weight:
+        if not _accepts(cls, "single_grouped_weight"):
+            raise BackendUnavailableError(
+                "model.moe.single_grouped_weight=true needs Transformer Engine >= 2.14 "
+                f"(installed: {_version_text()}); upgrade TE or set "
+                "model.moe.single_grouped_weight=false"
+            )
         kw["single_grouped_weight"] = True
-    return _te_module(
-        _te_grouped_linear_cls(),
-        num_gemms,
-        in_features,
-        out_features,
-        bias=False,
-        params_dtype=params_dtype,
-        init_method=init_method,
-        fuse_wgrad_accumulation=fuse_wgrad_accumulation,
-        name=name,
-        **kw,
-    )
+        kw["use_grouped_tensor"] = True
+    with _single_param_env(single_grouped_weight):
+        module = _te_module(
+            cls,
+            num_gemms,
+            in_features,
+            out_features,
+            bias=False,
+            params_dtype=params_dtype,
+            init_method=init_method,
+            fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+            name=name,
+            **kw,
+        )
+    if single_grouped_weight and not getattr(module, "single_grouped_weight", False):
+        raise BackendUnavailableError(
+            f"{name or 'GroupedLinear'}: Transformer Engine {_version_text()} built per-expert "
+            "weights although single_grouped_weight=True was requested; set "
+            "model.moe.single_grouped_weight=false"
+        )
+    return module
 
 
 def te_layernorm_linear(

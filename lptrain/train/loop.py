@@ -1,283 +1,341 @@
-"""Single-process pretraining loop: the default CPU job (`lptrain pretrain --recipe tiny_cpu.yaml`).
+"""The train-eval-checkpoint loop: *when* things happen. *How* a step is done is the engine's
+(:class:`lptrain.train.engine.TrainEngine`, same code at one rank or many).
 
-Walk of one run: factory (precision) -> model -> data -> fp32 master weights + AdamW or
-Muon+AdamW -> loop (micro-batches, NaN guard, clip, step, LR schedule) -> eval -> metrics
-JSONL + loss-curve PNG.
+One run: output-folder policy (:mod:`~lptrain.train.run_dir`: resume / refuse / fresh, nothing
+written yet) -> engine -> this rank's data loaders -> resume (newest valid checkpoint, falling
+back past incomplete or corrupt ones and saying so) -> the folder is claimed (overwrite applied,
+metrics trimmed to the resumed step, ``resolved_config.yaml``) -> steps. After each step:
+metrics line (flushed), console line every ``train.log_interval``, eval every
+``train.eval_interval`` and at the last step, save every ``checkpoint.save_interval``, then the
+stop checks (signal, ``train.exit_interval`` steps in this job, ``train.exit_duration_mins``),
+each of which saves before leaving. Eval and save go through ``engine.params_synced()`` and
+change no training state, so a run with them is bitwise the run without them.
 
-This is the data-parallel-free baseline. With one rank the distributed optimizer owns every
-shard (Muon's layer-wise optimizer every matrix) and overlap settings have no collective to
-overlap, so ``ddp.*`` flags are honoured trivially; FP8/FP4 primary weights are requantized
-from the fp32 masters every step. A multi-rank launch is refused up front until the
-distributed engine lands, never run half-way.
+Only the main rank writes files or prints; every rank takes part in saves and stop decisions.
+Steps are counted from 1 everywhere (metrics, messages, checkpoint names).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import math
-import os
+import secrets
+import signal
+import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from lptrain.config import World, derive
 from lptrain.config.schema import LPTrainConfig
-from lptrain.optim.schedule import lr_at
+from lptrain.train.engine import StepResult, TrainEngine, TrainingDivergedError
+from lptrain.train.signals import StopWatcher, TrainingInterrupted, signal_name
+
+__all__ = ["TrainingDivergedError", "TrainingInterrupted", "pretrain"]
 
 
-class TrainingDivergedError(RuntimeError):
-    """A loss or gradient went NaN/Inf; the message names the step and the tensor."""
+class _Log:
+    """Console output of the main rank: a rich progress bar on a terminal, plain lines else."""
 
-
-def _check_finite_grads(model: torch.nn.Module, step: int) -> None:
-    for name, p in model.named_parameters():
-        g = p.grad
-        if g is not None and not bool(torch.isfinite(g).all()):
-            bad = int((~torch.isfinite(g)).sum())
-            raise TrainingDivergedError(
-                f"step {step}: gradient of '{name}' has {bad} non-finite value(s); stopping"
+    def __init__(self, main: bool, cfg: LPTrainConfig) -> None:
+        self.main = main
+        self.tty = sys.stdout.isatty()
+        self.progress: Any = None
+        self.task: Any = None
+        if main and cfg.logging.progress and self.tty:
+            from rich.progress import (
+                BarColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
             )
 
+            self.progress = Progress(
+                TextColumn("[progress.description]{task.description}"), BarColumn(),
+                TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
+                TimeRemainingColumn(),
+            )
 
-def _master_copy(p: torch.Tensor) -> torch.Tensor:
-    """The fp32 master of a model param.
+    def start(self, done: int, total: int) -> None:
+        if self.progress is not None:
+            self.progress.start()
+            self.task = self.progress.add_task("training", total=total, completed=done)
 
-    A quantized primary weight (FP8/FP4 param gather) is seeded from its high-precision init
-    value, not from its dequantized bytes, so training starts from the true init; the
-    model-side copy of that value is then freed.
-    """
-    from lptrain.precision.tensors import QuantizedTensor
+    def advance(self, loss: float | None) -> None:
+        if self.progress is not None:
+            desc = f"training loss {loss:.3f}" if loss is not None else "training"
+            self.progress.update(self.task, advance=1, description=desc)
 
-    if isinstance(p, QuantizedTensor):
-        init = p.high_precision_init_value()
-        master = (init if init is not None else p.dequantize()).detach().float().clone()
-        p.clear_high_precision_init_value()
-        return master
-    return p.detach().float().clone()
-
-
-class _MasterOptimizer:
-    """AdamW, or Muon + AdamW, over fp32 master copies of (possibly bf16 or quantized) params.
-
-    Why masters: updating bf16 params in place loses small updates to rounding; the masters
-    keep full precision and the model params are refreshed from them after every step
-    (``copy_`` into a quantized param requantizes it: fp32 -> params dtype -> quantize).
-    The masters carry the model params' optimizer tags (``use_muon``, ``is_qkv``, ...), so
-    Muon routing and the QKV split read the same explicit metadata the model set.
-    """
-
-    def __init__(self, model: torch.nn.Module, cfg: LPTrainConfig) -> None:
-        from lptrain.optim.param_groups import copy_param_attributes, split_params_for_muon
-
-        o = cfg.optimizer
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.masters = [copy_param_attributes(p, _master_copy(p)) for p in self.params]
-        if o.name == "muon":
-            from lptrain.optim.muon import MuonWithAdamW
-
-            self.opt = MuonWithAdamW(*split_params_for_muon(self.masters), o)
+    def line(self, text: str) -> None:
+        if not self.main:
+            return
+        if self.progress is not None:
+            self.progress.console.print(text, markup=False, highlight=False)
         else:
-            decay = [m for m in self.masters if m.ndim >= 2]
-            no_decay = [m for m in self.masters if m.ndim < 2]
-            self.opt = torch.optim.AdamW(
-                [
-                    {"params": decay, "weight_decay": o.weight_decay},
-                    {"params": no_decay, "weight_decay": 0.0},
-                ],
-                lr=o.lr,
-                betas=(o.adam_beta1, o.adam_beta2),
-                eps=o.adam_eps,
-            )
-        self.clip = o.clip_grad
+            print(text, flush=True)
 
-    def step(self, lr: float) -> float:
-        for p, m in zip(self.params, self.masters, strict=True):
-            m.grad = None if p.grad is None else p.grad.float()
-        norm = torch.nn.utils.clip_grad_norm_(
-            self.masters, self.clip if self.clip > 0 else float("inf")
-        )
-        for g in self.opt.param_groups:
-            g["lr"] = lr
-        self.opt.step()
-        with torch.no_grad():
-            for p, m in zip(self.params, self.masters, strict=True):
-                p.copy_(m.to(p.dtype))
-                p.grad = None
-        return float(norm)
+    def stop(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
 
 
-def _evaluate(model: torch.nn.Module, batches: Iterator[dict[str, torch.Tensor]], n: int, ctx) -> float:
-    model.eval()
-    total = 0.0
-    with torch.no_grad():
-        for _ in range(n):
-            b = next(batches)
-            with ctx():
-                _, aux = model(b["tokens"], labels=b["labels"])
-            total += aux["lm_loss"].item()
-    model.train()
-    return total / max(1, n)
-
-
-def _write_plot(records: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps = [r["step"] for r in records if "loss" in r]
-    losses = [r["loss"] for r in records if "loss" in r]
-    evals = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(steps, losses, label="train loss")
-    if evals:
-        ax.plot(*zip(*evals, strict=True), "o-", label="validation loss")
-    ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats/token)")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def _start_wandb(cfg: LPTrainConfig, out: Path) -> Any:
-    """A W&B run when ``logging.wandb`` is on (offline by default: no network needed)."""
+def _start_wandb(cfg: LPTrainConfig, out: Path, run_id: str | None) -> Any:
+    """A W&B run when ``logging.wandb`` is on (offline by default); reuses ``run_id`` on resume."""
     if not cfg.logging.wandb:
         return None
-    import dataclasses
-
     import wandb
 
     return wandb.init(
-        project=cfg.logging.wandb_project,
-        name=cfg.run.name,
-        mode=cfg.logging.wandb_mode,
-        dir=str(out),
-        config=dataclasses.asdict(cfg),
+        project=cfg.logging.wandb_project, name=cfg.run.name, mode=cfg.logging.wandb_mode,
+        dir=str(out), config=dataclasses.asdict(cfg), id=run_id or secrets.token_hex(4),
+        resume="allow",
     )
 
 
-def pretrain(cfg: LPTrainConfig, output_dir: str | Path) -> dict[str, Any]:
-    """Run the single-process pretraining loop; returns a summary dict (also written to disk)."""
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
+def _resume(engine: TrainEngine, candidates: list[Path], log: _Log) -> dict[str, Any]:
+    """Load the newest loadable checkpoint into the engine; returns its train state."""
+    from lptrain.checkpoint import CheckpointError, load_checkpoint
 
+    failures = []
+    for i, folder in enumerate(candidates):
+        try:
+            state, train_state = load_checkpoint(folder, engine.rank, engine.world_size)
+            engine.load_checkpoint_state(state)
+        except (CheckpointError, KeyError, RuntimeError, ValueError) as e:
+            failures.append(f"{folder}: {e}")
+            nxt = candidates[i + 1] if i + 1 < len(candidates) else None
+            log.line(f"warning: could not load checkpoint {folder} ({e}); "
+                     + (f"falling back to {nxt}" if nxt else "no older valid checkpoint"))
+            continue
+        if state["local"] is None:
+            log.line(f"note: {folder} was written at world size {train_state.get('world_size')}; "
+                     "per-rank RNG streams start afresh")
+        log.line(f"resuming from {folder} (step {train_state['iteration']})")
+        return train_state
+    raise CheckpointError("no checkpoint could be loaded: " + "; ".join(failures))
+
+
+def pretrain(cfg: LPTrainConfig, output_dir: str | Path, *, overwrite: bool = False) -> dict[str, Any]:
+    """Train (or resume) into ``output_dir``; returns the summary (also ``summary.json``).
+
+    Raises :class:`~lptrain.train.run_dir.RunDirRefused` for a folder it must not touch,
+    :class:`TrainingDivergedError` on a non-finite step with ``train.on_nonfinite=stop`` and
+    :class:`TrainingInterrupted` (a ``SystemExit``: 143 or 130) after a signal.
+    """
+    from lptrain.checkpoint import save_checkpoint
+    from lptrain.config.render import config_yaml
     from lptrain.data import build_train_valid_loaders
-    from lptrain.model import build_model
-    from lptrain.precision.factory import build_factory
+    from lptrain.data.loader import data_state, load_data_state
+    from lptrain.model.flops import flops_per_token
+    from lptrain.train.metrics import (
+        MetricsWriter,
+        compute_class,
+        finite_or_none,
+        format_log_line,
+        memory_gib,
+        peak_flops,
+    )
+    from lptrain.train.run_dir import plan_run, rebase_on_output_dir, start_run
 
-    console = Console()
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size > 1:
-        raise SystemExit(
-            "lptrain pretrain: this build runs a single process; "
-            f"not yet supported: WORLD_SIZE={world_size} (data parallelism)"
-        )
     cfg = derive(cfg, World.detect())  # idempotent: the CLI already derived; direct callers may not
     out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(cfg.train.seed)
-    t = cfg.train
-    num_micro = t.global_batch_size // t.micro_batch_size
-
-    factory = build_factory(
-        cfg.precision,
-        num_layers=cfg.model.num_layers,
-        fuse_wgrad_accumulation=False,
-    )
-    model = build_model(cfg, factory)
-    autocast = model.autocast
+    cfg = rebase_on_output_dir(cfg, out)
+    t, ck = cfg.train, cfg.checkpoint
+    plan = plan_run(cfg, out, overwrite)
+    engine = TrainEngine(cfg)
+    main = engine.is_main
+    log = _Log(main, cfg)
+    for note in plan.notes:
+        log.line(f"warning: skipping checkpoint {note}")
     train_it, valid_it = build_train_valid_loaders(
-        cfg.data,
-        seq_length=cfg.model.seq_length,
-        micro_batch_size=t.micro_batch_size,
-        global_batch_size=t.global_batch_size,
-        dp_rank=0,
-        dp_size=1,
+        cfg.data, seq_length=cfg.model.seq_length, micro_batch_size=t.micro_batch_size,
+        global_batch_size=t.global_batch_size, dp_rank=engine.dp_rank, dp_size=engine.dp_size,
         vocab_size=cfg.model.vocab_size,
     )
-    opt = _MasterOptimizer(model, cfg)
-    decay_iters = cfg.optimizer.decay_iters or t.train_iters
-    n_params = sum(p.numel() for p in model.parameters())
-    console.print(
-        f"[bold]lptrain[/] {cfg.run.name}: {n_params / 1e6:.2f}M params, "
-        f"{t.train_iters} steps x {t.global_batch_size} seqs x {cfg.model.seq_length} tokens"
-    )
+    train_state: dict[str, Any] = {}
+    if plan.candidates:
+        train_state = _resume(engine, plan.candidates, log)
+        load_data_state(train_state["data"], train_it, valid_it)
+    start_iter = int(train_state.get("iteration", 0))
+    resolved = config_yaml(cfg)
+    if main:
+        start_run(plan, cfg, start_iter, resolved)
 
-    records: list[dict[str, Any]] = []
-    wandb_run = _start_wandb(cfg, out)
-    metrics_path = out / "metrics.jsonl"
+    num_micro = t.global_batch_size // (t.micro_batch_size * engine.dp_size)
     tokens_per_step = t.global_batch_size * cfg.model.seq_length
-    t0 = time.perf_counter()
-    with metrics_path.open("w") as mf, Progress(
-        TextColumn("[progress.description]{task.description}"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total}"),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-        console=console,
-        disable=not cfg.logging.progress,
-    ) as progress:
-        task = progress.add_task("training", total=t.train_iters)
-        for step in range(t.train_iters):
-            lr = lr_at(
-                step,
-                lr=cfg.optimizer.lr,
-                min_lr=cfg.optimizer.min_lr,
-                warmup_iters=cfg.optimizer.warmup_iters,
-                decay_iters=decay_iters,
-                schedule=cfg.optimizer.lr_schedule,
-            )
-            step_loss = 0.0
-            for _ in range(num_micro):
-                b = next(train_it)
-                with autocast():
-                    loss, aux = model(b["tokens"], labels=b["labels"])
-                # `loss` already includes the MoE aux/z losses; `aux` holds detached parts for logs.
-                if not math.isfinite(loss.item()):
-                    raise TrainingDivergedError(f"step {step}: loss is {loss.item()}; stopping")
-                (loss / num_micro).backward()
-                step_loss += aux["lm_loss"].item() / num_micro
-            _check_finite_grads(model, step)
-            grad_norm = opt.step(lr)
-            model.update_expert_bias()  # aux-loss-free balancing: no-op for dense models
-            rec: dict[str, Any] = {"step": step + 1, "loss": step_loss, "lr": lr, "grad_norm": grad_norm}
-            eval_now = t.eval_interval and (step + 1) % t.eval_interval == 0
-            if eval_now or step + 1 == t.train_iters:
-                rec["val_loss"] = _evaluate(model, valid_it, t.eval_iters, autocast)
-            records.append(rec)
-            mf.write(json.dumps(rec) + "\n")
-            if wandb_run is not None:
-                wandb_run.log(rec, step=step + 1)
-            progress.update(task, advance=1, description=f"training loss {step_loss:.3f}")
-    elapsed = time.perf_counter() - t0
-    summary = {
-        "steps": t.train_iters,
-        "first_loss": records[0]["loss"],
-        "final_loss": records[-1]["loss"],
-        "val_loss": records[-1].get("val_loss"),
-        "tokens_per_s": tokens_per_step * t.train_iters / elapsed,
-        "seconds": elapsed,
-    }
-    if wandb_run is not None:
-        wandb_run.summary.update(summary)
-        wandb_run.finish()
-    if cfg.logging.plots:
-        _write_plot(records, out / "loss.png")
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    console.print(
-        f"done in {elapsed:.1f}s: loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}, "
-        f"val {summary['val_loss']:.3f}, {summary['tokens_per_s']:.0f} tokens/s; "
-        f"metrics, loss.png in {out}"
+    eval_on = valid_it is not None and t.eval_iters > 0
+    device = next(engine.model.parameters()).device
+    peak = peak_flops(device, compute_class(cfg))
+    flops_tok = flops_per_token(cfg.model).total
+    n_params = sum(p.numel() for p in engine.model.parameters())
+    metrics = MetricsWriter(out / "metrics.jsonl") if main else None
+    wandb_run = _start_wandb(cfg, out, train_state.get("wandb_run_id")) if main else None
+    wandb_id = wandb_run.id if wandb_run is not None else train_state.get("wandb_run_id")
+    log.line(
+        f"lptrain {cfg.run.name}: {n_params / 1e6:.2f}M params, {t.train_iters} steps x "
+        f"{t.global_batch_size} seqs x {cfg.model.seq_length} tokens, {engine.world_size} rank(s)"
+        + (f"; resuming at step {start_iter + 1}" if start_iter else "")
     )
+    if not eval_on:
+        why = "no validation split (data.split_valid_fraction=0)" if valid_it is None else "train.eval_iters=0"
+        log.line(f"evaluation off: {why}")
+
+    prior_elapsed = float(train_state.get("elapsed_s", 0.0))
+    step, job_steps, status, saved = start_iter, 0, "running", None
+    signum: int | None = None
+    error: str | None = None
+    t_job = time.perf_counter()
+    window: list[tuple[float, int]] = []  # (step time, tokens) since the last log line
+
+    def save(iteration: int) -> Path:
+        state = {
+            "consumed_samples": train_it.consumed_samples,
+            "consumed_tokens": train_it.consumed_samples * cfg.model.seq_length,
+            "data": data_state(train_it, valid_it),
+            "wandb_run_id": wandb_id,
+            "dp_size": engine.dp_size,
+            "elapsed_s": prior_elapsed + time.perf_counter() - t_job,
+        }
+        with engine.params_synced():
+            engine_state = engine.checkpoint_state()
+        folder = save_checkpoint(ck.save, iteration, engine_state, state, resolved,
+                                 rank=engine.rank, world_size=engine.world_size,
+                                 keep_latest=ck.keep_latest)
+        log.line(f"saved checkpoint {folder}")
+        return folder
+
+    log.start(start_iter, t.train_iters)
+    try:
+        with StopWatcher(t.exit_duration_mins) as watcher:
+            while step < t.train_iters:
+                step += 1
+                job_steps += 1
+                t0 = time.perf_counter()
+                micro = [next(train_it) for _ in range(num_micro)]
+                res: StepResult = engine.train_step(micro, step)
+                dt = time.perf_counter() - t0
+                tps = tokens_per_step / dt
+                rec: dict[str, Any] = {
+                    "step": step,
+                    "loss": finite_or_none(res.loss),
+                    "lr": next(iter(res.lrs.values())),
+                    "lrs": res.lrs,
+                    "grad_norm": finite_or_none(res.grad_norm),
+                    "tokens_per_s": tps,
+                    "step_time_s": dt,
+                    "mem_gib": memory_gib(device),
+                    "mfu": flops_tok * tps / (peak * engine.world_size) if peak else None,
+                    "consumed_samples": train_it.consumed_samples,
+                    **res.extra,
+                }
+                if res.skipped:
+                    rec["skipped"] = True
+                    log.line(f"warning: {res.note}")
+                if eval_on and (step == t.train_iters or (t.eval_interval and step % t.eval_interval == 0)):
+                    valid_it.load_state_dict({"consumed_samples": 0})  # same batches every eval
+                    rec["val_loss"] = engine.evaluate(valid_it, t.eval_iters)
+                if metrics is not None:
+                    metrics.write(rec)
+                if wandb_run is not None:
+                    wandb_run.log({k: v for k, v in rec.items() if k != "lrs"}, step=step)
+                window.append((dt, tokens_per_step))
+                log.advance(rec["loss"])
+                if t.log_interval and (step % t.log_interval == 0 or step == t.train_iters):
+                    secs = sum(w[0] for w in window)
+                    log.line(format_log_line(rec, t.train_iters, sum(w[1] for w in window) / secs,
+                                             secs / len(window)))
+                    window.clear()
+
+                signum, late = watcher.poll(device)
+                want_save = bool(ck.save and ck.save_interval and step % ck.save_interval == 0)
+                if signum is not None:
+                    status = "interrupted"
+                    if ck.save and (signum != signal.SIGINT or ck.save_on_interrupt):
+                        want_save = True
+                elif step >= t.train_iters:
+                    status, want_save = "completed", want_save or bool(ck.save)
+                elif late:
+                    status, want_save = "exit_duration", want_save or bool(ck.save)
+                elif t.exit_interval and job_steps >= t.exit_interval:
+                    status, want_save = "exit_interval", want_save or bool(ck.save)
+                if want_save:
+                    saved = save(step)
+                if status != "running":
+                    break
+    except TrainingDivergedError as e:
+        status, error = "diverged", str(e)
+        raise
+    except BaseException as e:
+        if status == "running":
+            status, error = "failed", f"{type(e).__name__}: {e}"
+        raise
+    finally:
+        log.stop()
+        elapsed = time.perf_counter() - t_job
+        if metrics is not None:
+            metrics.close()
+        summary = _finish(cfg, out, metrics.records if metrics else [], status, step, start_iter,
+                          job_steps, elapsed, tokens_per_step, saved, error, signum, wandb_run,
+                          wandb_id, main, log)
+    if signum is not None:
+        raise TrainingInterrupted(signum, summary)
+    return summary
+
+
+def _finish(cfg: LPTrainConfig, out: Path, records: list[dict[str, Any]], status: str, step: int,
+            start_iter: int, job_steps: int, elapsed: float, tokens_per_step: int,
+            saved: Path | None, error: str | None, signum: int | None, wandb_run: Any,
+            wandb_id: str | None, main: bool, log: _Log) -> dict[str, Any]:
+    """Summary, plots and W&B close-out (main rank writes); returns the summary."""
+    losses = [r["loss"] for r in records if r.get("loss") is not None]
+    evals = [r["val_loss"] for r in records if r.get("val_loss") is not None]
+    summary: dict[str, Any] = {
+        "status": status,
+        "steps": step,
+        "resumed_from_step": start_iter or None,
+        "steps_this_job": job_steps,
+        "first_loss": losses[0] if losses else None,
+        "final_loss": losses[-1] if losses else None,
+        "val_loss": evals[-1] if evals and records and "val_loss" in records[-1] else None,
+        "tokens_per_s": tokens_per_step * job_steps / elapsed if elapsed > 0 else None,
+        "seconds": elapsed,
+        "checkpoint": str(saved) if saved else None,
+        "wandb_run_id": wandb_id,
+    }
+    if error:
+        summary["error"] = error
+    if signum is not None:
+        summary["signal"] = signal_name(signum)
+    if not main:
+        return summary
+    files = [out / "resolved_config.yaml", out / "metrics.jsonl", out / "summary.json"]
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if cfg.logging.plots and records:
+        from lptrain.train.plots import write_plots
+
+        files += write_plots(out)
+    if wandb_run is not None:
+        wandb_run.summary.update({k: v for k, v in summary.items() if v is not None})
+        wandb_run.finish()
+        files.append(out / "wandb")
+    if status == "diverged":
+        log.line(f"stopped: {error}; metrics up to the previous step in {out}")
+        return summary
+    fl, ll = summary["first_loss"], summary["final_loss"]
+    what = {"completed": "done", "interrupted": f"stopped by {summary.get('signal')}",
+            "exit_interval": "stopped (train.exit_interval)",
+            "exit_duration": "stopped (train.exit_duration_mins)"}.get(status, status)
+    parts = [f"{what} at step {step} in {elapsed:.1f}s"]
+    if fl is not None and ll is not None:
+        parts.append(f"loss {fl:.3f} -> {ll:.3f}")
+    if summary["val_loss"] is not None:
+        parts.append(f"val {summary['val_loss']:.3f}")
+    if summary["tokens_per_s"]:
+        parts.append(f"{summary['tokens_per_s']:.0f} tokens/s")
+    log.line(", ".join(parts))
+    log.line("wrote " + ", ".join(p.name for p in files if p.exists()) + f" in {out}")
+    if saved:
+        log.line(f"checkpoint: {saved} (run the same command again to resume)")
     return summary

@@ -31,16 +31,39 @@ def _cfg(cache: Path, *overrides: str):
     )
 
 
-def test_loss_decreases_and_outputs_written(tmp_path: Path, cache_dir: Path) -> None:
-    summary = pretrain(_cfg(cache_dir, "train.train_iters=15"), tmp_path / "run")
+def test_loss_decreases_and_outputs_written(
+    tmp_path: Path, cache_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    summary = pretrain(_cfg(cache_dir, "train.train_iters=15", "train.log_interval=5"), tmp_path / "run")
     # 15 AdamW steps at lr 3e-4 on a byte-level corpus drop the loss by far more than 0.3
     # nats from ~ln(259)=5.56; a broken update (no step, wrong sign) would not.
     assert summary["final_loss"] < summary["first_loss"] - 0.3
+    assert summary["status"] == "completed"
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 15
-    assert "val_loss" in json.loads(lines[-1])
-    png = (tmp_path / "run" / "loss.png").read_bytes()
-    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    recs = [json.loads(x) for x in lines]
+    assert [r["step"] for r in recs] == list(range(1, 16))
+    assert "val_loss" in recs[-1] and "val_loss" not in recs[0]
+    for key in ("loss", "lr", "lrs", "grad_norm", "tokens_per_s", "step_time_s", "mem_gib"):
+        assert key in recs[0], key
+    assert recs[0]["mfu"] is None  # CPU: no peak to compare with, so no made-up MFU
+    for name in ("loss.png", "lr.png", "grad_norm.png"):
+        assert (tmp_path / "run" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # stdout is not a terminal under pytest: plain log lines every log_interval steps
+    logged = [x for x in capsys.readouterr().out.splitlines() if x.startswith("step ")]
+    assert [x.split()[1] for x in logged] == ["5/15", "10/15", "15/15"]
+    assert "tokens/s" in logged[0] and "ms/step" in logged[0] and "GiB" in logged[0]
+    assert all(f"{g}=" in logged[0] for g in recs[0]["lrs"])  # lr of every param group
+
+
+@pytest.mark.parametrize("override", ["data.split_valid_fraction=0", "train.eval_iters=0"])
+def test_eval_disabled_cleanly(tmp_path: Path, cache_dir: Path, override: str) -> None:
+    """No validation split, or eval_iters=0: no evaluation and no made-up val_loss."""
+    summary = pretrain(_cfg(cache_dir, "train.train_iters=2", "train.eval_interval=1",
+                            "logging.plots=false", override), tmp_path / "run")
+    recs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(recs) == 2 and all("val_loss" not in r for r in recs)
+    assert summary["val_loss"] is None and summary["status"] == "completed"
 
 
 def test_nan_loss_stops_with_step(
@@ -60,8 +83,40 @@ def test_nan_loss_stops_with_step(
         return out
 
     monkeypatch.setattr(GPTModel, "forward", poisoned)
-    with pytest.raises(TrainingDivergedError, match=r"step 1: loss is nan"):
+    # steps count from 1, as in metrics.jsonl: the 3rd forward is step 2's first micro-batch
+    # (a NaN loss makes NaN grads: the engine names the loss or the first bad gradient)
+    with pytest.raises(TrainingDivergedError,
+                       match=r"step 2, rank 0: (loss is nan|gradient of '[\w.]+' is not finite)"):
         pretrain(_cfg(cache_dir, "train.train_iters=5"), tmp_path / "run")
+    recs = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert len(recs) == 1  # step 1 was logged and flushed before the failure
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "diverged" and "step 2" in summary["error"]
+
+
+def test_nan_loss_skipped_with_on_nonfinite_skip(
+    tmp_path: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lptrain.model.gpt import GPTModel
+
+    real_forward = GPTModel.forward
+    calls = {"n": 0}
+
+    def poisoned(self, tokens, labels=None):
+        out = real_forward(self, tokens, labels)
+        calls["n"] += 1
+        if calls["n"] == 3:  # step 2, first micro-batch
+            loss, aux = out
+            return loss * float("nan"), aux
+        return out
+
+    monkeypatch.setattr(GPTModel, "forward", poisoned)
+    summary = pretrain(_cfg(cache_dir, "train.train_iters=3", "train.on_nonfinite=skip",
+                            "logging.plots=false"), tmp_path / "run")
+    recs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r.get("skipped", False) for r in recs] == [False, True, False]
+    assert recs[1]["grad_norm"] is None  # NaN is written as null (JSON has no NaN)
+    assert summary["status"] == "completed" and math.isfinite(summary["final_loss"])
 
 
 def test_nan_gradient_names_the_tensor(
@@ -71,13 +126,13 @@ def test_nan_gradient_names_the_tensor(
 
     real_build = model_pkg.build_model
 
-    def build_with_bad_grad(cfg, factory=None):
-        model = real_build(cfg, factory)
+    def build_with_bad_grad(cfg, factory=None, **kwargs):
+        model = real_build(cfg, factory, **kwargs)
         model.final_norm.weight.register_hook(lambda g: torch.full_like(g, float("inf")))
         return model
 
     monkeypatch.setattr(model_pkg, "build_model", build_with_bad_grad)
-    with pytest.raises(TrainingDivergedError, match=r"step 0: gradient of 'final_norm.weight'"):
+    with pytest.raises(TrainingDivergedError, match=r"step 1, rank 0: gradient of 'final_norm.weight'"):
         pretrain(_cfg(cache_dir, "train.train_iters=3"), tmp_path / "run")
 
 
@@ -106,7 +161,6 @@ def test_quantized_primary_weights_follow_fp32_masters(cache_dir: Path) -> None:
     The master is seeded from the high-precision init value (not the dequantized bytes) and,
     after a step, the param's bytes equal quantizing bf16(master) afresh.
     """
-    import lptrain.train.loop as loop
     from lptrain.model import build_model
     from lptrain.precision import quantize
     from lptrain.precision.factory import build_factory
@@ -118,7 +172,9 @@ def test_quantized_primary_weights_follow_fp32_masters(cache_dir: Path) -> None:
     w = model.layers[0].self_attention.linear_qkv.weight
     assert isinstance(w, QuantizedTensor)
     init = w.high_precision_init_value().float().clone()
-    opt = loop._MasterOptimizer(model, cfg)
+    from lptrain.train._legacy_optimizer import MasterOptimizer
+
+    opt = MasterOptimizer(model, cfg)
     idx = next(i for i, p in enumerate(opt.params) if p is w)
     assert torch.equal(opt.masters[idx], init)
     assert not torch.equal(w.dequantize(), init)  # the bytes alone would lose the init

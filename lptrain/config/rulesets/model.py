@@ -29,8 +29,9 @@ def _heads_bad(c: LPTrainConfig, w: World) -> dict[str, Any]:
 
 
 def _batch_bad(c: LPTrainConfig, w: World) -> bool:
+    # Sizes below 1 are RANGE-TRAIN's to report (its fix names them); here both are >= 1.
     per_step = c.train.micro_batch_size * w.dp
-    return per_step < 1 or c.train.global_batch_size < 1 or c.train.global_batch_size % per_step != 0
+    return per_step >= 1 and c.train.global_batch_size >= 1 and c.train.global_batch_size % per_step != 0
 
 
 def _intervals_bad(c: LPTrainConfig, w: World) -> dict[str, Any]:
@@ -65,7 +66,7 @@ RULES = [
         "BATCH-DIVISIBLE", "error",
         ("train.global_batch_size", "train.micro_batch_size"),
         _batch_bad,
-        "global_batch_size={cfg.train.global_batch_size} is not a positive multiple of "
+        "global_batch_size={cfg.train.global_batch_size} is not a multiple of "
         "micro_batch_size * dp = {cfg.train.micro_batch_size} * {world.dp}",
         "set train.global_batch_size to a multiple of {cfg.train.micro_batch_size} * {world.dp}, "
         "or change train.micro_batch_size",

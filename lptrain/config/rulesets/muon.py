@@ -13,8 +13,23 @@ from lptrain.config.rules import (
 )
 from lptrain.config.schema import LPTrainConfig
 from lptrain.config.world import World
+from lptrain.optim.ns_coefficients import STEP_RULES, ns_steps_problem
+from lptrain.optim.scaling import update_rms
 
 S = "Muon and the layer-wise distributed optimizer"
+
+# Muon's per-element step ``lr * RMS(update)`` in published recipes (RMS from the scale mode,
+# for a hidden x hidden matrix: spectral -> extra_scale_factor; shape_scaling and
+# unit_rms_norm -> extra_scale_factor / sqrt(hidden)):
+#   Moonlight (8K-batch MoE): lr 4.2e-4, spectral x 0.2       -> 8.4e-5
+#   Megatron / Emerging-Optimizers: lr 3e-4, spectral x 1.0    -> 3e-4
+#   lptrain tiny_cpu calibration: lr 2e-3, spectral x 1.0      -> 2e-3 (best measured 3e-3)
+#   Keller / modded-nanogpt: lr 0.02-0.05, shape_scaling, d 768 -> 7e-4 .. 1.8e-3
+# so [8e-5, 2e-3]. MUON-LR-SCALE warns a factor 3 beyond either end: Keller's lr 0.02 with
+# spectral scaling is a 2e-2 step (measured on tiny_cpu, 400 steps: val 2.507, worse than
+# AdamW's 2.345), and an AdamW lr like 1e-3 with shape_scaling at hidden 4096 is 1.6e-5.
+MUON_STEP_RANGE = (8e-5, 2e-3)
+MUON_STEP_FACTOR = 3.0
 
 
 def _compact(c: LPTrainConfig) -> bool:
@@ -32,8 +47,11 @@ def _bad_hparams(c: LPTrainConfig, w: World) -> dict[str, Any]:
     bad: list[tuple[str, str]] = []
     if not 0.0 <= m.momentum < 1.0:
         bad.append(("optimizer.muon.momentum", f"momentum={m.momentum} not in [0, 1)"))
-    if m.ns_steps < 1:
-        bad.append(("optimizer.muon.ns_steps", f"ns_steps={m.ns_steps} < 1"))
+    problem = ns_steps_problem(m.coefficients, m.ns_steps)
+    if problem:
+        bad.append(("optimizer.muon.ns_steps", problem))
+        if m.ns_steps >= 1:  # the count is fine in itself; the pair is at fault
+            bad.append(("optimizer.muon.coefficients", ""))
     if m.coefficients not in MUON_COEFFICIENTS:
         bad.append(("optimizer.muon.coefficients",
                     f"coefficients={m.coefficients!r} not one of {', '.join(MUON_COEFFICIENTS)}"))
@@ -44,7 +62,40 @@ def _bad_hparams(c: LPTrainConfig, w: World) -> dict[str, Any]:
         bad.append(("optimizer.lr", f"lr={c.optimizer.lr} must be > 0"))
     if not bad:
         return {}
-    return {"keys": tuple(k for k, _ in bad), "detail": "; ".join(d for _, d in bad)}
+    return {"keys": tuple(k for k, _ in bad), "detail": "; ".join(d for _, d in bad if d)}
+
+
+def _step_rules_text() -> str:
+    parts = []
+    for name, (kind, n) in STEP_RULES.items():
+        parts.append(f"{name}: a multiple of {n}" if kind == "multiple" else f"{name}: >= {n}")
+    return "; ".join(parts)
+
+
+def muon_step_size(c: LPTrainConfig) -> float:
+    """``lr * RMS(update)`` of a hidden x hidden Muon matrix: the per-element step size."""
+    h = c.model.hidden_size
+    return c.optimizer.lr * update_rms(h, h, c.optimizer.muon.scale_mode,
+                                       c.optimizer.muon.extra_scale_factor)
+
+
+def _lr_scale_mismatch(c: LPTrainConfig, w: World) -> dict[str, Any]:
+    o = c.optimizer
+    if o.name != "muon" or not o.lr > 0 or o.muon.scale_mode not in MUON_SCALE_MODES:
+        return {}
+    if not o.muon.extra_scale_factor > 0 or not c.model.hidden_size > 0:
+        return {}
+    step = muon_step_size(c)
+    lo, hi = MUON_STEP_RANGE
+    if step > hi * MUON_STEP_FACTOR:
+        side, factor = "above", step / hi
+    elif step < lo / MUON_STEP_FACTOR:
+        side, factor = "below", lo / step
+    else:
+        return {}
+    rms = step / o.lr
+    return {"step": f"{step:.2g}", "rms": f"{rms:.3g}", "side": side,
+            "factor": f"{factor:.1f}", "lr_lo": f"{lo / rms:.1g}", "lr_hi": f"{hi / rms:.1g}"}
 
 
 RULES = [
@@ -123,9 +174,33 @@ RULES = [
          "optimizer.muon.scale_mode", "optimizer.lr"),
         _bad_hparams,
         "invalid Muon hyperparameters (they would fail at the first step): {detail}",
-        "use momentum in [0, 1), ns_steps >= 1, coefficients in {{simple, quintic}}, "
-        "scale_mode in {{shape_scaling, spectral, unit_rms_norm}}, lr > 0",
-        "optimizer.name=muon: momentum in [0, 1), ns_steps >= 1, coefficients and scale_mode "
-        "from the known sets, lr > 0",
-        "upstream accepted some invalid values and failed at the first step", S),
+        "use momentum in [0, 1), coefficients in {{" + ", ".join(MUON_COEFFICIENTS) + "}} with "
+        "ns_steps " + _step_rules_text() + ", scale_mode in {{"
+        + ", ".join(MUON_SCALE_MODES) + "}}, lr > 0",
+        "optimizer.name=muon: momentum in [0, 1), coefficients and scale_mode from the known "
+        "sets, ns_steps allowed for the coefficient set (" + _step_rules_text() + "), lr > 0",
+        "upstream accepted some invalid values and failed at the first step; the step-count "
+        "rules are upstream's (quintic's 5 tuples are tuned as one sequence; polar_express's 8 "
+        "tuples must all run before its last one repeats)", S),
+    Rule(
+        "MUON-LR-SCALE", "warning",
+        ("optimizer.lr", "optimizer.muon.scale_mode", "optimizer.muon.extra_scale_factor"),
+        _lr_scale_mismatch,
+        "Muon's per-element step lr * update RMS = {step} (scale_mode "
+        "{cfg.optimizer.muon.scale_mode}, update RMS {rms} at hidden "
+        "{cfg.model.hidden_size}) is {factor}x {side} the "
+        f"{MUON_STEP_RANGE[0]:g}..{MUON_STEP_RANGE[1]:g} that published Muon recipes use "
+        f"(warned beyond {MUON_STEP_FACTOR:g}x). The lr is tuned for another "
+        "scale mode (spectral wants AdamW-like lr ~1e-3, shape_scaling Keller's ~0.02), and "
+        "the same lr also drives the AdamW-managed embeddings, output head and norms",
+        "set optimizer.lr within {lr_lo}..{lr_hi} (min_lr about lr/10) for scale_mode "
+        "{cfg.optimizer.muon.scale_mode}, or keep an AdamW-like lr and set "
+        "optimizer.muon.scale_mode=spectral (update RMS 1, made to share AdamW's lr)",
+        "optimizer.name=muon: lr * RMS(update) of a hidden x hidden matrix within "
+        "[8e-5/3, 2e-3*3]; RMS = extra_scale_factor (spectral) or extra_scale_factor/sqrt(hidden) "
+        "(shape_scaling, unit_rms_norm)",
+        "published recipes step 8e-5 (Moonlight: lr 4.2e-4, spectral x 0.2) to 2e-3 (Keller: lr "
+        "0.05, shape_scaling, d 768) per element; Keller's lr 0.02 with spectral scaling steps "
+        "2e-2 and trained worse than AdamW on tiny_cpu (400 steps: val 2.507 vs 2.345; Muon lr "
+        "1e-3: 2.134)", S),
 ]

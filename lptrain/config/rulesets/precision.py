@@ -5,10 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 from lptrain.config.rules import (
+    BLOCKWISE_BLACKWELL_MIN_TE,
+    BLOCKWISE_MIN_CUDA,
+    GROUPED_AMAX_EPSILON_MIN_TE,
+    MXFP8_FIRST_UNSUPPORTED_SM,
     RECIPE_ALIGNMENT,
     RECIPE_MIN_SM,
     RECIPE_MIN_TE,
     SINGLE_GROUPED_WEIGHT_MIN_TE,
+    TE_MIN_VERSION,
     Rule,
     fp4_on,
     fp8_on,
@@ -60,33 +65,118 @@ def _gemm_misaligned(c: LPTrainConfig, w: World) -> dict[str, Any]:
     return {"keys": keys, "align": align, "recipe": recipe, "detail": detail}
 
 
-def _target_too_old(c: LPTrainConfig, w: World) -> dict[str, Any]:
+def _recipe_key(c: LPTrainConfig) -> str:
+    return "precision.fp8_recipe" if fp8_on(c) else "precision.fp4_recipe"
+
+
+# Each ``_te_*`` check below answers "would Transformer Engine refuse this config in this
+# world?" regardless of precision.backend; the rules apply them to backend=te, and
+# :func:`auto_backend` uses the same checks to pick TE for backend=auto only when none fires.
+
+
+def _te_sm_too_old(c: LPTrainConfig, w: World) -> dict[str, Any]:
     recipe = quant_recipe(c)
     need = RECIPE_MIN_SM.get(recipe or "")
-    if c.precision.backend != "te" or not w.cuda or need is None or w.sm >= need:
+    if not w.cuda or need is None or w.sm >= need:
         return {}
-    key = "precision.fp8_recipe" if fp8_on(c) else "precision.fp4_recipe"
-    return {"keys": ("precision.backend", key), "recipe": recipe, "need": f"sm{need}"}
+    return {"keys": ("precision.backend", _recipe_key(c)), "recipe": recipe, "need": f"sm{need}"}
+
+
+def _te_mxfp8_sm120(c: LPTrainConfig, w: World) -> dict[str, Any]:
+    if not (w.cuda and is_mxfp8(c) and w.sm >= MXFP8_FIRST_UNSUPPORTED_SM):
+        return {}
+    return {"keys": ("precision.backend", "precision.fp8_recipe")}
+
+
+def _te_blockwise_cuda(c: LPTrainConfig, w: World) -> dict[str, Any]:
+    if not (w.cuda and fp8_on(c) and c.precision.fp8_recipe == "blockwise" and w.cuda_version):
+        return {}
+    if parse_version(w.cuda_version) >= parse_version(BLOCKWISE_MIN_CUDA):
+        return {}
+    return {"keys": ("precision.backend", "precision.fp8_recipe"), "need": BLOCKWISE_MIN_CUDA}
+
+
+def _te_version_needs(c: LPTrainConfig, w: World) -> list[tuple[str, str, str]]:
+    """``(key, reason, minimum)`` for every feature the TE version ``w.te_version`` lacks."""
+    if w.te_version is None:
+        return []
+    have = parse_version(w.te_version)
+    needs: list[tuple[str, str, str]] = []
+
+    def need(key: str, what: str, version: str) -> None:
+        if have < parse_version(version):
+            needs.append((key, f"{what} needs TE >= {version}", version))
+
+    need("precision.backend", "lptrain's TE backend", TE_MIN_VERSION)
+    recipe = quant_recipe(c)
+    if recipe in RECIPE_MIN_TE:
+        need(_recipe_key(c), recipe, RECIPE_MIN_TE[recipe])
+    if recipe == "blockwise" and w.sm >= 100:
+        need("precision.fp8_recipe", f"blockwise on {w.target}", BLOCKWISE_BLACKWELL_MIN_TE)
+    moe = c.model.moe
+    if (recipe in ("tensorwise", "blockwise") and c.precision.amax_epsilon > 0 and moe.num_experts > 0
+            and (moe.grouped_gemm or moe.single_grouped_weight)):
+        need("precision.amax_epsilon", "amax_epsilon in grouped expert GEMMs",
+             GROUPED_AMAX_EPSILON_MIN_TE)
+    if moe.single_grouped_weight:
+        need("model.moe.single_grouped_weight", "single_grouped_weight", SINGLE_GROUPED_WEIGHT_MIN_TE)
+    return needs
+
+
+def _te_rht_needs_bf16(c: LPTrainConfig, w: World) -> bool:
+    return fp4_on(c) and c.precision.nvfp4_rht and c.precision.params_dtype != "bf16"
+
+
+def _te_device_cpu(c: LPTrainConfig, w: World) -> bool:
+    return c.run.device == "cpu"
+
+
+def te_refusals(c: LPTrainConfig, w: World) -> list[str]:
+    """Why TE could not run ``c`` in ``w`` (empty: it can), whatever precision.backend says."""
+    out = []
+    if not w.cuda:
+        out.append("no CUDA device")
+    elif w.te_version is None:
+        out.append("Transformer Engine is not installed")
+    if _te_device_cpu(c, w):
+        out.append("run.device=cpu")
+    if _te_sm_too_old(c, w) or _te_mxfp8_sm120(c, w):
+        out.append(f"{quant_recipe(c)} is not supported on {w.target}")
+    if _te_blockwise_cuda(c, w):
+        out.append(f"blockwise needs CUDA >= {BLOCKWISE_MIN_CUDA}")
+    out.extend(n[1] for n in _te_version_needs(c, w))
+    if _te_rht_needs_bf16(c, w):
+        out.append("NVFP4 RHT needs bf16 activations")
+    return out
+
+
+def auto_backend(c: LPTrainConfig, w: World) -> str:
+    """What ``precision.backend=auto`` runs: ``te`` only for a quantized recipe that TE
+    supports here (GPU generation, CUDA and TE versions), else ``emulated`` -- which for an
+    unquantized run is plain PyTorch GEMMs (native bf16 on CUDA, fp32 on CPU)."""
+    if quant_recipe(c) is None or te_refusals(c, w):
+        return "emulated"
+    return "te"
+
+
+def _te_only(check: Any) -> Any:
+    """A rule predicate applying ``check`` to backend=te configs only."""
+
+    def when(c: LPTrainConfig, w: World) -> Any:
+        return check(c, w) if c.precision.backend == "te" else {}
+
+    return when
 
 
 def _te_too_old(c: LPTrainConfig, w: World) -> dict[str, Any]:
-    if c.precision.backend != "te" or w.te_version is None:
+    if c.precision.backend != "te":
         return {}
-    have = parse_version(w.te_version)
-    needs: list[tuple[str, str, str]] = []
-    recipe = quant_recipe(c)
-    key = "precision.fp8_recipe" if fp8_on(c) else "precision.fp4_recipe"
-    if recipe in RECIPE_MIN_TE and have < parse_version(RECIPE_MIN_TE[recipe]):
-        needs.append((key, f"{recipe} needs TE >= {RECIPE_MIN_TE[recipe]}", RECIPE_MIN_TE[recipe]))
-    if c.model.moe.single_grouped_weight and have < parse_version(SINGLE_GROUPED_WEIGHT_MIN_TE):
-        needs.append(("model.moe.single_grouped_weight",
-                      f"single_grouped_weight needs TE >= {SINGLE_GROUPED_WEIGHT_MIN_TE}",
-                      SINGLE_GROUPED_WEIGHT_MIN_TE))
+    needs = _te_version_needs(c, w)
     if not needs:
         return {}
     best = max((n[2] for n in needs), key=parse_version)
-    return {"keys": ("precision.backend", *(n[0] for n in needs)),
-            "detail": "; ".join(n[1] for n in needs), "need": best}
+    keys = tuple(dict.fromkeys(("precision.backend", *(n[0] for n in needs))))
+    return {"keys": keys, "detail": "; ".join(n[1] for n in needs), "need": best}
 
 
 def _backend_missing(c: LPTrainConfig, w: World) -> dict[str, Any]:
@@ -97,6 +187,10 @@ def _backend_missing(c: LPTrainConfig, w: World) -> dict[str, Any]:
     if w.te_version is None:
         return {"missing": "Transformer Engine is not installed"}
     return {}
+
+
+def _cuda_device_missing(c: LPTrainConfig, w: World) -> bool:
+    return c.run.device == "cuda" and not w.cuda
 
 
 def _bf16_layers_out_of_range(c: LPTrainConfig, w: World) -> bool:
@@ -218,7 +312,7 @@ RULES = [
         "block quantizers need whole blocks; small debug models trip this silently otherwise", S),
     Rule(
         "PREC-TARGET-SUPPORT", "error", ("precision.backend", "precision.fp8_recipe"),
-        _target_too_old,
+        _te_only(_te_sm_too_old),
         "the Transformer Engine {recipe} recipe needs {need} or newer; the target is "
         "{world.target}",
         "check for a newer target (--target {need}), pick a recipe this GPU supports, or set "
@@ -226,13 +320,56 @@ RULES = [
         "backend=te: delayed/tensorwise need sm89+, blockwise sm90+, mxfp8 and nvfp4 sm100+; "
         "the emulated backend runs every recipe anywhere", "", S),
     Rule(
+        "PREC-MXFP8-SM120", "error", ("precision.backend", "precision.fp8_recipe"),
+        _te_only(_te_mxfp8_sm120),
+        "Transformer Engine refuses MXFP8 on {world.target}: MXFP8 GEMMs are not supported on "
+        "compute capability 12.0+",
+        "use precision.fp8_recipe=tensorwise (TE's default recipe there) or blockwise, or "
+        "precision.backend=emulated",
+        f"backend=te and fp8_recipe=mxfp8 on sm{MXFP8_FIRST_UNSUPPORTED_SM}+",
+        "TE's check_mxfp8_support: 'MXFP8 (for all gemm layouts) is not supported on 12.0+ "
+        "architectures yet'", S),
+    Rule(
+        "PREC-BLOCKWISE-CUDA", "error", ("precision.backend", "precision.fp8_recipe"),
+        _te_only(_te_blockwise_cuda),
+        "blockwise FP8 on Transformer Engine needs a CUDA >= {need} build; torch here is built "
+        "with CUDA {world.cuda_version}",
+        "install a torch/Transformer Engine built for CUDA >= {need}, use "
+        "precision.fp8_recipe=tensorwise, or precision.backend=emulated",
+        f"backend=te and fp8_recipe=blockwise with CUDA < {BLOCKWISE_MIN_CUDA}",
+        "TE's block-scaling check: 'FP8 block scaled GEMM requires ... CUDA >= 12.9'", S),
+    Rule(
         "PREC-TE-VERSION", "error",
-        ("precision.backend", "precision.fp8_recipe", "model.moe.single_grouped_weight"),
+        ("precision.backend", "precision.fp8_recipe", "precision.amax_epsilon",
+         "model.moe.single_grouped_weight"),
         _te_too_old,
         "Transformer Engine {world.te_version} is too old: {detail}",
         "upgrade Transformer Engine to >= {need} (pip install -U 'transformer_engine[pytorch]')",
-        "backend=te: minimum Transformer Engine versions: tensorwise 2.2, blockwise 2.3, "
-        "nvfp4 2.7, single grouped weight 2.14", "", S),
+        f"backend=te: minimum Transformer Engine versions: any recipe {TE_MIN_VERSION}, "
+        + ", ".join(f"{k} {v}" for k, v in RECIPE_MIN_TE.items() if v != TE_MIN_VERSION)
+        + f", blockwise on sm100+ {BLOCKWISE_BLACKWELL_MIN_TE}, amax_epsilon in grouped expert "
+        f"GEMMs {GROUPED_AMAX_EPSILON_MIN_TE}, single grouped weight "
+        f"{SINGLE_GROUPED_WEIGHT_MIN_TE}",
+        "first TE releases with Float8CurrentScaling (2.2), Float8BlockScaling (2.3), "
+        "NVFP4BlockScaling (2.8), blockwise on Blackwell (2.9), GroupedLinear QParams (2.3) and "
+        "single_grouped_weight (2.14; lptrain sets NVTE_GROUPED_LINEAR_SINGLE_PARAM for 2.15+ "
+        "and use_grouped_tensor for 2.19+)", S),
+    Rule(
+        "PREC-NVFP4-RHT-BF16", "error",
+        ("precision.backend", "precision.nvfp4_rht", "precision.params_dtype"),
+        _te_only(_te_rht_needs_bf16),
+        "NVFP4 with RHT on Transformer Engine needs bf16 activations, but "
+        "params_dtype={cfg.precision.params_dtype} makes them {cfg.precision.params_dtype}",
+        "set precision.params_dtype=bf16, or precision.nvfp4_rht=false",
+        "backend=te, fp4_format set, nvfp4_rht and params_dtype != bf16",
+        "TE's Hadamard-transform kernels check 'Input tensor must be BF16 tensor'; GPU "
+        "activations follow params_dtype", S),
+    Rule(
+        "PREC-TE-NEEDS-CUDA-DEVICE", "error", ("precision.backend", "run.device"),
+        _te_only(_te_device_cpu),
+        "precision.backend=te runs Transformer Engine layers on CUDA, but run.device=cpu",
+        "set run.device=auto (or cuda), or precision.backend=emulated to run on the CPU",
+        "backend=te and run.device=cpu", "TE modules are CUDA-only", S),
     Rule(
         "PREC-BACKEND-AVAILABLE", "error", ("precision.backend",),
         _backend_missing,
@@ -240,5 +377,12 @@ RULES = [
         "install it with `pip install -e .[te]` on a CUDA machine (keeps your torch), check for a "
         "cluster with --target sm90/sm100, or set precision.backend=emulated",
         "backend=te without CUDA or without an importable Transformer Engine", "", S),
+    Rule(
+        "RUN-DEVICE-CUDA", "error", ("run.device",),
+        _cuda_device_missing,
+        "run.device=cuda but there is no CUDA device here",
+        "set run.device=auto (CUDA when available, else CPU) or run.device=cpu, or check for a "
+        "cluster with --target sm90/sm100",
+        "run.device=cuda without a CUDA device", "", S),
 ]
 

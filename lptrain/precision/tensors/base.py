@@ -268,6 +268,53 @@ class QuantizedTensor(torch.Tensor):
     def clear_high_precision_init_value(self) -> None:
         self._hp_init = None
 
+    # ---- byte-level param gather (sharded primary weights) -----------------------------------
+    #
+    # A family whose row-wise bytes can be cut into arbitrary element ranges of a flat buffer
+    # (one shared scale, or scales that depend only on block amaxes) is ``shard_quantizable``:
+    # each rank quantizes only its shard of the fp32 master straight into its byte range of
+    # the param buffer, with the amax (per tensor or per block) MAX-reduced over the group
+    # first, so every rank derives the same scales; the all-gather then moves 1 byte per
+    # element and the column-wise copy is rebuilt locally. Other families gather their
+    # high-precision value and requantize.
+
+    @property
+    def shard_quantizable(self) -> bool:
+        return False
+
+    def shard_amax(self, x: Optional[torch.Tensor], lo: int, hi: int) -> torch.Tensor:
+        """Partial amax (per tensor or per block) of the flat elements ``[lo, hi)`` with
+        values ``x`` (None: no local elements), to be MAX-reduced over the group."""
+        raise NotImplementedError(f"{type(self).__name__} is not shard-quantizable")
+
+    def shard_quantize(self, x: Optional[torch.Tensor], lo: int, hi: int, amax: torch.Tensor) -> Optional[torch.Tensor]:
+        """Set the scales from the reduced ``amax`` (identical on every rank) and return the
+        row-wise bytes of elements ``[lo, hi)`` (None when ``x`` is None)."""
+        raise NotImplementedError(f"{type(self).__name__} is not shard-quantizable")
+
+    def alias_rowwise_data(self, view: torch.Tensor) -> None:
+        """Make the row-wise bytes a view of ``view`` (a uint8 buffer slice), keeping values."""
+        data = self._fields["rowwise_data"]
+        assert data is not None
+        view.copy_(data.reshape(-1))
+        self._fields["rowwise_data"] = view.view(data.shape)
+
+    def rebuild_columnwise(self) -> None:
+        """After a byte-level gather: rebuild the column-wise buffers from the row-wise ones."""
+        cols = [k for k in self.COLUMNWISE_FIELDS if self._fields[k] is not None]
+        if not cols:
+            return
+        derived = self._derive_orientation("columnwise")
+        for k in cols:
+            dst, src = self._fields[k], derived.get(k)
+            if src is None or dst is None:
+                continue
+            if src.untyped_storage().data_ptr() == dst.untyped_storage().data_ptr():
+                if src.data_ptr() == dst.data_ptr() and src.stride() == dst.stride():
+                    continue  # already the same view (e.g. a one-row scale grid)
+                src = src.clone()
+            dst.copy_(src.reshape(dst.shape))
+
     # ---- buffer plumbing ----------------------------------------------------------------------
 
     def _assign_fields(self, new: dict[str, Optional[torch.Tensor]]) -> None:

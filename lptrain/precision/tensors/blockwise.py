@@ -65,6 +65,65 @@ class BlockwiseFP8Tensor(FP8QuantizedTensor):
             f"{orientation}_scale_inv": sinv.t().contiguous(),
         }
 
+    @property
+    def shard_quantizable(self) -> bool:
+        """128x128 tiles only: their scales depend on tile amaxes alone and the column-wise
+        copy is a transpose. 1x128 column-wise blocks are quantized separately (bf16 gather)."""
+        return self.is_2d and self._fields["rowwise_data"] is not None
+
+    def _tile_rows(self, lo: int, hi: int) -> tuple[int, int]:
+        """Rows ``[r0, r1)`` (multiples of 128) covering flat elements ``[lo, hi)``."""
+        k = self.shape[-1]
+        return lo // k // BLOCK * BLOCK, min(_ceil_div(_ceil_div(hi, k), BLOCK) * BLOCK, _ceil_div(self._rows(), BLOCK) * BLOCK)
+
+    def _rows(self) -> int:
+        return self.numel() // self.shape[-1]
+
+    def _piece_grid(self, x: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor, int]:
+        """``x`` placed in a zero [r1-r0, K_padded] fp32 grid of whole tiles; returns (grid, r0)."""
+        k = self.shape[-1]
+        r0, r1 = self._tile_rows(lo, hi)
+        grid = torch.zeros((r1 - r0) * _ceil_div(k, BLOCK) * BLOCK, dtype=torch.float32, device=x.device)
+        kp = _ceil_div(k, BLOCK) * BLOCK
+        view = grid.view(r1 - r0, kp)[:, :k]
+        flat_start = lo - r0 * k
+        if kp == k:
+            grid[flat_start : flat_start + (hi - lo)] = x.float()
+        else:
+            tmp = torch.zeros((r1 - r0) * k, dtype=torch.float32, device=x.device)
+            tmp[flat_start : flat_start + (hi - lo)] = x.float()
+            view.copy_(tmp.view(r1 - r0, k))
+        return grid.view(r1 - r0, kp), r0
+
+    def shard_amax(self, x: Optional[torch.Tensor], lo: int, hi: int) -> torch.Tensor:
+        nm, nk = _ceil_div(self._rows(), BLOCK), _ceil_div(self.shape[-1], BLOCK)
+        out = torch.zeros(nm, nk, dtype=torch.float32, device=self.device)
+        if x is None or x.numel() == 0:
+            return out
+        grid, r0 = self._piece_grid(x, lo, hi)
+        tiles = grid.view(grid.shape[0] // BLOCK, BLOCK, nk, BLOCK)
+        out[r0 // BLOCK : r0 // BLOCK + tiles.shape[0]] = _scaling.block_amax(tiles, (1, 3))
+        return out
+
+    def shard_quantize(self, x: Optional[torch.Tensor], lo: int, hi: int, amax: torch.Tensor) -> Optional[torch.Tensor]:
+        q: BlockwiseQuantizer = self._quantizer  # type: ignore[assignment]
+        s = q._scale(amax, float(torch.finfo(self.dtype).max))  # value_for_inf: input dtype max
+        sinv = torch.reciprocal(s)
+        self._fields["rowwise_scale_inv"].copy_(sinv)  # type: ignore[union-attr]
+        if self._fields["columnwise_scale_inv"] is not None:
+            self._fields["columnwise_scale_inv"].copy_(sinv.t())  # type: ignore[union-attr]
+        if x is None:
+            return None
+        k = self.shape[-1]
+        grid, r0 = self._piece_grid(x, lo, hi)
+        nk = grid.shape[1] // BLOCK
+        tiles = grid.view(grid.shape[0] // BLOCK, BLOCK, nk, BLOCK)
+        st = s[r0 // BLOCK : r0 // BLOCK + tiles.shape[0]]
+        qb = cast_to_fp8(tiles * st[:, None, :, None], self.fp8_format, inplace=True)
+        rows = qb.view(grid.shape[0], nk * BLOCK)[:, :k].reshape(-1)
+        start = lo - r0 * k
+        return rows[start : start + (hi - lo)]
+
     def _dequantize_2d(self, orientation: Orientation) -> torch.Tensor:
         data, sinv = self._buffers(orientation)
         r, c = data.shape

@@ -41,6 +41,27 @@ class Float8Tensor(FP8QuantizedTensor):
         assert src is not None
         return {f"{orientation}_data": src.t().contiguous()}
 
+    @property
+    def shard_quantizable(self) -> bool:
+        """Current scaling only: a delayed-scaling weight's scale comes from its amax history,
+        which a byte-sharded quantization would have to replay; those gather bf16."""
+        return self._quantizer.state is None and self._fields["rowwise_data"] is not None  # type: ignore[attr-defined]
+
+    def shard_amax(self, x: Optional[torch.Tensor], lo: int, hi: int) -> torch.Tensor:
+        if x is None or x.numel() == 0:
+            return torch.zeros(1, dtype=torch.float32, device=self.device)
+        return _scaling.amax(x.float()).reshape(1)
+
+    def shard_quantize(self, x: Optional[torch.Tensor], lo: int, hi: int, amax: torch.Tensor) -> Optional[torch.Tensor]:
+        q: Float8Quantizer = self._quantizer  # type: ignore[assignment]
+        s = _scaling.compute_scale_from_amax(
+            amax.reshape(1), q.fp8_format.max, q.power_2_scale, q.amax_epsilon, FLT_MAX
+        )
+        self.scale_inv.copy_(torch.reciprocal(s))
+        if x is None:
+            return None
+        return cast_to_fp8(x.float() * s, q.fp8_format, inplace=True)
+
     def _dequantize_2d(self, orientation: Orientation) -> torch.Tensor:
         data = self._fields[f"{orientation}_data"]
         assert data is not None

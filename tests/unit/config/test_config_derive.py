@@ -56,7 +56,10 @@ def test_explicit_values_kept_and_idempotent() -> None:
     assert cfg.ddp.grad_reduce_in_fp32 is None  # the input is not modified
 
 
-def test_auto_backend_on_a_cluster_is_te() -> None:
+def test_auto_backend_on_a_cluster_is_te_only_for_a_quantized_recipe() -> None:
     world = World.detect(target="sm100")
     assert world.cuda and world.te_version
-    assert derive(compose(None), world).precision.backend == "te"
+    fp8 = ["precision.fp8_format=e4m3", "precision.fp8_recipe=mxfp8"]
+    assert derive(compose(None, fp8), world).precision.backend == "te"
+    # bf16 GEMMs need no TE: plain PyTorch (the emulated backend without a recipe).
+    assert derive(compose(None), world).precision.backend == "emulated"

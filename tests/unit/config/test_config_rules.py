@@ -24,6 +24,11 @@ def violations(overrides: list[str], world: World = CPU) -> list[Violation]:
 
 SM90 = World(dp=1, target="sm90", te_version="2.14", cuda=True)
 SM100_OLD_TE = World(dp=1, target="sm100", te_version="2.2", cuda=True)
+SM100 = World(dp=1, target="sm100", te_version="2.19", cuda=True, cuda_version="12.9")
+SM120 = World(dp=1, target="sm120", te_version="2.19", cuda=True, cuda_version="12.9")
+SM90_CUDA128 = World(dp=1, target="sm90", te_version="2.19", cuda=True, cuda_version="12.8")
+TE = "precision.backend=te"
+FP4 = "precision.fp4_format=e2m1"
 
 E4M3 = "precision.fp8_format=e4m3"
 HYBRID = "precision.fp8_format=hybrid"
@@ -70,6 +75,16 @@ CASES: list[tuple[str, list[str], tuple[str, ...], list[str], World]] = [
      ["precision.backend=te", E4M3, "precision.fp8_recipe=tensorwise"], SM100_OLD_TE),
     ("PREC-BACKEND-AVAILABLE", ["precision.backend=te"], ("precision.backend",),
      ["precision.backend=emulated"], CPU),
+    ("PREC-MXFP8-SM120", [TE, E4M3, MXFP8], ("precision.fp8_recipe",),
+     [TE, E4M3, "precision.fp8_recipe=tensorwise"], SM120),
+    ("PREC-BLOCKWISE-CUDA", [TE, E4M3, "precision.fp8_recipe=blockwise"],
+     ("precision.fp8_recipe",), [TE, E4M3, "precision.fp8_recipe=tensorwise"], SM90_CUDA128),
+    ("PREC-NVFP4-RHT-BF16", [TE, FP4, "precision.params_dtype=fp32"],
+     ("precision.params_dtype",), [TE, FP4, "precision.params_dtype=fp32", "precision.nvfp4_rht=false"],
+     SM100),
+    ("PREC-TE-NEEDS-CUDA-DEVICE", [TE, "run.device=cpu"], ("run.device",), [TE, "run.device=auto"],
+     SM90),
+    ("RUN-DEVICE-CUDA", ["run.device=cuda"], ("run.device",), ["run.device=auto"], CPU),
     ("DDP-OVERLAP-PG-NEEDS-DISTOPT",
      ["ddp.overlap_param_gather=true", "ddp.overlap_grad_reduce=true"],
      ("ddp.use_distributed_optimizer",),
@@ -134,17 +149,34 @@ CASES: list[tuple[str, list[str], tuple[str, ...], list[str], World]] = [
      ["optimizer.warmup_iters=100"], CPU),
     ("CKPT-SHARDING-TYPE", ["checkpoint.sharding_type=dp"], ("checkpoint.sharding_type",),
      ["checkpoint.sharding_type=fully_reshardable"], CPU),
+    ("TRAIN-ON-NONFINITE", ["train.on_nonfinite=ignore"], ("train.on_nonfinite",),
+     ["train.on_nonfinite=skip"], CPU),
+    ("TRAIN-EXIT-DURATION", ["train.exit_duration_mins=0"], ("train.exit_duration_mins",),
+     ["train.exit_duration_mins=0.5"], CPU),
+    ("CKPT-ASYNC-SAVE", ["checkpoint.async_save=true"], ("checkpoint.async_save",),
+     ["checkpoint.async_save=false"], CPU),
     ("PREC-CHOICES", ["precision.fp8_recipe=mxfp88"], ("precision.fp8_recipe",),
      [MXFP8], CPU),
     ("OPT-CHOICES", ["optimizer.name=adam"], ("optimizer.name",), [MUON], CPU),
     ("MOE-CHOICES", ["model.moe.load_balancing_type=balanced"], ("model.moe.load_balancing_type",),
      ["model.moe.load_balancing_type=none"], CPU),
-    ("RUN-CHOICES", ["run.device=gpu"], ("run.device",), ["run.device=cuda"], CPU),
+    ("RUN-CHOICES", ["run.device=gpu"], ("run.device",), ["run.device=cpu"], CPU),
     ("OPT-VALUES", ["optimizer.adam_beta2=1.0"], ("optimizer.adam_beta2",),
      ["optimizer.adam_beta2=0.999"], CPU),
     ("OPT-LAYERWISE-NEEDS-MUON", ["optimizer.use_layer_wise_optimizer=true"],
      ("optimizer.use_layer_wise_optimizer",),
      ["optimizer.use_layer_wise_optimizer=true", MUON, DISTOPT], CPU),
+    ("RANGE-MODEL", ["model.seq_length=0"], ("model.seq_length",), ["model.seq_length=1"], CPU),
+    ("RANGE-TRAIN", ["train.micro_batch_size=0"], ("train.micro_batch_size",),
+     ["train.micro_batch_size=2"], CPU),
+    ("RANGE-DATA", ["data.split_valid_fraction=1.5"], ("data.split_valid_fraction",),
+     ["data.split_valid_fraction=0.5"], CPU),
+    ("RANGE-PRECISION", ["precision.fp8_amax_history_len=0"],
+     ("precision.fp8_amax_history_len",), ["precision.fp8_amax_history_len=16"], CPU),
+    ("DATA-UNREADABLE", ["data.source=/nonexistent/lptrain-ds"], ("data.source",),
+     ["data.source=builtin:python-stdlib"], CPU),
+    ("DATA-FITS-MODEL", ["model.vocab_size=257"], ("model.vocab_size",),
+     ["model.vocab_size=258"], CPU),
 ]
 
 

@@ -99,7 +99,7 @@ def test_cli_prepare_text_and_jsonl(tmp_path: Path) -> None:
 def test_cli_reports_bad_input(tmp_path: Path) -> None:
     missing = tmp_path / "missing.txt"
     res = CliRunner().invoke(_app(), ["prepare-data", "--input", str(missing), "--output", str(tmp_path / "x")])
-    assert res.exit_code == 1
+    assert res.exit_code == 2  # unusable input (lptrain.errors.InputError)
     assert f"error: input path not found: {missing}" in res.output
     bad = tmp_path / "bad.txt"
     bad.write_bytes(b"a\xffb")
@@ -139,7 +139,7 @@ def test_cli_builtin_into_cache(tmp_path: Path) -> None:
     assert res.exit_code == 0, res.output
     assert f"built-in dataset python-stdlib ready at {tmp_path / 'python-stdlib-byte'}" in res.output
     res = CliRunner().invoke(_app(), ["prepare-data", "--builtin", "nope", "--output", str(tmp_path / "n")])
-    assert res.exit_code == 1 and "unknown built-in dataset 'nope'" in res.output
+    assert res.exit_code == 2 and "unknown built-in dataset 'nope'" in res.output
 
 
 def test_commands_module_import_is_light() -> None:

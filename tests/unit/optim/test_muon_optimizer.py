@@ -53,7 +53,8 @@ def test_grouped_weight_equals_discrete_bitwise() -> None:
         opt_d.step()
     for i, d in enumerate(discrete):
         assert torch.equal(grouped[i], d)
-        assert torch.equal(opt_g.state[grouped]["momentum_buffer"][i], opt_d.state[d]["momentum_buffer"])
+        assert torch.equal(opt_g.state[grouped]["momentum_buffer"][i],
+                           opt_d.state[d]["momentum_buffer"])
     # Per-member, not the whole [E*out, in] stack as one matrix.
     assert not torch.allclose(grouped[0], torch.zeros(out, inp))
 
@@ -76,8 +77,8 @@ def test_invalid_hparams_and_params() -> None:
     p = torch.zeros(4, 4)
     with pytest.raises(ValueError, match=r"optimizer\.muon\.coefficients='cubic'"):
         Muon([p], coefficients="cubic")
-    with pytest.raises(ValueError, match=r"optimizer\.muon\.coefficients='polar_express'"):
-        Muon([p], coefficients="polar_express")
+    with pytest.raises(ValueError, match=r"optimizer\.muon\.ns_steps: coefficients=polar_express"):
+        Muon([p], coefficients="polar_express")  # available, but needs ns_steps >= 8
     with pytest.raises(ValueError, match=r"optimizer\.muon\.scale_mode='rms'"):
         Muon([p], scale_mode="rms")
     with pytest.raises(ValueError, match=r"optimizer\.muon\.momentum"):
@@ -187,12 +188,14 @@ def test_muon_with_adamw_on_masters_and_state_dict_roundtrip() -> None:
     opt = MuonWithAdamW(*split_params_for_muon(masters), cfg)
     kinds = [g["optimizer"] for g in opt.param_groups]
     assert kinds == ["muon", "adamw", "adamw"]
+    assert [g["name"] for g in opt.param_groups] == ["muon", "adamw_decay", "adamw_no_decay"]
     n_params = sum(len(g["params"]) for g in opt.param_groups)
     assert n_params == len(masters)
     for g in opt.param_groups:
         g["lr"] = 0.005
-    assert opt.muon.param_groups[0]["lr"] == 0.005 and opt.adamw.param_groups[1]["lr"] == 0.005
-    assert opt.adamw.param_groups[1]["weight_decay"] == 0.0  # 1-D norms are not decayed
+    assert opt.lr_by_group() == {"muon": 0.005, "adamw_decay": 0.005, "adamw_no_decay": 0.005}
+    assert opt.param_groups[2]["weight_decay"] == 0.0  # 1-D norms are not decayed
+    assert all(p.dim() == 1 for p in opt.param_groups[2]["params"])
     before = [m.clone() for m in masters]
     _set_grads(masters, 100)
     opt.step()
@@ -219,7 +222,14 @@ def test_muon_with_adamw_errors() -> None:
     cfg.muon.scalar_optimizer = "lion"
     with pytest.raises(ValueError, match=r"optimizer\.muon\.scalar_optimizer"):
         MuonWithAdamW([p], [], cfg)
+    # Every group exists even when empty, so state dicts line up across ranks and configs.
     only_muon = MuonWithAdamW([p], [], OptimizerConfig(name="muon"))
-    assert only_muon.adamw is None and len(only_muon.param_groups) == 1
-    with pytest.raises(ValueError, match="adamw state is present"):
-        only_muon.load_state_dict({"muon": only_muon.muon.state_dict(), "adamw": {}})
+    assert [len(g["params"]) for g in only_muon.param_groups] == [1, 0, 0]
+    with pytest.raises(ValueError, match="names for all params or for none"):
+        MuonWithAdamW([("w", p)], [torch.zeros(3)], OptimizerConfig(name="muon"))
+    with pytest.raises(ValueError, match="duplicate param names"):
+        MuonWithAdamW([("w", p)], [("w", torch.zeros(3))], OptimizerConfig(name="muon"))
+    bad_steps = OptimizerConfig(name="muon")
+    bad_steps.muon.coefficients = "polar_express"  # needs ns_steps >= 8; default is 5
+    with pytest.raises(ValueError, match=r"optimizer\.muon\.ns_steps"):
+        MuonWithAdamW([p], [], bad_steps)

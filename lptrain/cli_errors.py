@@ -1,0 +1,129 @@
+"""How the command line turns failures into one line and a documented exit status.
+
+Every command (including those added by ``register(app)`` hooks) runs inside
+:meth:`LPTrainGroup.invoke`, so one place decides what a failure looks like:
+
+* an :class:`~lptrain.errors.LPTrainError` prints ``error: <one line>`` on stderr and exits
+  with its ``exit_code`` (2 unreadable input, 3 a run that failed, ...);
+* Ctrl-C exits 130, SIGTERM 143, each with one line;
+* anything else is a bug: its traceback, then one line asking for a bug report, exit 70.
+
+``--debug`` (anywhere on the command line) or ``LPTRAIN_DEBUG=1`` adds the traceback to the
+expected errors too. Typer's own exits (``typer.Exit``, ``typer.Abort``, usage errors) pass through.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+import traceback
+from collections.abc import Iterator
+from typing import Any
+
+import typer
+from typer.core import TyperGroup
+
+from lptrain.errors import EXIT_INTERNAL, EXIT_SIGINT, EXIT_SIGTERM, LPTrainError
+
+DEBUG_META_KEY = "lptrain.debug"
+DEBUG_ENV = "LPTRAIN_DEBUG"
+DEBUG_HELP = "Show tracebacks for expected errors too (also LPTRAIN_DEBUG=1); may go anywhere."
+BUG_REPORT = (
+    "this is a bug in lptrain, not a problem with your input: please report it with the "
+    "command line and the traceback above"
+)
+
+
+class TerminatedError(KeyboardInterrupt):
+    """SIGTERM turned into an exception, so cleanup that handles Ctrl-C runs for it too."""
+
+
+def debug_enabled(ctx: typer.Context | None = None) -> bool:
+    env = os.environ.get(DEBUG_ENV, "").strip().lower()
+    if env not in ("", "0", "false", "no", "off"):
+        return True
+    return bool(ctx is not None and ctx.meta.get(DEBUG_META_KEY))
+
+
+def root_callback(
+    ctx: typer.Context,
+    debug: bool = typer.Option(False, "--debug", help=DEBUG_HELP),
+) -> None:
+    """Global options shared by every command."""
+    if debug:
+        ctx.meta[DEBUG_META_KEY] = True
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise TerminatedError()
+
+
+@contextlib.contextmanager
+def _sigterm_as_exception() -> Iterator[None]:
+    """Turn SIGTERM into :class:`TerminatedError` while a command runs (main thread only, and
+    only when nobody else installed a handler), restoring the previous handler afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous not in (signal.SIG_DFL, None):
+        yield
+        return
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _echo_err(text: str) -> None:
+    typer.echo(text, err=True)
+
+
+def _print_traceback(exc: BaseException) -> None:
+    sys.stderr.flush()
+    typer.echo("".join(traceback.format_exception(exc)).rstrip("\n"), err=True)
+
+
+class LPTrainGroup(TyperGroup):
+    """The root command group: ``--debug`` anywhere, and one error surface for all commands."""
+
+    def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
+        # `lptrain pretrain ... --debug` works like `lptrain --debug pretrain ...`: move the flag
+        # in front of the subcommand (only before a `--`, after which everything is an argument).
+        end = args.index("--") if "--" in args else len(args)
+        head = args[:end]
+        if "--debug" in head:
+            head = [a for a in head if a != "--debug"]
+            args = ["--debug", *head, *args[end:]]
+        return super().parse_args(ctx, args)
+
+    def invoke(self, ctx: typer.Context) -> Any:
+        try:
+            with _sigterm_as_exception():
+                return super().invoke(ctx)
+        except (typer.Exit, typer.Abort, typer.TyperException):  # exits and usage errors
+            raise
+        except LPTrainError as exc:
+            if debug_enabled(ctx):
+                _print_traceback(exc)
+            _echo_err(f"error: {exc}")
+            raise typer.Exit(exc.exit_code) from None
+        except TerminatedError as exc:
+            if debug_enabled(ctx):
+                _print_traceback(exc)
+            _echo_err("error: terminated (SIGTERM)")
+            raise typer.Exit(EXIT_SIGTERM) from None
+        except KeyboardInterrupt as exc:
+            if debug_enabled(ctx):
+                _print_traceback(exc)
+            _echo_err("error: interrupted (Ctrl-C)")
+            raise typer.Exit(EXIT_SIGINT) from None
+        except Exception as exc:
+            _print_traceback(exc)
+            summary = " ".join(f"{type(exc).__name__}: {exc}".split())
+            _echo_err(f"error: internal error ({summary[:300]}); {BUG_REPORT}")
+            raise typer.Exit(EXIT_INTERNAL) from None

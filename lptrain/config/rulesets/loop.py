@@ -1,0 +1,33 @@
+"""Training-loop and checkpoint-policy rules (keys read by lptrain.train.loop and
+lptrain.checkpoint). ``checkpoint.keep_latest >= 2`` is a range rule (rulesets/ranges.py)."""
+
+from __future__ import annotations
+
+from lptrain.config.rules import Rule
+
+S = "Loop, checkpoints, signals"
+
+ON_NONFINITE = ("stop", "skip")
+
+RULES = [
+    Rule(
+        "TRAIN-ON-NONFINITE", "error", ("train.on_nonfinite",),
+        lambda c, w: c.train.on_nonfinite not in ON_NONFINITE,
+        "train.on_nonfinite={cfg.train.on_nonfinite!r} is not one of stop, skip",
+        "set train.on_nonfinite=stop (raise, naming the step and tensor) or skip",
+        "on_nonfinite in (stop, skip)", "", S),
+    Rule(
+        "TRAIN-EXIT-DURATION", "error", ("train.exit_duration_mins",),
+        lambda c, w: c.train.exit_duration_mins is not None and c.train.exit_duration_mins <= 0,
+        "train.exit_duration_mins={cfg.train.exit_duration_mins} must be > 0 (or null)",
+        "set train.exit_duration_mins to a positive number of minutes, or null",
+        "exit_duration_mins > 0 when set", "", S),
+    Rule(
+        "CKPT-ASYNC-SAVE", "error", ("checkpoint.async_save",),
+        lambda c, w: c.checkpoint.async_save,
+        "checkpoint.async_save=true: background saving is not implemented yet (saves are "
+        "synchronous, with the completion marker written last)",
+        "set checkpoint.async_save=false",
+        "async_save=false (not implemented)", "refused rather than silently saving in the "
+        "foreground", S),
+]

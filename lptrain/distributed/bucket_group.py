@@ -1,0 +1,209 @@
+"""A bucket of the param/grad buffer and its explicit synchronisation state machine.
+
+Two independent state variables per bucket, each changed only by a method that asserts the
+state it starts from, so a forgotten or repeated step raises at the line that caused it
+instead of silently training on stale data (the upstream bugs were a ``param_gather_dispatched``
+flag left ``True`` after a forced sync, and zeros gathered before every optimizer had staged):
+
+    grads:  IDLE --start_grad_sync--> REDUCING --finish_grad_sync--> READY --zero--> IDLE
+    params: READY --stage--> STAGED --start_param_sync--> GATHERING --finish_param_sync--> READY
+
+``stage`` is legal from READY or STAGED (restaging overwrites the staged values) and resets
+the dispatch state: a restaged bucket is always gathered again. It is never legal while a
+gather is in flight.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from lptrain.precision.param_storage import load_from_staging
+
+if TYPE_CHECKING:
+    from lptrain.distributed.buffers import ParamAndGradBuffer
+    from lptrain.distributed.groups import ParallelGroups
+
+
+class IllegalTransition(RuntimeError):
+    """A bucket was asked to change state from a state that does not allow it."""
+
+
+class GradState(enum.Enum):
+    IDLE = "idle"
+    REDUCING = "reducing"
+    READY = "ready"
+
+
+class ParamState(enum.Enum):
+    READY = "ready"
+    STAGED = "staged"
+    GATHERING = "gathering"
+
+
+class Bucket:
+    """Bucket ``index`` of ``buffer``: elements ``[start, end)``, its params, its two states."""
+
+    def __init__(self, buffer: ParamAndGradBuffer, index: int, groups: ParallelGroups) -> None:
+        spec = buffer.spec.buckets[index]
+        self.buffer = buffer
+        self.index = index
+        self.start, self.end = spec.start, spec.end
+        self.param_names = spec.params
+        self.groups = groups
+        self.grad_state = GradState.IDLE
+        self.param_state = ParamState.READY
+        self._grad_handles: list[Any] = []
+        self._gather_handle: Optional[Any] = None
+        self._gather_out: Optional[torch.Tensor] = None
+        self._scatter_out: Optional[torch.Tensor] = None
+        self._pending: set[str] = set(self.param_names)
+        self.nonfinite_at: Optional[torch.Tensor] = None  # first bad element offset, or -1
+        self.next_in_forward: Optional[Bucket] = None
+
+    def __repr__(self) -> str:
+        return (
+            f"Bucket(buffer={self.buffer.index}, index={self.index}, grads={self.grad_state.value}, "
+            f"params={self.param_state.value})"
+        )
+
+    # ---- helpers --------------------------------------------------------------------------
+
+    def _expect(self, what: str, state: enum.Enum, *allowed: enum.Enum) -> None:
+        if state not in allowed:
+            names = " or ".join(a.value for a in allowed)
+            raise IllegalTransition(f"{self!r}: {what} needs {names}, state is {state.value}")
+
+    @property
+    def grad_view(self) -> torch.Tensor:
+        return self.buffer.grad_data[self.start : self.end]
+
+    @property
+    def param_view(self) -> torch.Tensor:
+        assert self.buffer.param_data is not None
+        return self.buffer.param_data[self.start : self.end]
+
+    def shard_range(self) -> tuple[int, int]:
+        """This rank's shard of the bucket, in buffer elements (the whole bucket if unsharded)."""
+        if not self.buffer.sharded:
+            return self.start, self.end
+        g = self.groups.intra
+        size = (self.end - self.start) // g.size
+        lo = self.start + g.rank * size
+        return lo, lo + size
+
+    # ---- grads -----------------------------------------------------------------------------
+
+    def register_grad_ready(self, name: str, check_nan: bool, scale: float, avg_in_collective: bool) -> None:
+        """A param's grad is complete for this step; dispatch the reduction when all are."""
+        if name not in self._pending:
+            raise IllegalTransition(f"{self!r}: grad of {name!r} reported ready twice in one step")
+        self._pending.discard(name)
+        if not self._pending:
+            self.start_grad_sync(check_nan, scale, avg_in_collective, async_op=True)
+
+    def start_grad_sync(self, check_nan: bool, scale: float, avg_in_collective: bool, *, async_op: bool) -> None:
+        self._expect("start_grad_sync", self.grad_state, GradState.IDLE)
+        view = self.grad_view
+        if check_nan:
+            bad = ~torch.isfinite(view)
+            self.nonfinite_at = torch.where(bad.any(), bad.to(torch.int8).argmax(), -1)
+        intra = self.groups.intra
+        dp_size = self.groups.dp.size
+        if dp_size > 1 and not avg_in_collective and scale != 1.0:
+            view.mul_(scale)
+        self.grad_state = GradState.REDUCING
+        self._grad_handles = []
+        if self.buffer.sharded and intra.active:
+            lo, hi = self.shard_range()
+            self._scatter_out = torch.empty(hi - lo, dtype=view.dtype, device=view.device)
+            self._grad_handles.append(
+                dist.reduce_scatter_single(self._scatter_out, view, group=intra.pg, async_op=async_op)
+            )
+        elif intra.active:
+            self._grad_handles.append(dist.all_reduce(view, group=intra.pg, async_op=async_op))
+        if not async_op:
+            self._after_reduce()
+
+    def _after_reduce(self) -> None:
+        for h in self._grad_handles:
+            if h is not None:
+                h.wait()
+        self._grad_handles = []
+        if self._scatter_out is not None:
+            lo, hi = self.shard_range()
+            self.buffer.grad_data[lo:hi].copy_(self._scatter_out)
+            self._scatter_out = None
+        inter = self.groups.inter
+        if inter.active:  # partial sharding: the reduced shard is replicated over instances
+            lo, hi = self.shard_range()
+            dist.all_reduce(self.buffer.grad_data[lo:hi], group=inter.pg)
+
+    def finish_grad_sync(self, check_nan: bool, scale: float, avg_in_collective: bool) -> None:
+        if self.grad_state is GradState.IDLE:  # not dispatched by hooks (overlap off, or unused params)
+            self.start_grad_sync(check_nan, scale, avg_in_collective, async_op=False)
+        else:
+            self._expect("finish_grad_sync", self.grad_state, GradState.REDUCING)
+            self._after_reduce()
+        if avg_in_collective and self.groups.dp.size > 1:
+            lo, hi = self.shard_range()  # gloo has no AVG: average right after the SUM
+            self.buffer.grad_data[lo:hi].mul_(scale)
+        self.grad_state = GradState.READY
+
+    def zero_grads(self) -> None:
+        if self._grad_handles:
+            raise IllegalTransition(f"{self!r}: zero_grad with a reduction in flight")
+        self.grad_state = GradState.IDLE
+        self._pending = set(self.param_names)
+        self.nonfinite_at = None
+
+    # ---- params ----------------------------------------------------------------------------
+
+    def mark_staged(self) -> None:
+        """The optimizer wrote this rank's masters into the param slice (see module doc)."""
+        self._expect("stage", self.param_state, ParamState.READY, ParamState.STAGED)
+        self.param_state = ParamState.STAGED
+
+    def start_param_sync(self, *, async_op: bool) -> None:
+        self._expect("start_param_sync", self.param_state, ParamState.STAGED)
+        g = self.groups.intra
+        self.param_state = ParamState.GATHERING
+        if self.buffer.sharded and g.active:
+            lo, hi = self.shard_range()
+            local = self.buffer.param_data[lo:hi].clone()  # type: ignore[index]
+            self._gather_out = torch.empty(self.end - self.start, dtype=local.dtype, device=local.device)
+            self._gather_handle = dist.all_gather_single(
+                self._gather_out, local, group=g.pg, async_op=async_op
+            )
+        if not async_op:
+            self.finish_param_sync()
+
+    def finish_param_sync(self) -> None:
+        if self.param_state is ParamState.STAGED:
+            self.start_param_sync(async_op=False)
+            return
+        self._expect("finish_param_sync", self.param_state, ParamState.GATHERING)
+        if self._gather_handle is not None:
+            self._gather_handle.wait()
+            self._gather_handle = None
+        if self._gather_out is not None:
+            self.param_view.copy_(self._gather_out)
+            self._gather_out = None
+        self.buffer.load_params_from_staging(self)
+        self.param_state = ParamState.READY
+
+    @property
+    def gather_in_flight(self) -> bool:
+        return self._gather_handle is not None
+
+
+def load_bucket_params(bucket: Bucket, params: dict[str, torch.Tensor], slots: dict[str, Any]) -> None:
+    """Refresh every param of ``bucket`` from its gathered staging slice."""
+    data = bucket.buffer.param_data
+    assert data is not None
+    for name in bucket.param_names:
+        s = slots[name]
+        load_from_staging(params[name], data[s.start : s.end])

@@ -1,0 +1,210 @@
+"""``DataParallel``: buffers, backward hooks, bucketed grad reduction and param sync.
+
+Per step the engine calls ``zero_grad_buffer()``, runs the micro-batches (all but the last
+inside ``no_sync()``), then ``finish_grad_sync()``; the optimizer reads the reduced grads
+(``main_grad`` views), writes its masters into the staging slices and marks buckets staged;
+``sync_params()`` (or, with ``ddp.overlap_param_gather``, the forward pre-hooks of the next
+step) gathers them. ``params_synced()`` is the single forced-sync entry point for eval,
+checkpoint save and shutdown.
+
+Grad accumulation: a hook on each parameter's ``AccumulateGrad`` node adds ``p.grad`` into
+``p.main_grad`` (skipped when a fused linear already accumulated straight into it and set
+``grad_added_to_main_grad``) and drops ``p.grad``. With ``ddp.overlap_grad_reduce``, the last
+micro-batch's hooks count ready params per bucket and dispatch each bucket's reduction
+asynchronously as soon as it is complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lptrain.config.schema import DDPConfig
+from lptrain.distributed.bucket_group import Bucket, ParamState
+from lptrain.distributed.buffers import ParamAndGradBuffer, buckets_in_forward_order
+from lptrain.distributed.groups import ParallelGroups
+from lptrain.distributed.layout import BufferLayout
+
+
+class NonFiniteGradError(RuntimeError):
+    """A rank's local gradient held NaN/Inf before reduction (``ddp.check_for_nan_in_grad``)."""
+
+    def __init__(self, rank: int, param: str) -> None:
+        super().__init__(f"rank {rank}: gradient of '{param}' is not finite")
+        self.rank = rank
+        self.param = param
+
+
+class DataParallel:
+    """The data-parallel engine around one model (see the module doc)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        layout: BufferLayout,
+        ddp_cfg: DDPConfig,
+        groups: ParallelGroups,
+        *,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.layout = layout
+        self.cfg = ddp_cfg
+        self.groups = groups
+        named = dict(model.named_parameters())
+        self.param_names = {id(p): n for n, p in named.items()}
+        self.buffers = [
+            ParamAndGradBuffer(
+                spec,
+                i,
+                named,
+                groups,
+                reuse_grad_buffer=bool(ddp_cfg.reuse_grad_buf_for_mxfp8_param_ag),
+                device=device,
+            )
+            for i, spec in enumerate(layout.buffers)
+        ]
+        self.bucket_of: dict[str, Bucket] = {}
+        for b in self.buffers:
+            self.bucket_of.update(b.bucket_of)
+        self.forward_order = buckets_in_forward_order(self.buffers)
+        for prev, nxt in zip(self.forward_order, self.forward_order[1:], strict=False):
+            prev.next_in_forward = nxt
+        self.grad_scale = 1.0 / groups.dp.size
+        self._is_last_microbatch = True
+        self._pre_hooks_enabled = bool(ddp_cfg.overlap_param_gather)
+        self._hooks: list[Any] = []
+        for name, p in named.items():
+            if p.requires_grad:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._make_grad_hook(name)))
+        if ddp_cfg.overlap_param_gather:
+            for m in model.modules():
+                if any(True for _ in m.parameters(recurse=False)):
+                    self._hooks.append(m.register_forward_pre_hook(self._make_pre_hook(m)))
+
+    # ---- grads -------------------------------------------------------------------------------
+
+    def _make_grad_hook(self, name: str) -> Callable[[torch.Tensor], None]:
+        bucket = self.bucket_of[name]
+        cfg = self.cfg
+
+        def hook(p: torch.Tensor) -> None:
+            if p.grad is not None:
+                if not getattr(p, "grad_added_to_main_grad", False):
+                    p.main_grad.add_(p.grad.view_as(p.main_grad))
+                p.grad = None
+            p.grad_added_to_main_grad = False
+            if cfg.overlap_grad_reduce and self._is_last_microbatch:
+                bucket.register_grad_ready(
+                    name, bool(cfg.check_for_nan_in_grad), self.grad_scale, bool(cfg.average_in_collective)
+                )
+
+        return hook
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Micro-batches inside accumulate without dispatching reductions."""
+        self._is_last_microbatch = False
+        try:
+            yield
+        finally:
+            self._is_last_microbatch = True
+
+    def zero_grad_buffer(self) -> None:
+        for b in self.buffers:
+            b.zero_grads()
+        for p in self.model.parameters():
+            p.grad_added_to_main_grad = False
+
+    def finish_grad_sync(self) -> None:
+        """Every bucket reduced (waiting on overlapped ones); raises NonFiniteGradError when a
+        rank's local grads held NaN/Inf, naming that rank and param on every rank."""
+        cfg = self.cfg
+        check = bool(cfg.check_for_nan_in_grad)
+        for b in self.buffers:
+            for bucket in b.buckets:
+                bucket.finish_grad_sync(check, self.grad_scale, bool(cfg.average_in_collective))
+        if check:
+            self._raise_on_nonfinite()
+
+    def _raise_on_nonfinite(self) -> None:
+        """One small all-reduce: each rank reports (buffer, offset) of its first bad element."""
+        code = torch.full((), -1, dtype=torch.int64)
+        for b in self.buffers:
+            for bucket in b.buckets:
+                at = bucket.nonfinite_at
+                if at is not None and int(code) < 0 and int(at) >= 0:
+                    code = torch.tensor(b.index * (1 << 40) + bucket.start + int(at))
+        g = self.groups.dp
+        codes = torch.zeros(g.size, dtype=torch.int64)
+        codes[g.rank] = code + 1
+        if g.active:
+            dist.all_reduce(codes, group=g.pg)
+        for rank, c in enumerate(codes.tolist()):
+            if c > 0:
+                buf, offset = divmod(c - 1, 1 << 40)
+                raise NonFiniteGradError(rank, self._param_at(buf, offset))
+
+    def _param_at(self, buffer: int, offset: int) -> str:
+        for s in self.buffers[buffer].spec.params:
+            if s.start <= offset < s.end:
+                return s.name
+        return f"<padding of buffer {buffer}>"
+
+    # ---- params ------------------------------------------------------------------------------
+
+    def _make_pre_hook(self, module: nn.Module) -> Callable[..., None]:
+        names = [self.param_names[id(p)] for p in module.parameters(recurse=False)]
+        buckets = list(dict.fromkeys(self.bucket_of[n] for n in names if n in self.bucket_of))
+
+        def pre_hook(_module: nn.Module, _args: Any) -> None:
+            if not self._pre_hooks_enabled:
+                return
+            for bucket in buckets:
+                if bucket.param_state is not ParamState.READY:
+                    bucket.finish_param_sync()
+                    nxt = bucket.next_in_forward
+                    if nxt is not None and nxt.param_state is ParamState.STAGED:
+                        nxt.start_param_sync(async_op=True)
+
+        return pre_hook
+
+    def sync_params(self, buckets: Optional[Sequence[Bucket]] = None) -> None:
+        """Gather every (given) bucket now; each must have been staged (strict on purpose: a
+        bucket gathered before its optimizer staged it would load stale or zero values)."""
+        for bucket in buckets if buckets is not None else self.gathered_buckets():
+            bucket.finish_param_sync()
+
+    def gathered_buckets(self) -> list[Bucket]:
+        """Buckets whose params travel by all-gather (sharded buffers), in forward order;
+        replicated buffers' params are written directly by the optimizer."""
+        return [b for b in self.forward_order if b.buffer.sharded]
+
+    def pending_param_buckets(self) -> list[Bucket]:
+        return [b for b in self.forward_order if b.param_state is not ParamState.READY]
+
+    @contextlib.contextmanager
+    def params_synced(self, stage: Callable[[], None]) -> Iterator[None]:
+        """The forced-sync entry point: finish in-flight gathers, restage masters (``stage``,
+        which resets every bucket's dispatch state), gather everything synchronously, keep the
+        pre-hooks off inside, restore them on exit."""
+        for bucket in self.forward_order:
+            if bucket.param_state is ParamState.GATHERING:
+                bucket.finish_param_sync()
+        stage()
+        self.sync_params()
+        enabled, self._pre_hooks_enabled = self._pre_hooks_enabled, False
+        try:
+            yield
+        finally:
+            self._pre_hooks_enabled = enabled
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []

@@ -1,0 +1,270 @@
+"""Buffer layout: where every parameter lives in the contiguous param/grad buffers.
+
+Computed first, as plain data, without allocating anything, so that the real buffers, the
+tests of the padding rules and the memory planner all read the same numbers.
+
+Rules (the upstream data-parallel engine's, restated):
+
+* Parameters are grouped into buffers by :class:`BufferKey` -- storage kind (the param dtype,
+  or ``"quantized"`` for FP8/FP4 primary weights), grad dtype, dense or expert, Muon-managed or
+  not -- so each buffer reduces over one group with one dtype.
+* Inside a buffer, parameters are laid out in **reverse registration order** (backprop order):
+  the first bucket to fill during backward sits at the start and can be reduced first.
+* A bucket is closed once it holds at least ``bucket_size`` elements (``None``: one bucket).
+* With the distributed optimizer, every param start is aligned to 64 elements and every bucket
+  end is padded to ``lcm(dp, 128)`` so each bucket splits into ``dp`` equal shards (a shard
+  ignores param boundaries: a param may straddle ranks); a tied embedding
+  (``shared_embedding``) gets a bucket of its own, because its gradient is complete only
+  after both of its uses.
+* Without the distributed optimizer there is no padding at all.
+
+Quantized primary weights are staged for the parameter all-gather in their
+``staging_dtype`` (bf16 for every lptrain format): a quantized buffer's ``param_dtype`` is
+that staging dtype, and each rank requantizes the gathered high-precision values. Why not raw
+bytes: the column-wise copies of MXFP8 and NVFP4 (and NVFP4's stochastic rounding, random
+Hadamard transform and 16x16 weight tiles) are quantized from the high-precision value and
+are not a re-layout of the row-wise bytes, so a byte shard cannot rebuild them; staging bf16
+makes FP8/FP4 param gather bitwise identical to quantizing a bf16 param in the forward, for
+every recipe, at the price of 2 bytes per element on the wire instead of 1 (or 0.5).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+PARAM_START_ALIGN = 64  # elements
+BUCKET_END_ALIGN = 128  # elements; buckets pad to lcm(dp, 128)
+
+
+@dataclass(frozen=True)
+class BufferKey:
+    """What separates two buffers: each buffer has one dtype and one reduction group."""
+
+    param_dtype: torch.dtype  # storage of plain params, staging dtype of quantized ones
+    grad_dtype: torch.dtype
+    quantized: bool
+    is_expert: bool
+    is_muon: bool
+
+    def describe(self) -> str:
+        kind = "quantized" if self.quantized else str(self.param_dtype).replace("torch.", "")
+        grad = str(self.grad_dtype).replace("torch.", "")
+        parts = [kind, f"grads {grad}", "expert" if self.is_expert else "dense"]
+        if self.is_muon:
+            parts.append("muon")
+        return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """What the layout needs to know about one parameter (a real tensor or a description)."""
+
+    name: str
+    shape: tuple[int, ...]
+    key: BufferKey
+    shared_embedding: bool = False
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """A parameter's place: ``[start, end)`` elements of buffer ``buffer``, inside ``bucket``."""
+
+    name: str
+    shape: tuple[int, ...]
+    buffer: int
+    bucket: int
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class BucketSpec:
+    """Elements ``[start, end)`` of a buffer; ``numel_unpadded`` of them hold parameters."""
+
+    index: int
+    start: int
+    end: int
+    numel_unpadded: int
+    params: tuple[str, ...]
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+    @property
+    def padding(self) -> int:
+        return self.numel - self.numel_unpadded
+
+
+@dataclass
+class BufferSpec:
+    key: BufferKey
+    sharded: bool = False  # buckets split into dp shards (distributed optimizer, non-Muon)
+    params: list[ParamSlot] = field(default_factory=list)
+    buckets: list[BucketSpec] = field(default_factory=list)
+
+    @property
+    def numel(self) -> int:
+        return self.buckets[-1].end if self.buckets else 0
+
+    @property
+    def numel_unpadded(self) -> int:
+        return sum(b.numel_unpadded for b in self.buckets)
+
+    def padding_bytes(self) -> int:
+        return (self.numel - self.numel_unpadded) * self.key.grad_dtype.itemsize
+
+
+@dataclass
+class BufferLayout:
+    """Every buffer of a model for one data-parallel size."""
+
+    buffers: list[BufferSpec]
+    dp: int
+
+    @property
+    def sharded(self) -> bool:
+        return any(b.sharded for b in self.buffers)
+
+    def slot(self, name: str) -> ParamSlot:
+        for b in self.buffers:
+            for s in b.params:
+                if s.name == name:
+                    return s
+        raise KeyError(name)
+
+    @property
+    def numel(self) -> int:
+        return sum(b.numel for b in self.buffers)
+
+    @property
+    def numel_unpadded(self) -> int:
+        return sum(b.numel_unpadded for b in self.buffers)
+
+    def padding_percent(self) -> float:
+        return 100.0 * (self.numel - self.numel_unpadded) / max(1, self.numel)
+
+    def padding_bytes(self) -> int:
+        return sum(b.padding_bytes() for b in self.buffers)
+
+    def report(self) -> str:
+        lines = [
+            f"{len(self.buffers)} buffer(s), dp {self.dp}, "
+            f"{'sharded' if self.sharded else 'replicated'} optimizer: "
+            f"{self.numel_unpadded:,} param elements, padding {self.numel - self.numel_unpadded:,} "
+            f"elements ({self.padding_percent():.3f}%, {self.padding_bytes():,} grad bytes)"
+        ]
+        for i, b in enumerate(self.buffers):
+            lines.append(
+                f"  buffer {i} [{b.key.describe()}]: {len(b.params)} params, "
+                f"{len(b.buckets)} bucket(s), {b.numel:,} elements"
+            )
+        return "\n".join(lines)
+
+
+def _align(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+def _layout_one_buffer(
+    specs: Sequence[ParamSpec], buffer_index: int, *, bucket_size: Optional[int], dp: int, sharded: bool
+) -> BufferSpec:
+    out = BufferSpec(key=specs[0].key, sharded=sharded)
+    end_align = math.lcm(dp, BUCKET_END_ALIGN) if sharded else 1
+    bucket_start = 0
+    cursor = 0
+    current: list[ParamSpec] = []
+    unpadded = 0
+
+    def close() -> None:
+        nonlocal bucket_start, cursor, current, unpadded
+        if not current:
+            return
+        end = _align(cursor, end_align)
+        out.buckets.append(
+            BucketSpec(
+                index=len(out.buckets),
+                start=bucket_start,
+                end=end,
+                numel_unpadded=unpadded,
+                params=tuple(p.name for p in current),
+            )
+        )
+        bucket_start = cursor = end
+        current, unpadded = [], 0
+
+    for p in reversed(specs):  # backprop order
+        if sharded and p.shared_embedding:
+            close()
+        start = _align(cursor, PARAM_START_ALIGN) if sharded else cursor
+        end = start + p.numel
+        out.params.append(ParamSlot(p.name, p.shape, buffer_index, len(out.buckets), start, end))
+        current.append(p)
+        unpadded += p.numel
+        cursor = end
+        if (sharded and p.shared_embedding) or (
+            bucket_size is not None and cursor - bucket_start >= bucket_size
+        ):
+            close()
+    close()
+    return out
+
+
+def plan_layout(
+    specs: Sequence[ParamSpec], *, dp: int, bucket_size: Optional[int], sharded: bool
+) -> BufferLayout:
+    """Group ``specs`` (in registration order) into buffers and buckets; allocates nothing.
+
+    ``sharded`` (the distributed optimizer) applies to every buffer except Muon's: Newton-
+    Schulz needs whole matrices, so Muon buffers use the compact layout (no padding, grads
+    all-reduced, whole params per rank).
+    """
+    if dp < 1:
+        raise ValueError(f"dp must be >= 1, got {dp}")
+    by_key: dict[BufferKey, list[ParamSpec]] = {}
+    for s in specs:
+        by_key.setdefault(s.key, []).append(s)
+    buffers = [
+        _layout_one_buffer(
+            group, i, bucket_size=bucket_size, dp=dp, sharded=sharded and not key.is_muon
+        )
+        for i, (key, group) in enumerate(by_key.items())
+    ]
+    return BufferLayout(buffers=buffers, dp=dp)
+
+
+def param_specs(
+    named_params: Sequence[tuple[str, torch.Tensor]],
+    *,
+    grad_reduce_in_fp32: bool,
+    separate_muon: bool = False,
+) -> list[ParamSpec]:
+    """Describe real (or meta) parameters for :func:`plan_layout`, reading the tags the model
+    set (``is_expert``, ``shared_embedding``, ``use_muon``) and the precision interface's
+    staging dtype for quantized primary weights."""
+    from lptrain.model.params import is_muon_param
+    from lptrain.precision.param_storage import is_quantized, staging_dtype
+
+    out = []
+    for name, p in named_params:
+        grad_dtype = torch.float32 if grad_reduce_in_fp32 else p.dtype
+        key = BufferKey(
+            param_dtype=staging_dtype(p),
+            grad_dtype=grad_dtype,
+            quantized=is_quantized(p),
+            is_expert=bool(getattr(p, "is_expert", False)),
+            is_muon=separate_muon and is_muon_param(p),
+        )
+        out.append(
+            ParamSpec(name, tuple(p.shape), key, bool(getattr(p, "shared_embedding", False)))
+        )
+    return out

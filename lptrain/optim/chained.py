@@ -1,0 +1,79 @@
+"""``ChainedOptimizer``: the dense and expert optimizers stepping as one.
+
+One global grad norm (the children's squared norms summed), one clip coefficient, one
+success decision (a non-finite norm skips every child), then every child stages its masters
+and only after that are params gathered. Why the deferral matters (an upstream bug class):
+with the grad buffer reused as the bf16 gather area, a param sync triggered right after the
+first child's step would gather buckets that the second child has not staged yet -- their
+staging slices still hold zeros or gradients, which would be copied into the expert weights.
+Here ``stage`` of all children precedes any sync by construction, and a bucket that is not
+staged refuses to be gathered (:class:`lptrain.distributed.bucket_group.IllegalTransition`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from lptrain.optim.distributed import ShardedMasterOptimizer
+
+
+@dataclass
+class StepOutcome:
+    grad_norm: float
+    skipped: bool
+
+
+class ChainedOptimizer:
+    def __init__(self, children: Sequence[ShardedMasterOptimizer], clip_grad: float) -> None:
+        self.children = list(children)
+        self.clip_grad = clip_grad
+
+    def prepare_grads(self) -> None:
+        for c in self.children:
+            c.prepare_grads()
+
+    def grad_norm(self) -> float:
+        total = torch.zeros((), dtype=torch.float64)
+        for c in self.children:
+            total += c.grad_norm_sq()
+        return math.sqrt(float(total))
+
+    def step(self, lr: float) -> StepOutcome:
+        """Prepare, norm, clip and update every child (does not stage: see :meth:`stage`)."""
+        self.prepare_grads()
+        norm = self.grad_norm()
+        if not math.isfinite(norm):
+            for c in self.children:
+                for pc in c.pieces:
+                    pc.master.grad = None
+            return StepOutcome(norm, skipped=True)
+        clip: Optional[float] = None
+        if self.clip_grad > 0:
+            coef = self.clip_grad / (norm + 1e-6)
+            clip = coef if coef < 1.0 else None
+        for c in self.children:
+            c.step(lr, clip)
+        return StepOutcome(norm, skipped=False)
+
+    def stage(self) -> None:
+        """Every child writes its masters back; the caller syncs params afterwards, once."""
+        for c in self.children:
+            c.stage()
+
+    def lr_by_group(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for c in self.children:
+            out.update(c.lr_by_group())
+        return out
+
+    def update_rms(self) -> Optional[float]:
+        for c in self.children:
+            rms = c.update_rms()
+            if rms is not None:
+                return rms
+        return None

@@ -1,0 +1,301 @@
+"""Distributed optimizer (ZeRO-1): fp32 masters of this rank's shard of the param buffers.
+
+:class:`ShardedMasterOptimizer` is one optimizer over a set of buffers that reduce over one
+process group (the dense buffers, or the expert buffers). For each bucket it takes this
+rank's shard (the whole bucket when the buffer is not sharded), cuts it at parameter
+boundaries into *pieces*, and keeps one fp32 master per piece:
+
+* a piece that covers a whole parameter keeps the parameter's shape and its optimizer tags
+  (Muon needs whole matrices; the Muon buffers are never sharded);
+* a piece of a parameter that straddles shards is a flat slice; AdamW is elementwise, so the
+  result is the same as on the whole tensor.
+
+Masters start from :func:`high_precision_value` (a quantized primary weight's kept
+high-precision init value, then freed). Each step: ``prepare_grads`` points the masters'
+``.grad`` at the reduced ``main_grad`` slices, the chained optimizer combines
+``grad_norm_sq`` into one global norm, ``step`` clips and updates, and ``stage`` writes the
+masters back: into the staging slice of the param buffer (sharded: the all-gather then
+distributes it) or straight into the parameter (replicated: every rank holds the same
+masters). Nothing here knows a quantization format: writing into a parameter goes through
+:mod:`lptrain.precision.param_storage`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from lptrain.config.schema import OptimizerConfig
+from lptrain.distributed.buffers import ParamAndGradBuffer
+from lptrain.distributed.groups import Group
+from lptrain.optim.param_groups import copy_param_attributes
+from lptrain.precision.param_storage import (
+    high_precision_value,
+    release_high_precision_init,
+    stage_shards,
+    write_value,
+)
+
+
+@dataclass
+class MasterPiece:
+    """Elements ``[lo, hi)`` of ``buffer`` = elements ``[p_lo, p_hi)`` of param ``name``."""
+
+    name: str
+    param: torch.nn.Parameter
+    buffer: ParamAndGradBuffer
+    lo: int
+    hi: int
+    p_lo: int
+    p_hi: int
+    master: torch.Tensor
+
+    @property
+    def whole(self) -> bool:
+        return self.p_lo == 0 and self.p_hi == self.param.numel()
+
+    def grad_view(self) -> torch.Tensor:
+        g = self.buffer.grad_data[self.lo : self.hi]
+        return g.view(self.master.shape)
+
+
+def _pieces(buffers: Sequence[ParamAndGradBuffer]) -> list[MasterPiece]:
+    out: list[MasterPiece] = []
+    for buf in buffers:
+        for bucket in buf.buckets:
+            lo, hi = bucket.shard_range()
+            for name in bucket.param_names:
+                s = buf.slots[name]
+                a, b = max(lo, s.start), min(hi, s.end)
+                if a >= b:
+                    continue
+                p = buf.params[name]
+                value = high_precision_value(p).reshape(-1)[a - s.start : b - s.start]
+                whole = a == s.start and b == s.end
+                master = value.clone().view(p.shape) if whole else value.clone()
+                if whole:
+                    copy_param_attributes(p, master)
+                out.append(MasterPiece(name, p, buf, a, b, a - s.start, b - s.start, master))
+    return out
+
+
+class ShardedMasterOptimizer:
+    """AdamW (and Muon for Muon-managed whole matrices) over one set of buffers."""
+
+    def __init__(
+        self,
+        buffers: Sequence[ParamAndGradBuffer],
+        group: Group,
+        cfg: OptimizerConfig,
+        *,
+        label: str,
+    ) -> None:
+        self.buffers = list(buffers)
+        self.group = group
+        self.label = label
+        self.pieces = _pieces(self.buffers)
+        for buf in self.buffers:
+            for p in buf.params.values():
+                release_high_precision_init(p)
+        adam = [pc for pc in self.pieces if not pc.buffer.key.is_muon]
+        muon = [pc for pc in self.pieces if pc.buffer.key.is_muon]
+        self.optimizers: list[torch.optim.Optimizer] = []
+        if adam:
+            decay = [pc.master for pc in adam if pc.param.dim() >= 2]
+            no_decay = [pc.master for pc in adam if pc.param.dim() < 2]
+            self.optimizers.append(
+                torch.optim.AdamW(
+                    [
+                        {"params": decay, "weight_decay": cfg.weight_decay, "name": "adamw_decay"},
+                        {"params": no_decay, "weight_decay": 0.0, "name": "adamw_no_decay"},
+                    ],
+                    lr=cfg.lr,
+                    betas=(cfg.adam_beta1, cfg.adam_beta2),
+                    eps=cfg.adam_eps,
+                    foreach=True,
+                )
+            )
+        if muon:
+            from lptrain.optim.muon import Muon
+
+            if any(not pc.whole for pc in muon):
+                raise RuntimeError("Muon params must be whole on a rank (unsharded Muon buffers)")
+            m = cfg.muon
+            self.optimizers.append(
+                Muon(
+                    [{"params": [pc.master for pc in muon], "name": "muon"}],
+                    lr=cfg.lr,
+                    weight_decay=cfg.weight_decay,
+                    momentum=m.momentum,
+                    nesterov=m.nesterov,
+                    ns_steps=m.ns_steps,
+                    coefficients=m.coefficients,
+                    scale_mode=m.scale_mode,
+                    extra_scale_factor=m.extra_scale_factor,
+                    split_qkv=m.split_qkv,
+                )
+            )
+
+    # ---- the step protocol --------------------------------------------------------------------
+
+    def prepare_grads(self) -> None:
+        for pc in self.pieces:
+            g = pc.grad_view()
+            pc.master.grad = g if g.dtype == torch.float32 else g.float()
+
+    def grad_norm_sq(self) -> torch.Tensor:
+        """Squared norm of this optimizer's full gradient (fp64; reduced over its group for
+        sharded buffers, each element counted once)."""
+        sharded = torch.zeros((), dtype=torch.float64)
+        replicated = torch.zeros((), dtype=torch.float64)
+        for pc in self.pieces:
+            sq = pc.master.grad.double().square().sum()  # type: ignore[union-attr]
+            if pc.buffer.sharded:
+                sharded += sq
+            else:
+                replicated += sq
+        if self.group.active and any(b.sharded for b in self.buffers):
+            dist.all_reduce(sharded, group=self.group.pg)
+        return sharded + replicated
+
+    def step(self, lr: float, clip_coef: Optional[float]) -> None:
+        if clip_coef is not None:
+            for pc in self.pieces:
+                pc.master.grad.mul_(clip_coef)  # type: ignore[union-attr]
+        for opt in self.optimizers:
+            for g in opt.param_groups:
+                g["lr"] = lr
+            opt.step()
+        for pc in self.pieces:
+            pc.master.grad = None
+
+    def stage(self) -> None:
+        """Masters -> params: the staging slices of sharded buffers (then marked staged for
+        the gather), or the params themselves for replicated ones."""
+        piece_of = {pc.name: pc for pc in self.pieces}
+        entries = []
+        with torch.no_grad():
+            for buf in self.buffers:
+                if not buf.sharded:
+                    for name in buf.params:
+                        if name in piece_of:
+                            write_value(buf.params[name], piece_of[name].master)
+                    continue
+                for name, p in buf.params.items():  # same order on every rank (collective)
+                    pc = piece_of.get(name)
+                    if pc is None:
+                        entries.append((p, None, 0, 0, None))
+                    else:
+                        dst = buf.param_data[pc.lo : pc.hi]  # type: ignore[index]
+                        entries.append((p, pc.master, pc.p_lo, pc.p_hi, dst))
+            stage_shards(entries, self._reduce_max)
+        for buf in self.buffers:
+            if buf.sharded:
+                for bucket in buf.buckets:
+                    bucket.mark_staged()
+
+    def _reduce_max(self, t: torch.Tensor) -> None:
+        if self.group.active:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group.pg)
+
+    def lr_by_group(self) -> dict[str, float]:
+        return {g["name"]: float(g["lr"]) for opt in self.optimizers for g in opt.param_groups}
+
+    def update_rms(self) -> Optional[float]:
+        for opt in self.optimizers:
+            rms = getattr(opt, "last_update_rms", None)
+            if rms is not None:
+                return rms
+        return None
+
+    # ---- checkpoint ---------------------------------------------------------------------------
+
+    def _states(self) -> dict[int, dict[str, Any]]:
+        return {
+            id(t): opt.state.get(t, {})
+            for opt in self.optimizers
+            for g in opt.param_groups
+            for t in g["params"]
+        }
+
+    def full_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """``{param name: {"master": ..., <optimizer state>: ...}}`` with full tensors (pieces
+        of sharded params gathered), identical on every rank of ``self.group``. Collective."""
+        states = self._states()
+        vector_keys: set[str] = set()
+        scalar_keys: set[str] = set()
+        for pc in self.pieces:
+            for k, v in states[id(pc.master)].items():
+                is_vec = torch.is_tensor(v) and v.numel() == pc.master.numel() and v.dim() > 0
+                (vector_keys if is_vec else scalar_keys).add(k)
+        sharded = self.group.active and any(b.sharded for b in self.buffers)
+        if sharded:
+            found: list[Any] = [None] * self.group.size
+            dist.all_gather_object(found, (sorted(vector_keys), sorted(scalar_keys)), group=self.group.pg)
+            for vk, sk in found:
+                vector_keys.update(vk)
+                scalar_keys.update(sk)
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for buf in self.buffers:
+            for name, p in buf.params.items():
+                entry = {k: torch.zeros(p.numel(), dtype=torch.float32) for k in ("master", *sorted(vector_keys))}
+                entry.update({k: torch.zeros((), dtype=torch.float64) for k in sorted(scalar_keys)})
+                out[name] = entry
+        for pc in self.pieces:
+            entry = out[pc.name]
+            entry["master"][pc.p_lo : pc.p_hi] = pc.master.reshape(-1)
+            for k, v in states[id(pc.master)].items():
+                if k in vector_keys:
+                    entry[k][pc.p_lo : pc.p_hi] = v.reshape(-1)
+                else:
+                    entry[k].fill_(float(v))
+        if sharded:
+            for buf in self.buffers:
+                if not buf.sharded:
+                    continue  # replicated: already identical everywhere
+                for name in buf.params:
+                    for v in out[name].values():
+                        op = dist.ReduceOp.SUM if v.dim() else dist.ReduceOp.MAX
+                        dist.all_reduce(v, op=op, group=self.group.pg)  # disjoint pieces
+        for name, entry in out.items():
+            shape = self._param(name).shape
+            for k in ("master", *vector_keys):
+                entry[k] = entry[k].view(shape)
+        return out
+
+    def _param(self, name: str) -> torch.nn.Parameter:
+        for buf in self.buffers:
+            if name in buf.params:
+                return buf.params[name]
+        raise KeyError(name)
+
+    def load_full_state(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Inverse of :meth:`full_state`, for any shard layout (resharding)."""
+        with torch.no_grad():
+            for opt in self.optimizers:
+                for g in opt.param_groups:
+                    for t in g["params"]:
+                        opt.state.pop(t, None)
+            owners = {}
+            for opt in self.optimizers:
+                for g in opt.param_groups:
+                    for t in g["params"]:
+                        owners[id(t)] = opt
+            for pc in self.pieces:
+                entry = state[pc.name]
+                pc.master.reshape(-1).copy_(entry["master"].reshape(-1)[pc.p_lo : pc.p_hi])
+                opt = owners[id(pc.master)]
+                st: dict[str, Any] = {}
+                for k, v in entry.items():
+                    if k == "master":
+                        continue
+                    if v.dim() > 0:
+                        st[k] = v.reshape(-1)[pc.p_lo : pc.p_hi].clone().view(pc.master.shape)
+                    else:
+                        st[k] = v.to(torch.float32).clone()
+                if st:
+                    opt.state[pc.master] = st

@@ -1,0 +1,126 @@
+"""Checks ``pretrain`` runs before training starts, and ``pretrain --dry-run``.
+
+Why here and not in the loop: a run folder that cannot be written, or data that does not fit
+the model, should be reported in one line before minutes of start-up, and ``--dry-run`` lets a
+user (and the fuzz test) exercise everything ``pretrain`` checks without training.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from lptrain.config.schema import LPTrainConfig
+from lptrain.errors import OutputDirError
+
+_OUT_KEY = "run.output_dir"
+_OUT_FIX = "choose a writable folder with --output-dir (or run.output_dir)"
+
+
+def check_output_dir(out: Path) -> None:
+    """Raise :class:`OutputDirError` unless ``out`` is, or could be created as, a writable
+    folder. Creates nothing (used by ``--dry-run``)."""
+    if out.exists() and not out.is_dir():
+        raise OutputDirError(f"run folder {out} is a file, not a folder", key=_OUT_KEY, fix=_OUT_FIX)
+    probe = out
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        raise OutputDirError(
+            f"cannot create run folder {out}: {probe} is a file", key=_OUT_KEY, fix=_OUT_FIX
+        )
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise OutputDirError(
+            f"cannot create run folder {out}: {probe} is not writable", key=_OUT_KEY, fix=_OUT_FIX
+        )
+
+
+def prepare_output_dir(out: Path) -> None:
+    """Create ``out`` and prove it is writable (a probe file), else :class:`OutputDirError`.
+
+    A real write, not ``os.access``: read-only mounts and root's permissions fool the latter.
+    """
+    check_output_dir(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".lptrain-write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise OutputDirError(
+            f"cannot write to run folder {out}: {e.strerror or e}", key=_OUT_KEY, fix=_OUT_FIX
+        ) from None
+
+
+def write_text(path: Path, text: str) -> None:
+    """Write a run-folder file; an OS failure becomes :class:`OutputDirError`."""
+    try:
+        path.write_text(text)
+    except OSError as e:
+        raise OutputDirError(
+            f"cannot write {path}: {e.strerror or e}", key=_OUT_KEY, fix=_OUT_FIX
+        ) from None
+
+
+@dataclass
+class DryRunReport:
+    """What ``--dry-run`` found: model size and the resolved data."""
+
+    params: int
+    quantized_primary_weights_skipped: bool
+    datasets: list[str]
+    train_samples_per_epoch: int
+    valid_samples_per_epoch: int
+
+    def lines(self) -> list[str]:
+        note = (
+            " (FP8/FP4 primary weights sized as their high-precision shapes: quantizing needs "
+            "real values)" if self.quantized_primary_weights_skipped else ""
+        )
+        valid = (
+            f"{self.valid_samples_per_epoch} validation samples"
+            if self.valid_samples_per_epoch else "no validation split"
+        )
+        return [
+            f"model: {self.params / 1e6:.2f}M parameters, built on the meta device{note}",
+            f"data: {', '.join(self.datasets)}: {self.train_samples_per_epoch} training samples "
+            f"per epoch, {valid}",
+            "dry run ok: no run folder written, no training",
+        ]
+
+
+def dry_run(cfg: LPTrainConfig) -> DryRunReport:
+    """Build the model of a derived ``cfg`` on the meta device and open its data.
+
+    The meta device allocates no memory, so any recipe (an 8B model too) is checked in
+    seconds. Quantized primary weights need real values to quantize, so with
+    ``fp8_param_gather``/``fp4_param_gather`` the model is sized with high-precision weights of
+    the same shapes (the report says so).
+    """
+    import torch
+
+    from lptrain.data.loader import build_streams
+    from lptrain.model.build import build_model
+
+    build_cfg = cfg
+    skipped = bool(cfg.precision.fp8_param_gather or cfg.precision.fp4_param_gather)
+    if skipped:
+        build_cfg = copy.deepcopy(cfg)
+        build_cfg.precision.fp8_param_gather = False
+        build_cfg.precision.fp4_param_gather = False
+    with torch.device("meta"):
+        model = build_model(build_cfg)
+    params = sum(p.numel() for p in model.parameters())
+    del model
+    train, valid = build_streams(cfg.data, cfg.model.seq_length, cfg.model.vocab_size)
+    return DryRunReport(
+        params=params,
+        quantized_primary_weights_skipped=skipped,
+        datasets=list(dict.fromkeys(d.indexed.prefix for d in train.datasets)),
+        train_samples_per_epoch=sum(d.samples_per_epoch for d in train.datasets),
+        valid_samples_per_epoch=sum(d.samples_per_epoch for d in valid.datasets) if valid else 0,
+    )

@@ -1,0 +1,322 @@
+"""``TrainEngine``: everything one optimizer step needs, behind one small interface.
+
+The loop (``lptrain.train.loop``) owns *when* things happen (steps, logging, eval, save,
+exit); the engine owns *how* one step is done: the model on its device, the data-parallel
+engine (buffers, bucketed reduction, param gather), the optimizer and its LR schedule per
+param group. World size 1 runs the same engine as world size N.
+
+Interface used by the loop and the checkpoint code:
+
+* ``TrainEngine(cfg)`` -- builds model, buffers, optimizer for the current
+  ``torch.distributed`` world (or a single process when no group is initialised);
+* ``rank``, ``world_size``, ``dp_rank``, ``dp_size``, ``is_main``;
+* ``train_step(micro_batches, step) -> StepResult`` -- forward/backward over the micro-batches
+  of this rank, grad reduction, non-finite handling (``train.on_nonfinite``), optimizer step,
+  param sync; ``step`` is 1-based (as in ``metrics.jsonl``);
+* ``evaluate(batches) -> float`` -- mean LM loss over the given batches, averaged over ranks,
+  through ``params_synced()`` and without touching delayed-scaling state;
+* ``params_synced()`` -- the one forced-sync entry point (eval, checkpoint save, shutdown);
+* ``checkpoint_state()`` / ``load_checkpoint_state(state)`` -- a plain nested dict of tensors
+  and Python values, identical on every rank for replicated entries and keyed by canonical
+  parameter names, so it reshards across DP sizes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lptrain.config.schema import LPTrainConfig
+from lptrain.errors import RunFailedError
+
+
+class TrainingDivergedError(RunFailedError):
+    """A loss or gradient went NaN/Inf; the message names the step, the rank and the tensor
+    (exit status 3, like any run that started and failed)."""
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step reports (all floats are the same on every rank)."""
+
+    loss: float  # mean LM loss over the global batch
+    grad_norm: float  # global grad norm before clipping
+    lrs: dict[str, float]  # lr per param group name
+    skipped: bool = False  # step skipped on a non-finite loss or grad norm
+    note: str = ""  # why it was skipped: step, rank and first non-finite tensor (for the log)
+    extra: dict[str, float] = field(default_factory=dict)  # e.g. MoE aux losses, Muon update RMS
+
+
+class TrainEngine:
+    """Model + data-parallel engine + optimizer for one run (see the module doc)."""
+
+    def __init__(self, cfg: LPTrainConfig) -> None:
+        from lptrain.distributed.ddp import DataParallel
+        from lptrain.distributed.groups import build_groups
+        from lptrain.distributed.layout import param_specs, plan_layout
+        from lptrain.model import build_model
+        from lptrain.model.build import resolve_device
+        from lptrain.optim.chained import ChainedOptimizer
+        from lptrain.optim.distributed import ShardedMasterOptimizer
+        from lptrain.precision.factory import build_factory
+
+        from lptrain.launch.local import init_process_group_from_env
+
+        self.cfg = cfg
+        init_process_group_from_env(resolve_device(cfg))
+        self.groups = build_groups(cfg.ddp.num_distributed_optimizer_instances)
+        self.rank, self.world_size = self.groups.rank, self.groups.world_size
+        self.dp_rank, self.dp_size = self.groups.dp.rank, self.groups.dp.size
+        self.is_main = self.rank == 0
+        self.device = resolve_device(cfg)
+        torch.manual_seed(cfg.train.seed)
+        factory = build_factory(
+            cfg.precision,
+            num_layers=cfg.model.num_layers,
+            fuse_wgrad_accumulation=cfg.train.gradient_accumulation_fusion,
+            run_cfg=cfg,
+        )
+        recipe = getattr(factory, "recipe", None)
+        if recipe is not None and hasattr(recipe, "seed"):
+            # Stochastic-rounding streams: distinct per rank, reproducible from (seed, rank).
+            recipe.seed = cfg.train.seed * 65_537 + self.rank
+        self.model = build_model(cfg, factory, device=self.device)
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        specs = param_specs(
+            named,
+            grad_reduce_in_fp32=bool(cfg.ddp.grad_reduce_in_fp32),
+            separate_muon=cfg.optimizer.name == "muon",
+        )
+        self.layout = plan_layout(
+            specs,
+            dp=self.groups.intra.size,
+            bucket_size=cfg.ddp.bucket_size,
+            sharded=cfg.ddp.use_distributed_optimizer,
+        )
+        self.ddp = DataParallel(self.model, self.layout, cfg.ddp, self.groups, device=self.device)
+        dense = [b for b in self.ddp.buffers if not b.key.is_expert]
+        expert = [b for b in self.ddp.buffers if b.key.is_expert]
+        children = [ShardedMasterOptimizer(dense, self.groups.intra, cfg.optimizer, label="dense")]
+        if expert:
+            children.append(
+                ShardedMasterOptimizer(expert, self.groups.intra, cfg.optimizer, label="expert")
+            )
+        self.optimizer = ChainedOptimizer(children, cfg.optimizer.clip_grad)
+        # With the grad buffer reused as the gather area and gathers overlapped with the next
+        # forward, masters can only be staged after that step has zeroed the grad buffer.
+        self.defer_staging = bool(cfg.ddp.overlap_param_gather) and any(
+            b.reuses_grad_buffer for b in self.ddp.buffers
+        )
+
+    # ---- steps --------------------------------------------------------------------------------
+
+    def lr_for_step(self, step: int) -> dict[str, float]:
+        """LR per param group for 1-based ``step`` (every group follows ``optimizer.lr``)."""
+        from lptrain.optim.schedule import lr_at
+
+        o = self.cfg.optimizer
+        lr = lr_at(
+            step - 1,
+            lr=o.lr,
+            min_lr=o.min_lr,
+            warmup_iters=o.warmup_iters,
+            decay_iters=o.decay_iters or self.cfg.train.train_iters,
+            schedule=o.lr_schedule,
+        )
+        return dict.fromkeys(self.optimizer.lr_by_group(), lr)
+
+    def _to_device(self, b: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self.device.type == "cpu":
+            return b
+        return {k: v.to(self.device, non_blocking=True) for k, v in b.items()}
+
+    def _forward_backward(self, micro_batches: Sequence[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """Local (lm_loss, total_loss) means over this rank's micro-batches, fp64."""
+        model, ddp = self.model, self.ddp
+        n = len(micro_batches)
+        sums = torch.zeros(2, dtype=torch.float64)
+        for i, b in enumerate(micro_batches):
+            b = self._to_device(b)
+            ctx = ddp.no_sync() if i < n - 1 else contextlib.nullcontext()
+            with ctx:
+                with model.autocast():
+                    loss, aux = model(b["tokens"], labels=b["labels"])
+                if i == 0:  # every bucket gathered (and a reused one zeroed) before grads land
+                    ddp.sync_params(ddp.pending_param_buckets())
+                (loss / n).backward()
+            sums[0] += aux["lm_loss"].detach().double().cpu() / n
+            sums[1] += loss.detach().double().cpu() / n
+        return sums
+
+    def _gather_losses(self, local: torch.Tensor) -> torch.Tensor:
+        """[dp, 2] per-rank (lm_loss, total_loss): one small all-reduce."""
+        import torch.distributed as dist
+
+        g = self.groups.dp
+        out = torch.zeros(g.size, 2, dtype=torch.float64)
+        out[g.rank] = local
+        if g.active:
+            dist.all_reduce(out, group=g.pg)
+        return out
+
+    def train_step(self, micro_batches: Sequence[dict[str, torch.Tensor]], step: int) -> StepResult:
+        from lptrain.distributed.ddp import NonFiniteGradError
+
+        ddp, opt = self.ddp, self.optimizer
+        ddp.zero_grad_buffer()
+        if self.defer_staging:
+            opt.stage()
+        local = self._forward_backward(micro_batches)
+        bad: str | None = None
+        try:
+            ddp.finish_grad_sync()
+        except NonFiniteGradError as e:
+            bad = f"step {step}, rank {e.rank}: gradient of '{e.param}' is not finite"
+        losses = self._gather_losses(local)
+        loss = float(losses[:, 0].mean())
+        total = float(losses[:, 1].mean())
+        lrs = self.lr_for_step(step)
+        if bad is None and not math.isfinite(total):
+            r = int((~torch.isfinite(losses[:, 1])).nonzero()[0])
+            bad = f"step {step}, rank {r}: loss is {float(losses[r, 1])}"
+        self._reduce_router_counts()
+        if bad is None:
+            outcome = opt.step(next(iter(lrs.values())))
+            if outcome.skipped:
+                bad = f"step {step}: global gradient norm is {outcome.grad_norm}"
+        if bad is not None:
+            if self.cfg.train.on_nonfinite != "skip":
+                raise TrainingDivergedError(
+                    f"{bad}; stopping (train.on_nonfinite=stop; 'skip' skips such steps)"
+                )
+            self._after_step()
+            return StepResult(
+                loss=loss, grad_norm=float("nan"), lrs=lrs, skipped=True,
+                note=f"{bad}; step skipped (train.on_nonfinite=skip)",
+            )
+        self._after_step()
+        self.model.update_expert_bias()
+        extra = {}
+        rms = opt.update_rms()
+        if rms is not None:
+            extra["muon_update_rms"] = rms
+        if total != loss:
+            extra["aux_loss"] = total - loss
+        return StepResult(loss=loss, grad_norm=outcome.grad_norm, lrs=lrs, extra=extra)
+
+    def _after_step(self) -> None:
+        """Masters -> params: stage every child first, then gather once (or leave the gather
+        to the next forward's pre-hooks with ``ddp.overlap_param_gather``)."""
+        if not self.defer_staging:
+            self.optimizer.stage()
+            if not self.cfg.ddp.overlap_param_gather:
+                self.ddp.sync_params()
+
+    def _reduce_router_counts(self) -> None:
+        """The expert-bias update sees global token counts (summed over data-parallel ranks)."""
+        import torch.distributed as dist
+
+        g = self.groups.dp
+        routers = self.model.routers() if hasattr(self.model, "routers") else []
+        if not g.active or not routers:
+            return
+        counts = [r.local_tokens_per_expert for r in routers if hasattr(r, "local_tokens_per_expert")]
+        if counts:
+            flat = torch.cat([c.reshape(-1) for c in counts])
+            dist.all_reduce(flat, group=g.pg)
+            off = 0
+            for c in counts:
+                c.copy_(flat[off : off + c.numel()].view_as(c))
+                off += c.numel()
+
+    def evaluate(self, batches: Iterator[dict[str, torch.Tensor]], n: int) -> float:
+        """Mean LM loss over ``n`` batches per rank, averaged over ranks; leaves training
+        state untouched (delayed-scaling histories are restored, router counts kept)."""
+        import torch.distributed as dist
+
+        model = self.model
+        total = torch.zeros((), dtype=torch.float64)
+        saved = self._scaling_state()
+        routers = model.routers() if hasattr(model, "routers") else []
+        counts = [r.local_tokens_per_expert.clone() for r in routers if hasattr(r, "local_tokens_per_expert")]
+        with self.params_synced(), torch.no_grad():
+            model.eval()
+            try:
+                for _ in range(n):
+                    b = self._to_device(next(batches))
+                    with model.autocast():
+                        _, aux = model(b["tokens"], labels=b["labels"])
+                    total += aux["lm_loss"].double().cpu()
+            finally:
+                model.train()
+                self._load_scaling_state(saved)
+                with_counts = [r for r in routers if hasattr(r, "local_tokens_per_expert")]
+                for r, c in zip(with_counts, counts, strict=True):
+                    r.local_tokens_per_expert.copy_(c)
+        g = self.groups.dp
+        if g.active:
+            dist.all_reduce(total, group=g.pg)
+        return float(total) / max(1, n) / g.size
+
+    def _scaling_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Delayed-scaling state (scales, amax histories) per quantized module, cloned."""
+        out = {}
+        for name, mod in self.model.named_modules():
+            if hasattr(mod, "scaling_state_dict"):
+                sd = mod.scaling_state_dict()
+                if sd:
+                    out[name] = sd
+        return out
+
+    def _load_scaling_state(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        for name, mod in self.model.named_modules():
+            if name in state and hasattr(mod, "load_scaling_state_dict"):
+                mod.load_scaling_state_dict(state[name])
+
+    @contextlib.contextmanager
+    def params_synced(self) -> Iterator[None]:
+        """The forced-sync entry point (eval, checkpoint save, shutdown): every param holds
+        the current masters inside; training after it is bitwise training without it."""
+        with self.ddp.params_synced(self.optimizer.stage):
+            yield
+
+    # ---- checkpoint ---------------------------------------------------------------------------
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """``{"global": ..., "local": ...}``. Collective (every rank must call it).
+
+        ``global``: identical on every rank: ``model`` (fp32 masters by canonical name: the
+        high-precision weights, never quantized bytes), ``optimizer`` (per param name: the
+        full optimizer state, sharded pieces gathered), ``scaling`` (delayed-scaling state).
+        ``local``: this rank's RNG state; may be absent or from another world size on load.
+        """
+        model: dict[str, torch.Tensor] = {}
+        optim: dict[str, dict[str, torch.Tensor]] = {}
+        for child in self.optimizer.children:
+            for name, entry in child.full_state().items():
+                model[name] = entry.pop("master")
+                optim[name] = entry
+        return {
+            "global": {"model": model, "optimizer": optim, "scaling": self._scaling_state()},
+            "local": {"torch_rng": torch.get_rng_state()},
+        }
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        g = state["global"]
+        for child in self.optimizer.children:
+            entries = {}
+            for buf in child.buffers:
+                for name in buf.params:
+                    entries[name] = {"master": g["model"][name], **g["optimizer"].get(name, {})}
+            child.load_full_state(entries)
+        self._load_scaling_state(g.get("scaling") or {})
+        with self.params_synced():  # push the loaded masters into the params
+            pass
+        local = state.get("local") or {}
+        if "torch_rng" in local:
+            torch.set_rng_state(local["torch_rng"])

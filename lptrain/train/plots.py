@@ -1,0 +1,101 @@
+"""PNG plots of a run folder (``lptrain plot RUN_DIR``, see :mod:`lptrain.plot_command`; also
+written at the end of a run).
+
+Read from ``metrics.jsonl`` (and ``summary.json`` for the memory breakdown), so a run killed
+half-way can still be plotted. Only files actually written are returned and reported.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def _records(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue  # a torn last line after a kill
+        if isinstance(rec, dict) and "step" in rec:
+            out.append(rec)
+    return out
+
+
+def write_plots(run_dir: str | Path) -> list[Path]:
+    """Write loss.png, lr.png, grad_norm.png (and memory.png when the summary has a memory
+    breakdown) into ``run_dir``; returns the paths written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    recs = _records(run_dir)
+    written: list[Path] = []
+    if not recs:
+        return written
+
+    def save(fig: Any, name: str) -> None:
+        fig.tight_layout()
+        fig.savefig(run_dir / name, dpi=110)
+        plt.close(fig)
+        written.append(run_dir / name)
+
+    train = [(r["step"], r["loss"]) for r in recs if r.get("loss") is not None]
+    evals = [(r["step"], r["val_loss"]) for r in recs if r.get("val_loss") is not None]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    if train:
+        ax.plot(*zip(*train, strict=True), label="train loss")
+    if evals:
+        ax.plot(*zip(*evals, strict=True), "o-", label="validation loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    save(fig, "loss.png")
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    groups = sorted({g for r in recs for g in (r.get("lrs") or {})})
+    for g in groups:
+        pts = [(r["step"], r["lrs"][g]) for r in recs if g in (r.get("lrs") or {})]
+        ax.plot(*zip(*pts, strict=True), label=f"lr ({g})")
+    if not groups:
+        ax.plot([r["step"] for r in recs], [r.get("lr") for r in recs], label="lr")
+    ax.set_xlabel("step")
+    ax.set_ylabel("learning rate")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    save(fig, "lr.png")
+
+    gn = [(r["step"], r["grad_norm"]) for r in recs if r.get("grad_norm") is not None]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    if gn:
+        ax.plot(*zip(*gn, strict=True), label="grad norm (before clipping)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("global grad norm")
+    ax.set_yscale("log" if gn and min(v for _, v in gn) > 0 else "linear")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    save(fig, "grad_norm.png")
+
+    summary_path = run_dir / "summary.json"
+    breakdown = None
+    if summary_path.exists():
+        try:
+            breakdown = json.loads(summary_path.read_text()).get("memory_breakdown_gib")
+        except ValueError:
+            breakdown = None
+    if breakdown:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        names = list(breakdown)
+        ax.bar(names, [breakdown[n] for n in names])
+        ax.set_ylabel("GiB (this rank)")
+        ax.set_title("memory breakdown")
+        ax.tick_params(axis="x", rotation=30)
+        save(fig, "memory.png")
+    return written
+

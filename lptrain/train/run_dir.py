@@ -1,0 +1,147 @@
+"""Output-directory policy: resume, refuse or start fresh -- decided before anything is written.
+
+* a folder whose checkpoint folder (``checkpoint.save``, or ``checkpoint.load`` when set)
+  holds a valid checkpoint resumes from it (what a SLURM requeue needs: same command again);
+* a folder holding a finished run (newest checkpoint at ``train.train_iters``) or a run
+  without a checkpoint (``metrics.jsonl``/``summary.json`` but nothing to resume) is refused
+  with a message naming ``--overwrite`` and a new folder;
+* ``--overwrite`` starts over: the old run's files and checkpoints are removed, but only once
+  the new run is known to start (:func:`start_run`, after the engine is built).
+
+Only :func:`start_run` modifies the folder, so a refused or crashed-at-startup run leaves the
+previous one untouched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lptrain.checkpoint.store import LATEST, find_checkpoints, read_train_state, step_dirs
+from lptrain.errors import OutputDirError
+
+RUN_FILES = ("metrics.jsonl", "summary.json")
+PLOT_FILES = ("loss.png", "lr.png", "grad_norm.png", "memory.png")
+
+
+class RunDirRefused(OutputDirError):
+    """The output folder cannot be used as asked; the message says why and what to do (exit 2)."""
+
+
+@dataclass
+class RunPlan:
+    """What :func:`plan_run` decided: checkpoints to try (newest first) and notes to print."""
+
+    out: Path
+    candidates: list[Path] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    overwrite: bool = False
+    source: str = "fresh"  # fresh | auto (checkpoint.save) | explicit (checkpoint.load)
+
+
+def _existing_run_files(out: Path) -> list[str]:
+    return [f for f in RUN_FILES if (out / f).exists()]
+
+
+def plan_run(cfg: Any, out: str | Path, overwrite: bool = False) -> RunPlan:
+    """Decide how a run into ``out`` starts; raises :class:`RunDirRefused`. Writes nothing."""
+    out = Path(out)
+    ck = cfg.checkpoint
+    plan = RunPlan(out=out, overwrite=overwrite)
+    if ck.load:
+        src = Path(ck.load)
+        if not src.exists():
+            raise RunDirRefused(
+                f"checkpoint.load={ck.load}: no such folder; point it at a checkpoint folder "
+                "(a save folder with iter_* folders, or one iter_* folder), or unset it"
+            )
+        found = find_checkpoints(src)
+        if not found.valid:
+            why = "; ".join(found.skipped) or "no iter_* checkpoint folders in it"
+            raise RunDirRefused(f"checkpoint.load={ck.load} holds no valid checkpoint ({why})")
+        plan.candidates, plan.notes, plan.source = found.valid, found.skipped, "explicit"
+    elif ck.save and not overwrite:
+        found = find_checkpoints(ck.save)
+        plan.candidates, plan.notes = found.valid, found.skipped
+        plan.source = "auto" if found.valid else "fresh"
+    previous = _existing_run_files(out)
+    if plan.source == "fresh" and previous and not overwrite:
+        where = f"checkpoint.save={ck.save} holds none" if ck.save else "checkpoint.save is not set"
+        raise RunDirRefused(
+            f"{out} already holds a run ({', '.join(previous)}) with no checkpoint to resume "
+            f"from ({where}); pass --overwrite to replace it, or choose a new --output-dir"
+        )
+    if plan.candidates:
+        newest = plan.candidates[0]
+        try:
+            done = int(read_train_state(newest)["iteration"])
+        except (OSError, ValueError, KeyError) as e:
+            raise RunDirRefused(f"checkpoint {newest}: unreadable train_state.json ({e})") from None
+        if done >= cfg.train.train_iters:
+            raise RunDirRefused(
+                f"the run in {out} already finished: checkpoint {newest} is at step {done} >= "
+                f"train.train_iters={cfg.train.train_iters}; raise train.train_iters to train "
+                "further, pass --overwrite to start over, or choose a new --output-dir"
+            )
+    return plan
+
+
+def start_run(plan: RunPlan, cfg: Any, resumed_iteration: int, config_yaml: str) -> None:
+    """The new run is starting: apply ``--overwrite``, trim metrics past the resumed step,
+    write ``resolved_config.yaml``. Main rank only."""
+    out = plan.out
+    out.mkdir(parents=True, exist_ok=True)
+    if plan.overwrite:
+        for name in (*RUN_FILES, *PLOT_FILES):
+            (out / name).unlink(missing_ok=True)
+        shutil.rmtree(out / "wandb", ignore_errors=True)
+        save = cfg.checkpoint.save
+        if save and plan.source != "explicit":
+            for p in step_dirs(save):
+                shutil.rmtree(p, ignore_errors=True)
+            (Path(save) / LATEST).unlink(missing_ok=True)
+    trim_metrics(out / "metrics.jsonl", resumed_iteration)
+    (out / "resolved_config.yaml").write_text(config_yaml)
+
+
+def trim_metrics(path: Path, last_step: int) -> None:
+    """Keep the lines of steps ``<= last_step`` (steps after the checkpoint are redone) and
+    drop a torn last line left by a kill."""
+    if not path.exists():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and int(rec.get("step", 0)) <= last_step:
+            keep.append(line)
+    path.write_text("".join(line + "\n" for line in keep))
+
+
+def rebase_on_output_dir(cfg: Any, out: str | Path) -> Any:
+    """``cfg`` with ``run.output_dir = out`` and checkpoint paths that lay under the old
+    ``run.output_dir`` (``${run.output_dir}/checkpoints``, resolved at compose time) moved
+    under ``out``, so ``pretrain(cfg, other_dir)`` never writes into the recipe's folder."""
+    old, new = Path(cfg.run.output_dir), Path(out)
+    if old == new:
+        return cfg
+
+    def move(p: str | None) -> str | None:
+        if p and Path(p).is_relative_to(old):
+            return str(new / Path(p).relative_to(old))
+        return p
+
+    ck = dataclasses.replace(cfg.checkpoint, save=move(cfg.checkpoint.save), load=move(cfg.checkpoint.load))
+    run = dataclasses.replace(cfg.run, output_dir=str(new))
+    return dataclasses.replace(cfg, run=run, checkpoint=ck)
+
+
+def check_output_dir(cfg: Any, out: str | Path, overwrite: bool = False) -> None:
+    """The CLI's early check (before it writes anything): raises :class:`RunDirRefused`."""
+    plan_run(cfg, out, overwrite)
