@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 run: install
-	$(BIN)/lptrain pretrain --recipe tiny_cpu.yaml
+	$(BIN)/lptrain pretrain --recipe tiny_cpu.yaml --overwrite
 
 test: install
 	$(BIN)/python -m pytest -q
@@ -28,6 +28,7 @@ bench: install
 	$(BIN)/python bench/quantize.py
 	$(BIN)/python bench/model_step.py
 	$(BIN)/python bench/data.py
+	$(BIN)/python bench/muon_vs_adamw.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

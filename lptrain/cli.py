@@ -288,6 +288,10 @@ from lptrain.plot_command import register as register_plot  # noqa: E402  (lptra
 
 register_plot(app)
 
+from lptrain.memory.command import register as register_memory  # noqa: E402  (estimate-memory)
+
+register_memory(app)
+
 
 def main() -> None:
     app()

@@ -171,6 +171,7 @@ def all_rules() -> list[Rule]:
         choices,
         data,
         ddp,
+        ep,
         loop,
         model,
         moe,
@@ -179,7 +180,7 @@ def all_rules() -> list[Rule]:
         ranges,
     )
 
-    return [*precision.RULES, *ddp.RULES, *muon.RULES, *moe.RULES, *model.RULES, *choices.RULES,
+    return [*precision.RULES, *ddp.RULES, *muon.RULES, *moe.RULES, *ep.RULES, *model.RULES, *choices.RULES,
             *ranges.RULES, *data.RULES, *loop.RULES]
 
 

@@ -25,7 +25,7 @@ from lptrain.precision.param_storage import load_from_staging
 
 if TYPE_CHECKING:
     from lptrain.distributed.buffers import ParamAndGradBuffer
-    from lptrain.distributed.groups import ParallelGroups
+    from lptrain.distributed.groups import BufferGroups
 
 
 class IllegalTransition(RuntimeError):
@@ -47,7 +47,7 @@ class ParamState(enum.Enum):
 class Bucket:
     """Bucket ``index`` of ``buffer``: elements ``[start, end)``, its params, its two states."""
 
-    def __init__(self, buffer: ParamAndGradBuffer, index: int, groups: ParallelGroups) -> None:
+    def __init__(self, buffer: ParamAndGradBuffer, index: int, groups: BufferGroups) -> None:
         spec = buffer.spec.buckets[index]
         self.buffer = buffer
         self.index = index
@@ -63,6 +63,9 @@ class Bucket:
         self._pending: set[str] = set(self.param_names)
         self.nonfinite_at: Optional[torch.Tensor] = None  # first bad element offset, or -1
         self.next_in_forward: Optional[Bucket] = None
+        # Layer-wise (compact Muon) buckets: whole-param uneven gather, set by the optimizer
+        # (lptrain.optim.layerwise.CompactGather: start(async_op), finish(), in_flight).
+        self.param_sync_hook: Optional[Any] = None
 
     def __repr__(self) -> str:
         return (
@@ -112,7 +115,7 @@ class Bucket:
             bad = ~torch.isfinite(view)
             self.nonfinite_at = torch.where(bad.any(), bad.to(torch.int8).argmax(), -1)
         intra = self.groups.intra
-        dp_size = self.groups.dp.size
+        dp_size = self.groups.dp_size
         if dp_size > 1 and not avg_in_collective and scale != 1.0:
             view.mul_(scale)
         self.grad_state = GradState.REDUCING
@@ -148,7 +151,7 @@ class Bucket:
         else:
             self._expect("finish_grad_sync", self.grad_state, GradState.REDUCING)
             self._after_reduce()
-        if avg_in_collective and self.groups.dp.size > 1:
+        if avg_in_collective and self.groups.dp_size > 1:
             lo, hi = self.shard_range()  # gloo has no AVG: average right after the SUM
             self.buffer.grad_data[lo:hi].mul_(scale)
         self.grad_state = GradState.READY
@@ -178,6 +181,8 @@ class Bucket:
             self._gather_handle = dist.all_gather_single(
                 self._gather_out, local, group=g.pg, async_op=async_op
             )
+        elif self.param_sync_hook is not None:
+            self.param_sync_hook.start(async_op=async_op)
         if not async_op:
             self.finish_param_sync()
 
@@ -185,19 +190,26 @@ class Bucket:
         if self.param_state is ParamState.STAGED:
             self.start_param_sync(async_op=False)
             return
-        self._expect("finish_param_sync", self.param_state, ParamState.GATHERING)
+        if self.param_state is ParamState.READY:
+            raise IllegalTransition(
+                f"{self!r}: param sync needs staged or gathering, state is ready: its optimizer "
+                "has not staged this bucket (gathering now would load stale or zero values)"
+            )
         if self._gather_handle is not None:
             self._gather_handle.wait()
             self._gather_handle = None
         if self._gather_out is not None:
             self.param_view.copy_(self._gather_out)
             self._gather_out = None
+        if self.param_sync_hook is not None:
+            self.param_sync_hook.finish()
         self.buffer.load_params_from_staging(self)
         self.param_state = ParamState.READY
 
     @property
     def gather_in_flight(self) -> bool:
-        return self._gather_handle is not None
+        hook = self.param_sync_hook
+        return self._gather_handle is not None or bool(hook is not None and hook.in_flight)
 
 
 def load_bucket_params(bucket: Bucket, params: dict[str, torch.Tensor], slots: dict[str, Any]) -> None:

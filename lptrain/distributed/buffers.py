@@ -61,7 +61,8 @@ class ParamAndGradBuffer:
                 self.aliased[name] = place_in_buffer(p, self.param_data[s.start : s.end])
         if self.reuses_grad_buffer:
             self.grad_data.zero_()  # placing staged the values; grads must start from zero
-        self.buckets = [Bucket(self, i, groups) for i in range(len(spec.buckets))]
+        self.groups = groups.for_buffer(spec.key.is_expert)
+        self.buckets = [Bucket(self, i, self.groups) for i in range(len(spec.buckets))]
         self.bucket_of = {n: self.buckets[s.bucket] for n, s in self.slots.items()}
 
     @property

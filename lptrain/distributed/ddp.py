@@ -181,9 +181,12 @@ class DataParallel:
             bucket.finish_param_sync()
 
     def gathered_buckets(self) -> list[Bucket]:
-        """Buckets whose params travel by all-gather (sharded buffers), in forward order;
-        replicated buffers' params are written directly by the optimizer."""
-        return [b for b in self.forward_order if b.buffer.sharded]
+        """Buckets whose params travel by all-gather (sharded buffers, and compact layer-wise
+        Muon buckets with a ``param_sync_hook``), in forward order; other replicated
+        buffers' params are written directly by the optimizer."""
+        return [
+            b for b in self.forward_order if b.buffer.sharded or b.param_sync_hook is not None
+        ]
 
     def pending_param_buckets(self) -> list[Bucket]:
         return [b for b in self.forward_order if b.param_state is not ParamState.READY]

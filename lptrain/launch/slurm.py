@@ -291,11 +291,13 @@ def submit(script: Path) -> str:
 
 
 def _launch_violations(cfg, world_size: int) -> list:  # -> list[Violation]
-    """Checks that need the world size rather than dp: expert parallelism tiles the ranks."""
+    """Checks the catalog leaves to the launcher: the catalog's LAUNCH-EP-DIVIDES-WORLD
+    (lptrain.config.rulesets.ep) skips a one-rank world (how recipes are checked from a
+    laptop), but a one-GPU job is a real one-rank world."""
     from lptrain.config.rules import Violation
 
     ep = cfg.model.moe.expert_model_parallel_size
-    if cfg.model.moe.num_experts > 0 and ep > 1 and world_size % ep != 0:
+    if cfg.model.moe.num_experts > 0 and ep > 1 and world_size == 1:
         return [Violation(
             "LAUNCH-EP-DIVIDES-WORLD", "error", ("model.moe.expert_model_parallel_size",),
             f"expert_model_parallel_size={ep} must divide the world size {world_size} "

@@ -40,6 +40,8 @@ def named_normal_init(seed: int, name: str, std: float) -> InitMethod:
 
     @torch.no_grad()
     def init(t: torch.Tensor) -> None:
+        if t.is_meta:  # shapes only (dry run, memory planner): no values to draw
+            return
         t.copy_(init_values(seed, name, t.shape, std))
 
     return init
@@ -57,6 +59,9 @@ def grouped_normal_init(seed: int, name: str, std: float, expert_offset: int = 0
 
     @torch.no_grad()
     def init(t: torch.Tensor) -> None:
+        if t.is_meta:  # shapes only (dry run, memory planner): no values to draw
+            calls[0] += 1 if t.dim() != 3 else 0
+            return
         if t.dim() == 3:
             for i in range(t.shape[0]):
                 t[i].copy_(init_values(seed, f"{name}.{expert_offset + i}", t.shape[1:], std))

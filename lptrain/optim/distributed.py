@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from lptrain.config.schema import OptimizerConfig
 from lptrain.distributed.buffers import ParamAndGradBuffer
-from lptrain.distributed.groups import Group
+from lptrain.distributed.groups import SINGLE, Group
 from lptrain.optim.param_groups import copy_param_attributes
 from lptrain.precision.param_storage import (
     high_precision_value,
@@ -89,13 +89,13 @@ class ShardedMasterOptimizer:
     def __init__(
         self,
         buffers: Sequence[ParamAndGradBuffer],
-        group: Group,
         cfg: OptimizerConfig,
         *,
         label: str,
     ) -> None:
         self.buffers = list(buffers)
-        self.group = group
+        # The shard group of these buffers (all of one optimizer share it: dense or expert).
+        self.group: Group = self.buffers[0].groups.intra if self.buffers else SINGLE
         self.label = label
         self.pieces = _pieces(self.buffers)
         for buf in self.buffers:

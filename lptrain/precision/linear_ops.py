@@ -298,7 +298,24 @@ def quantized_grouped_linear(
     out_features: int,
     fuse_wgrad: bool = False,
 ) -> torch.Tensor:
-    """Run the quantized grouped GEMM; registers delayed-scaling slots with the autocast region."""
+    """Run the quantized grouped GEMM; registers delayed-scaling slots with the autocast region.
+
+    A forward without grad (eval) neither records amaxes nor takes part in the scale update,
+    as in TE (which reduces and updates only when grad is enabled): evaluating between steps
+    must leave training bitwise unchanged.
+    """
+    if not torch.is_grad_enabled():
+        fwd = qstate.slots(("input", "weight"))
+        saved = [(st, st.amax_history[0].clone()) for _, st in fwd]
+        op = _OpContext(
+            qstate=qstate, single=single, fuse_wgrad=fuse_wgrad, out_features=out_features,
+            group=_ac.current_group(), grad_enabled=False,
+        )
+        try:
+            return _QuantizedGroupedFn.apply(x, list(m_splits), op, *weights)
+        finally:
+            for st, first in saved:
+                st.amax_history[0] = first
     bwd_slots = _ac.register_forward(
         qstate.slots(("input", "weight")), qstate.slots(("grad",))
     )

@@ -74,10 +74,23 @@ def train_steps(
     )
     n = t.global_batch_size // (t.micro_batch_size * engine.dp_size)
     losses, norms = [], []
+    grads: dict[str, torch.Tensor] = {}
+    from lptrain.distributed.bucket_group import Bucket
+
+    unpatched = Bucket.start_grad_sync
+
+    def capture_then_reduce(bucket: Bucket, *args: Any, **kwargs: Any) -> None:
+        # this rank's accumulated main_grads, before scaling and the collective
+        for name in bucket.param_names:
+            grads[name] = bucket.buffer.params[name].main_grad.detach().clone()
+        unpatched(bucket, *args, **kwargs)
+
     for step in range(1, steps + 1):
         if before_step is not None:
             before_step(engine, step)
-        res = engine.train_step([next(train_it) for _ in range(n)], step)
+        capture = patched(Bucket, "start_grad_sync", capture_then_reduce) if step == steps else None
+        with capture if capture is not None else contextlib.nullcontext():
+            res = engine.train_step([next(train_it) for _ in range(n)], step)
         losses.append(res.loss)
         norms.append(res.grad_norm)
         if eval_every and step % eval_every == 0:
@@ -86,12 +99,19 @@ def train_steps(
             with engine.params_synced():
                 pass
     state = engine.checkpoint_state()
-    with engine.params_synced():
+    probe = torch.randint(
+        0, cfg.model.vocab_size, (2, cfg.model.seq_length), generator=torch.Generator().manual_seed(7)
+    )
+    with engine.params_synced(), torch.no_grad():
         raw = {n: _param_snapshot(p) for n, p in engine.model.named_parameters()}
         canonical = canonical_params(engine.model)
+        with engine.model.autocast():
+            logits = engine.model(probe.to(engine.device)).detach().cpu()
     return {
         "losses": losses,
         "grad_norms": norms,
+        "main_grads": grads,
+        "logits": logits,
         "raw": raw,
         "canonical": canonical,
         "masters": state["global"]["model"],

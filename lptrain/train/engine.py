@@ -59,17 +59,18 @@ class TrainEngine:
         from lptrain.distributed.ddp import DataParallel
         from lptrain.distributed.groups import build_groups
         from lptrain.distributed.layout import param_specs, plan_layout
+        from lptrain.launch.local import init_process_group_from_env
         from lptrain.model import build_model
         from lptrain.model.build import resolve_device
         from lptrain.optim.chained import ChainedOptimizer
         from lptrain.optim.distributed import ShardedMasterOptimizer
         from lptrain.precision.factory import build_factory
 
-        from lptrain.launch.local import init_process_group_from_env
-
         self.cfg = cfg
         init_process_group_from_env(resolve_device(cfg))
-        self.groups = build_groups(cfg.ddp.num_distributed_optimizer_instances)
+        moe = cfg.model.moe
+        ep = moe.expert_model_parallel_size if moe.num_experts else 1
+        self.groups = build_groups(cfg.ddp.num_distributed_optimizer_instances, ep=ep)
         self.rank, self.world_size = self.groups.rank, self.groups.world_size
         self.dp_rank, self.dp_size = self.groups.dp.rank, self.groups.dp.size
         self.is_main = self.rank == 0
@@ -85,32 +86,59 @@ class TrainEngine:
         if recipe is not None and hasattr(recipe, "seed"):
             # Stochastic-rounding streams: distinct per rank, reproducible from (seed, rank).
             recipe.seed = cfg.train.seed * 65_537 + self.rank
-        self.model = build_model(cfg, factory, device=self.device)
+        self.model = build_model(
+            cfg, factory, expert_model_parallel_rank=self.groups.ep.rank, device=self.device
+        )
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-        specs = param_specs(
-            named,
-            grad_reduce_in_fp32=bool(cfg.ddp.grad_reduce_in_fp32),
-            separate_muon=cfg.optimizer.name == "muon",
-        )
-        self.layout = plan_layout(
-            specs,
-            dp=self.groups.intra.size,
-            bucket_size=cfg.ddp.bucket_size,
-            sharded=cfg.ddp.use_distributed_optimizer,
-        )
-        self.ddp = DataParallel(self.model, self.layout, cfg.ddp, self.groups, device=self.device)
-        dense = [b for b in self.ddp.buffers if not b.key.is_expert]
-        expert = [b for b in self.ddp.buffers if b.key.is_expert]
-        children = [ShardedMasterOptimizer(dense, self.groups.intra, cfg.optimizer, label="dense")]
-        if expert:
-            children.append(
-                ShardedMasterOptimizer(expert, self.groups.intra, cfg.optimizer, label="expert")
+        layer_wise = bool(cfg.optimizer.use_layer_wise_optimizer)
+        if layer_wise:
+            self.layout = self._layer_wise_layout(named)
+        else:
+            specs = param_specs(
+                named,
+                grad_reduce_in_fp32=bool(cfg.ddp.grad_reduce_in_fp32),
+                separate_muon=cfg.optimizer.name == "muon",
             )
+            self.layout = plan_layout(
+                specs,
+                dp=self.groups.intra.size,
+                bucket_size=cfg.ddp.bucket_size,
+                sharded=cfg.ddp.use_distributed_optimizer,
+            )
+        self.ddp = DataParallel(self.model, self.layout, cfg.ddp, self.groups, device=self.device)
+        if layer_wise:
+            from lptrain.optim.layerwise import build_layer_wise_children
+
+            children = build_layer_wise_children(self.ddp.buffers, cfg.optimizer)
+        else:
+            dense = [b for b in self.ddp.buffers if not b.key.is_expert]
+            expert = [b for b in self.ddp.buffers if b.key.is_expert]
+            children = [ShardedMasterOptimizer(dense, cfg.optimizer, label="dense")]
+            if expert:
+                from lptrain.distributed.expert_state import ExpertShardedMasterOptimizer
+
+                children.append(
+                    ExpertShardedMasterOptimizer(expert, cfg.optimizer, label="expert", ep=self.groups.ep)
+                )
         self.optimizer = ChainedOptimizer(children, cfg.optimizer.clip_grad)
         # With the grad buffer reused as the gather area and gathers overlapped with the next
         # forward, masters can only be staged after that step has zeroed the grad buffer.
         self.defer_staging = bool(cfg.ddp.overlap_param_gather) and any(
             b.reuses_grad_buffer for b in self.ddp.buffers
+        )
+
+    def _layer_wise_layout(self, named: Sequence[tuple[str, torch.nn.Parameter]]) -> Any:
+        """Muon + distributed optimizer: the layer-wise layout (lptrain.optim.layerwise)."""
+        from lptrain.distributed.layout import layer_wise_param_specs, plan_layer_wise_layout
+
+        cfg = self.cfg
+        specs = layer_wise_param_specs(named, grad_reduce_in_fp32=bool(cfg.ddp.grad_reduce_in_fp32))
+        return plan_layer_wise_layout(
+            specs,
+            dp=self.groups.intra.size,
+            bucket_size=cfg.ddp.bucket_size,
+            sharded=cfg.ddp.use_distributed_optimizer,
+            param_layout=cfg.optimizer.layer_wise_param_layout,
         )
 
     # ---- steps --------------------------------------------------------------------------------
@@ -178,6 +206,7 @@ class TrainEngine:
         except NonFiniteGradError as e:
             bad = f"step {step}, rank {e.rank}: gradient of '{e.param}' is not finite"
         losses = self._gather_losses(local)
+        moe_metrics = self._moe_metrics()
         loss = float(losses[:, 0].mean())
         total = float(losses[:, 1].mean())
         lrs = self.lr_for_step(step)
@@ -201,13 +230,21 @@ class TrainEngine:
             )
         self._after_step()
         self.model.update_expert_bias()
-        extra = {}
+        extra = dict(moe_metrics)
         rms = opt.update_rms()
         if rms is not None:
             extra["muon_update_rms"] = rms
         if total != loss:
             extra["aux_loss"] = total - loss
         return StepResult(loss=loss, grad_norm=outcome.grad_norm, lrs=lrs, extra=extra)
+
+    def _moe_metrics(self) -> dict[str, float]:
+        """Tokens per expert (min/mean/max over the global batch) and the load-balancing
+        loss of this step's forwards (``lptrain.model.moe.metrics``; ``{}`` when dense).
+        Collective over the data-parallel group; resets the layers' accumulators."""
+        from lptrain.model.moe.metrics import moe_step_metrics
+
+        return moe_step_metrics(self.model, self.groups.dp)
 
     def _after_step(self) -> None:
         """Masters -> params: stage every child first, then gather once (or leave the gather
@@ -236,12 +273,11 @@ class TrainEngine:
 
     def evaluate(self, batches: Iterator[dict[str, torch.Tensor]], n: int) -> float:
         """Mean LM loss over ``n`` batches per rank, averaged over ranks; leaves training
-        state untouched (delayed-scaling histories are restored, router counts kept)."""
+        state untouched (no-grad forwards do not touch delayed scaling; router counts kept)."""
         import torch.distributed as dist
 
         model = self.model
         total = torch.zeros((), dtype=torch.float64)
-        saved = self._scaling_state()
         routers = model.routers() if hasattr(model, "routers") else []
         counts = [r.local_tokens_per_expert.clone() for r in routers if hasattr(r, "local_tokens_per_expert")]
         with self.params_synced(), torch.no_grad():
@@ -254,7 +290,6 @@ class TrainEngine:
                     total += aux["lm_loss"].double().cpu()
             finally:
                 model.train()
-                self._load_scaling_state(saved)
                 with_counts = [r for r in routers if hasattr(r, "local_tokens_per_expert")]
                 for r, c in zip(with_counts, counts, strict=True):
                     r.local_tokens_per_expert.copy_(c)
@@ -293,26 +328,55 @@ class TrainEngine:
         ``global``: identical on every rank: ``model`` (fp32 masters by canonical name: the
         high-precision weights, never quantized bytes), ``optimizer`` (per param name: the
         full optimizer state, sharded pieces gathered), ``scaling`` (delayed-scaling state).
-        ``local``: this rank's RNG state; may be absent or from another world size on load.
+        ``local``: this rank's RNG states (torch, and the quantizers' stochastic-rounding
+        generators by name); absent on load when written at another world size.
         """
         model: dict[str, torch.Tensor] = {}
         optim: dict[str, dict[str, torch.Tensor]] = {}
         for child in self.optimizer.children:
-            for name, entry in child.full_state().items():
+            full = child.full_state()
+            if child.label == "expert":  # each expert once, under its global canonical name
+                full = self._global_expert_state(full)
+            for name, entry in full.items():
                 model[name] = entry.pop("master")
                 optim[name] = entry
         return {
             "global": {"model": model, "optimizer": optim, "scaling": self._scaling_state()},
-            "local": {"torch_rng": torch.get_rng_state()},
+            "local": {"torch_rng": torch.get_rng_state(), "quantizer_rng": self._quantizer_rng_states()},
         }
+
+    def _quantizer_recipe(self) -> Any:
+        return getattr(getattr(self.model, "factory", None), "recipe", None)
+
+    def _quantizer_rng_states(self) -> dict[str, torch.Tensor]:
+        """Per-rank stochastic-rounding generator states (NVFP4 grads), by quantizer name."""
+        from lptrain.precision.rng import rng_states
+
+        return rng_states(self.model, self._quantizer_recipe())
+
+    # Expert parameters are checkpointed under canonical per-expert names, gathered over the
+    # expert-parallel group, so a checkpoint loads at any EP size and expert layout.
+    def _global_expert_state(self, full: dict[str, dict[str, torch.Tensor]]) -> dict[str, dict[str, torch.Tensor]]:
+        from lptrain.distributed.expert_state import global_expert_state
+
+        return global_expert_state(full, self.model, self.groups.ep)
+
+    def _local_expert_entries(self, child: Any, g: dict[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
+        from lptrain.distributed.expert_state import expert_offset, local_expert_entries
+
+        names = [(n, p.shape) for buf in child.buffers for n, p in buf.params.items()]
+        return local_expert_entries(names, g["model"], g["optimizer"], expert_offset(self.model))
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
         g = state["global"]
         for child in self.optimizer.children:
             entries = {}
-            for buf in child.buffers:
-                for name in buf.params:
-                    entries[name] = {"master": g["model"][name], **g["optimizer"].get(name, {})}
+            if child.label == "expert":
+                entries = self._local_expert_entries(child, g)
+            else:
+                for buf in child.buffers:
+                    for name in buf.params:
+                        entries[name] = {"master": g["model"][name], **g["optimizer"].get(name, {})}
             child.load_full_state(entries)
         self._load_scaling_state(g.get("scaling") or {})
         with self.params_synced():  # push the loaded masters into the params
@@ -320,3 +384,55 @@ class TrainEngine:
         local = state.get("local") or {}
         if "torch_rng" in local:
             torch.set_rng_state(local["torch_rng"])
+        if "quantizer_rng" in local:  # absent from another world size: streams start from (seed, rank)
+            from lptrain.precision.rng import load_rng_states
+
+            load_rng_states(self.model, local["quantizer_rng"], self._quantizer_recipe())
+
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes this rank holds, by category, measured on the live buffers and optimizer.
+
+        ``params``: parameter storage outside the data-parallel buffers (quantized params:
+        their raw data/scale buffers); ``param_buffer``: the sharded engine's param gather
+        buffer (holding aliased params) unless it reuses the grad buffer; ``grads``: the grad
+        buffers; ``masters``: the fp32 master pieces the optimizers step; ``optimizer_states``:
+        their state tensors (Adam moments, Muon momentum); ``padding``: the buffers' alignment
+        and bucket padding (grad and param buffers), excluded from ``grads``/``param_buffer``.
+        Activations are not included (they exist only inside a step).
+        """
+        from lptrain.precision.tensors import QuantizedTensor
+
+        def storage(t: torch.Tensor) -> tuple[int, int]:
+            st = t.untyped_storage()
+            return st.data_ptr(), st.nbytes()
+
+        out = dict.fromkeys(("params", "param_buffer", "grads", "masters", "optimizer_states", "padding"), 0)
+        in_buffers: set[int] = set()
+        for buf in self.ddp.buffers:
+            pad = buf.spec.numel - buf.spec.numel_unpadded
+            g = buf.grad_data
+            in_buffers.add(storage(g)[0])
+            out["grads"] += (g.numel() - pad) * g.element_size()
+            out["padding"] += pad * g.element_size()
+            pd = buf.param_data
+            if pd is not None and not buf.reuses_grad_buffer:
+                in_buffers.add(storage(pd)[0])
+                out["param_buffer"] += (pd.numel() - pad) * pd.element_size()
+                out["padding"] += pad * pd.element_size()
+        seen: set[int] = set()
+        for p in self.model.parameters():
+            parts = list(p.storage_views().values()) if isinstance(p, QuantizedTensor) else [p.data]
+            for t in parts:
+                ptr, nbytes = storage(t)
+                if ptr not in in_buffers and ptr not in seen:
+                    seen.add(ptr)
+                    out["params"] += nbytes
+        for child in self.optimizer.children:
+            for opt in getattr(child, "optimizers", []):
+                for group in opt.param_groups:
+                    out["masters"] += sum(t.numel() * t.element_size() for t in group["params"])
+                for st in opt.state.values():
+                    out["optimizer_states"] += sum(
+                        v.numel() * v.element_size() for v in st.values() if torch.is_tensor(v)
+                    )
+        return out

@@ -94,6 +94,13 @@ def _start_wandb(cfg: LPTrainConfig, out: Path, run_id: str | None) -> Any:
     )
 
 
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
 def _resume(engine: TrainEngine, candidates: list[Path], log: _Log) -> dict[str, Any]:
     """Load the newest loadable checkpoint into the engine; returns its train state."""
     from lptrain.checkpoint import CheckpointError, load_checkpoint
@@ -160,6 +167,9 @@ def pretrain(cfg: LPTrainConfig, output_dir: str | Path, *, overwrite: bool = Fa
         load_data_state(train_state["data"], train_it, valid_it)
     start_iter = int(train_state.get("iteration", 0))
     resolved = config_yaml(cfg)
+    # Every rank has planned (read the folder) before the main rank claims it; without this a
+    # slow rank would see the fresh metrics.jsonl of its own run and refuse the folder.
+    _barrier()
     if main:
         start_run(plan, cfg, start_iter, resolved)
 
@@ -276,9 +286,10 @@ def pretrain(cfg: LPTrainConfig, output_dir: str | Path, *, overwrite: bool = Fa
         elapsed = time.perf_counter() - t_job
         if metrics is not None:
             metrics.close()
+        memory = engine.memory_breakdown()  # local arithmetic on live buffers, no collective
         summary = _finish(cfg, out, metrics.records if metrics else [], status, step, start_iter,
                           job_steps, elapsed, tokens_per_step, saved, error, signum, wandb_run,
-                          wandb_id, main, log)
+                          wandb_id, main, log, memory)
     if signum is not None:
         raise TrainingInterrupted(signum, summary)
     return summary
@@ -287,7 +298,8 @@ def pretrain(cfg: LPTrainConfig, output_dir: str | Path, *, overwrite: bool = Fa
 def _finish(cfg: LPTrainConfig, out: Path, records: list[dict[str, Any]], status: str, step: int,
             start_iter: int, job_steps: int, elapsed: float, tokens_per_step: int,
             saved: Path | None, error: str | None, signum: int | None, wandb_run: Any,
-            wandb_id: str | None, main: bool, log: _Log) -> dict[str, Any]:
+            wandb_id: str | None, main: bool, log: _Log,
+            memory: dict[str, int] | None = None) -> dict[str, Any]:
     """Summary, plots and W&B close-out (main rank writes); returns the summary."""
     losses = [r["loss"] for r in records if r.get("loss") is not None]
     evals = [r["val_loss"] for r in records if r.get("val_loss") is not None]
@@ -303,6 +315,7 @@ def _finish(cfg: LPTrainConfig, out: Path, records: list[dict[str, Any]], status
         "seconds": elapsed,
         "checkpoint": str(saved) if saved else None,
         "wandb_run_id": wandb_id,
+        "memory_breakdown_bytes": memory,  # this rank's buffers/optimizer (engine.memory_breakdown)
     }
     if error:
         summary["error"] = error
@@ -337,5 +350,7 @@ def _finish(cfg: LPTrainConfig, out: Path, records: list[dict[str, Any]], status
     log.line(", ".join(parts))
     log.line("wrote " + ", ".join(p.name for p in files if p.exists()) + f" in {out}")
     if saved:
-        log.line(f"checkpoint: {saved} (run the same command again to resume)")
+        how = ("train further: the same command with a larger train.train_iters"
+               if status == "completed" else "resume: the same command again")
+        log.line(f"checkpoint: {saved} ({how}, without --overwrite)")
     return summary

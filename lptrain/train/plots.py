@@ -26,8 +26,9 @@ def _records(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def write_plots(run_dir: str | Path) -> list[Path]:
-    """Write loss.png, lr.png, grad_norm.png (and memory.png when the summary has a memory
-    breakdown) into ``run_dir``; returns the paths written."""
+    """Write loss.png, lr.png, grad_norm.png and memory.png (when the summary has the memory
+    breakdown, bytes by category of this run's buffers and optimizer) into ``run_dir``;
+    returns the paths written."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -82,20 +83,29 @@ def write_plots(run_dir: str | Path) -> list[Path]:
     ax.grid(alpha=0.3)
     save(fig, "grad_norm.png")
 
-    summary_path = run_dir / "summary.json"
-    breakdown = None
-    if summary_path.exists():
-        try:
-            breakdown = json.loads(summary_path.read_text()).get("memory_breakdown_gib")
-        except ValueError:
-            breakdown = None
+    breakdown = _memory_breakdown(run_dir)
     if breakdown:
+        total = sum(breakdown.values())
+        unit, scale = ("GiB", 2**30) if total >= 2**30 else ("MiB", 2**20)
         fig, ax = plt.subplots(figsize=(6, 4))
         names = list(breakdown)
-        ax.bar(names, [breakdown[n] for n in names])
-        ax.set_ylabel("GiB (this rank)")
-        ax.set_title("memory breakdown")
+        bars = ax.bar(names, [breakdown[n] / scale for n in names])
+        ax.bar_label(bars, fmt="%.3g")
+        ax.set_ylabel(f"{unit} (rank 0)")
+        ax.set_title(f"memory breakdown: {total / scale:.3g} {unit} in buffers and optimizer")
         ax.tick_params(axis="x", rotation=30)
         save(fig, "memory.png")
     return written
+
+
+def _memory_breakdown(run_dir: Path) -> dict[str, float] | None:
+    """Bytes by category from ``summary.json`` (``engine.memory_breakdown()`` at the run's end)."""
+    path = run_dir / "summary.json"
+    try:
+        got = json.loads(path.read_text()).get("memory_breakdown_bytes") if path.exists() else None
+    except ValueError:
+        return None
+    if not isinstance(got, dict):
+        return None
+    return {k: float(v) for k, v in got.items() if isinstance(v, (int, float))}
 

@@ -51,6 +51,11 @@ def _metrics(out: Path) -> list[tuple]:
     return [(r["step"], r["loss"], r["grad_norm"], r["lr"]) for r in recs]
 
 
+def _final_state_at(out: Path, step: int) -> dict[str, Any]:
+    state, _ = load_checkpoint(out / "ckpt" / f"iter_{step:07d}", rank=0, world_size=1)
+    return state["global"]
+
+
 def _final_state(out: Path) -> dict[str, Any]:
     newest = find_checkpoints(out / "ckpt").valid[0]
     assert read_train_state(newest)["iteration"] == N
@@ -224,6 +229,14 @@ def test_cli_output_dir_policy_and_plot(tmp_path: Path, cache_dir: Path) -> None
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 1
     r = runner.invoke(app, ["plot", str(out)])
     assert r.exit_code == 0 and (out / "grad_norm.png").read_bytes()[:4] == b"\x89PNG"
+    assert (out / "memory.png").read_bytes()[:4] == b"\x89PNG" and "memory.png" in r.output
+    # engine.memory_breakdown() measured on the live buffers: tiny_cpu keeps bf16 params, fp32
+    # grads (grad_reduce_in_fp32, derived for bf16), fp32 masters and two fp32 Adam moments,
+    # with no distributed optimizer (so no padding); n = the checkpoint's master element count.
+    mem = json.loads((out / "summary.json").read_text())["memory_breakdown_bytes"]
+    n = sum(v.numel() for v in _final_state_at(out, 1)["model"].values())
+    assert (mem["params"], mem["grads"], mem["masters"], mem["padding"]) == (2 * n, 4 * n, 4 * n, 0)
+    assert 8 * n <= mem["optimizer_states"] < 8 * n + 4096  # + one step counter per tensor
     r = runner.invoke(app, ["pretrain", "--recipe", "tiny_cpu.yaml", "--output-dir", str(tmp_path / "x"),
                             "checkpoint.load=" + str(tmp_path / "missing")])
     assert r.exit_code == 2 and "checkpoint.load" in r.output

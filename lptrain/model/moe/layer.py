@@ -1,70 +1,33 @@
-"""MoE layer: route -> dispatch (sort by expert, pad) -> experts -> combine (weighted sum).
+"""MoE layer: route -> dispatch -> experts -> combine (weighted sum).
 
-Dispatch and combine here are the local (single expert-parallel rank) token movement:
-assignments ``(token, expert)`` are stably sorted by expert, giving each expert one
-contiguous block of rows (``m_splits``). For quantized grouped GEMMs each block is padded
-with zero rows to ``factory.grouped_alignment`` (1 when unquantized); zero rows give zero
-outputs and are dropped again before the combine, so they never reach the result or the
-gradients. Combine multiplies each expert output row by its routing probability (fp32) and
-scatter-adds it onto its token (``index_add``, deterministic on CPU).
+The token movement is :mod:`lptrain.model.moe.dispatcher`: assignments ``(token, expert)``
+are stably sorted by expert, sent to the expert-parallel rank owning the expert (an
+all-to-all over :func:`lptrain.distributed.groups.expert_parallel_group`; nothing moves at
+``EP = 1``), and laid out as one contiguous block per local expert (``m_splits``), padded
+with zero rows to ``factory.grouped_alignment`` for quantized grouped GEMMs. Zero rows give
+zero outputs and are dropped before the combine, so they never reach the result or the
+gradients. Combine brings the rows back and scatter-adds each, times its routing
+probability (fp32), onto its token.
+
+Training forwards also accumulate, for the step metrics (``lptrain.model.moe.metrics``),
+this rank's tokens per global expert and the load-balancing loss.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import nn
 
+from lptrain.distributed.groups import SINGLE, Group, expert_parallel_group
 from lptrain.model.build_context import BuildContext
 from lptrain.model.mlp import ffn_hidden_size
+from lptrain.model.moe.dispatcher import DispatchState, combine, dispatch
 from lptrain.model.moe.experts import GroupedMLP, SequentialMLP
 from lptrain.model.moe.router import TopKRouter
 
-
-@dataclass
-class DispatchState:
-    """Bookkeeping to undo a dispatch."""
-
-    token_index: torch.Tensor  # [T*k] source token of each sorted assignment
-    order: torch.Tensor  # [T*k] permutation: sorted position -> flat (token, slot) index
-    dest: Optional[torch.Tensor]  # [T*k] padded row of each sorted assignment (None: no pad)
-    m_splits: list[int]  # rows per local expert, padded
-    tokens_per_expert: list[int]  # real rows per local expert
-
-
-def dispatch(
-    x: torch.Tensor, indices: torch.Tensor, num_experts: int, alignment: int = 1
-) -> tuple[torch.Tensor, DispatchState]:
-    """Permute token rows ``x [T, H]`` into per-expert blocks for ``indices [T, k]``."""
-    k = indices.shape[1]
-    flat_e = indices.reshape(-1)
-    order = torch.argsort(flat_e, stable=True)
-    token_index = torch.div(order, k, rounding_mode="floor")
-    counts = torch.bincount(flat_e, minlength=num_experts)
-    rows = x.index_select(0, token_index)
-    if alignment <= 1:
-        state = DispatchState(token_index, order, None, counts.tolist(), counts.tolist())
-        return rows, state
-    padded = (counts + alignment - 1) // alignment * alignment
-    start = torch.cumsum(counts, 0) - counts
-    pstart = torch.cumsum(padded, 0) - padded
-    e_sorted = flat_e.index_select(0, order)
-    dest = pstart[e_sorted] + (torch.arange(order.numel(), device=x.device) - start[e_sorted])
-    out = x.new_zeros(int(padded.sum()), x.shape[1]).index_copy(0, dest, rows)
-    return out, DispatchState(token_index, order, dest, padded.tolist(), counts.tolist())
-
-
-def combine(
-    expert_out: torch.Tensor, probs: torch.Tensor, state: DispatchState, num_tokens: int
-) -> torch.Tensor:
-    """Weighted scatter-add of expert rows back onto their tokens; fp32 result ``[T, H]``."""
-    rows = expert_out if state.dest is None else expert_out.index_select(0, state.dest)
-    weights = probs.reshape(-1).index_select(0, state.order).unsqueeze(1)
-    weighted = rows.float() * weights
-    out = weighted.new_zeros(num_tokens, expert_out.shape[1])
-    return out.index_add(0, state.token_index, weighted)
+__all__ = ["DispatchState", "MoELayer", "combine", "dispatch"]
 
 
 class MoELayer(nn.Module):
@@ -96,17 +59,45 @@ class MoELayer(nn.Module):
             )
         else:
             self.experts = SequentialMLP(ctx, eprefix, self.num_local_experts, self.expert_offset, ffn)
+        self.reset_metrics()
+
+    def _ep_group(self) -> Group:
+        ep = self.expert_model_parallel_size
+        if ep == 1:
+            return SINGLE
+        group = expert_parallel_group()
+        if group.size != ep:
+            raise RuntimeError(
+                f"this MoE layer was built for expert_model_parallel_size={ep} but the registered "
+                f"expert-parallel group has {group.size} rank(s); build the groups first "
+                "(lptrain.distributed.groups.build_groups(..., ep=EP), as TrainEngine does)"
+            )
+        return group
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        if self.expert_model_parallel_size > 1:
-            raise NotImplementedError(
-                "expert-parallel forward needs an all-to-all token dispatcher (lptrain.distributed)"
-            )
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         routing = self.router(x)
-        expert_in, state = dispatch(flat, routing.indices, self.num_experts, self.alignment)
+        group = self._ep_group()
+        expert_in, state = dispatch(flat, routing.indices, self.num_experts, self.alignment, group)
         expert_out = self.experts(expert_in, state.m_splits)
         out = combine(expert_out, routing.probs, state, flat.shape[0])
+        if self.training:
+            with torch.no_grad():  # stays on the device: no host sync per forward
+                counts = state.counts.to(torch.float64)
+                lb = routing.aux_loss.detach().to(torch.float64)
+                if self.metric_tokens_per_expert is None:
+                    self.metric_tokens_per_expert, self.metric_load_balancing_loss = counts, lb
+                else:
+                    self.metric_tokens_per_expert = self.metric_tokens_per_expert + counts
+                    self.metric_load_balancing_loss = self.metric_load_balancing_loss + lb
+                self.metric_forwards += 1
         losses = {"load_balancing_loss": routing.aux_loss, "z_loss": routing.z_loss}
         return out.to(x.dtype).view(shape), losses
+
+    def reset_metrics(self) -> None:
+        """Clear the per-step accumulators: this rank's tokens per global expert ``[E]`` fp64,
+        the summed load-balancing loss and the number of training forwards since the reset."""
+        self.metric_tokens_per_expert: Optional[torch.Tensor] = None
+        self.metric_load_balancing_loss: Optional[torch.Tensor] = None
+        self.metric_forwards = 0

@@ -1,0 +1,67 @@
+"""Expert-parallel rules: EP must tile the world and the optimizer instances.
+
+``num_experts % expert_model_parallel_size`` is MOE-EP-DIVIDES (the MoE section). The rules
+here need the world: lptrain's data-parallel size is the world size (every rank takes its
+own micro-batches), the expert-parallel groups are ``EP`` consecutive ranks inside it, and
+the expert-data-parallel group (ranks holding the same experts) has ``world / EP`` ranks
+(``lptrain.distributed.groups``).
+
+A one-rank world (``dp`` 1, what ``validate-config`` assumes without ``--dp`` or
+``$WORLD_SIZE``) is not checked against EP: a cluster recipe is checked from one machine
+that way. A run actually started on one rank with ``EP > 1`` is refused when the engine
+builds its process groups (one line naming the key and this rule).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lptrain.config.rules import Rule
+from lptrain.config.schema import LPTrainConfig
+from lptrain.config.world import World
+
+S = "Expert parallelism"
+
+
+def _ep(c: LPTrainConfig) -> int:
+    return c.model.moe.expert_model_parallel_size if c.model.moe.num_experts > 0 else 1
+
+
+def _ep_does_not_divide_world(c: LPTrainConfig, w: World) -> bool:
+    ep = _ep(c)
+    return ep > 1 and w.dp > 1 and w.dp % ep != 0
+
+
+def _instances_split_ep_groups(c: LPTrainConfig, w: World) -> Any:
+    ep, inst = _ep(c), c.ddp.num_distributed_optimizer_instances
+    if ep <= 1 or inst <= 1 or w.dp <= 1 or w.dp % ep or w.dp % inst:
+        return False  # reported by LAUNCH-EP-DIVIDES-WORLD / DDP-INSTANCES-DIVIDE-DP
+    per = w.dp // inst
+    return {"per": per} if per % ep else False
+
+
+RULES = [
+    Rule(
+        "LAUNCH-EP-DIVIDES-WORLD", "error", ("model.moe.expert_model_parallel_size",),
+        _ep_does_not_divide_world,
+        "expert_model_parallel_size={cfg.model.moe.expert_model_parallel_size} must divide the "
+        "world size {world.dp}: expert-parallel groups are that many consecutive ranks",
+        "set model.moe.expert_model_parallel_size to a divisor of {world.dp}, or run on a "
+        "multiple of {cfg.model.moe.expert_model_parallel_size} ranks",
+        "world % expert_model_parallel_size == 0 (MoE, world > 1)",
+        "every rank is in exactly one expert-parallel group; a one-rank world is how recipes "
+        "are checked from a laptop (the engine refuses a one-rank EP run)", S),
+    Rule(
+        "EP-INSTANCES-DIVIDE-WORLD", "error",
+        ("model.moe.expert_model_parallel_size", "ddp.num_distributed_optimizer_instances"),
+        _instances_split_ep_groups,
+        "an optimizer instance ({per} consecutive ranks = world {world.dp} / "
+        "num_distributed_optimizer_instances={cfg.ddp.num_distributed_optimizer_instances}) must "
+        "hold whole expert-parallel groups of "
+        "expert_model_parallel_size={cfg.model.moe.expert_model_parallel_size} ranks",
+        "make expert_model_parallel_size x ddp.num_distributed_optimizer_instances divide "
+        "{world.dp}: lower one of them",
+        "(world / num_distributed_optimizer_instances) % expert_model_parallel_size == 0",
+        "the expert-data-parallel group is split by instance exactly as the data-parallel one",
+        S),
+]

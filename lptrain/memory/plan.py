@@ -1,0 +1,411 @@
+"""The memory planner: per-rank bytes of a recipe at a data-parallel size, before any GPU.
+
+Why it can be trusted: it runs the engine's own planning code on a model built on the meta
+device (no memory, any size) -- :func:`lptrain.distributed.layout.param_specs` /
+``plan_layout`` (or the layer-wise Muon layout and ownership of
+:mod:`lptrain.optim.layerwise`), the same bucket padding, the same shard ranges -- and sizes
+quantized primary weights through the :class:`~lptrain.precision.tensors.QuantizedTensor`
+interface (``nbytes()`` of a tensor the run's own weight quantizer produced), so
+``tests/unit/test_estimate_memory.py`` can hold every persistent category to 1% of a real
+CPU engine.
+
+Categories (bytes on one rank; ``ranks`` holds every rank, ``worst`` the largest):
+
+* ``weights``: high-precision (bf16/fp32) parameters, inside or outside the param buffers;
+* ``quantized_weights``: FP8/FP4 primary weights, both orientations with their scales
+  (``precision.fp8_param_gather`` / ``fp4_param_gather``);
+* ``grads``: the grad buffers' parameter elements (``main_grad`` views);
+* ``masters``: fp32 master copies this rank updates (its shard; whole matrices it owns);
+* ``optimizer_states``: AdamW ``exp_avg``/``exp_avg_sq``/``step``, Muon ``momentum_buffer``;
+* ``padding``: alignment and bucket padding of the grad and param buffers;
+* ``param_gather_staging``: the high-precision staging area of quantized buffers for the
+  param all-gather (zero when ``ddp.reuse_grad_buf_for_mxfp8_param_ag`` reuses the grad
+  buffer, or when bytes are gathered directly);
+* ``weight_copies``: transient per-step copies -- quantized GEMM weight copies saved for
+  backward when primary weights are high precision, the fp32 upcast of the LM head on an
+  fp32-activation run;
+* ``activations``: tensors saved for backward by one micro-batch (see
+  :mod:`lptrain.memory.activations`); ``activations_recompute`` is the same with full
+  per-layer activation recomputation, reported for comparison only (lptrain does not
+  recompute, so it is not part of the total).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from lptrain.config.schema import LPTrainConfig
+from lptrain.distributed.layout import BufferLayout, ParamSpec
+
+CATEGORIES = (
+    "weights",
+    "quantized_weights",
+    "grads",
+    "masters",
+    "optimizer_states",
+    "padding",
+    "param_gather_staging",
+    "weight_copies",
+    "activations",
+)
+PERSISTENT = CATEGORIES[:7]  # the categories a real engine's buffers and states hold
+_WEIGHT_NAME = re.compile(r"weight\d*")
+_EXACT_NUMEL = 1 << 22  # quantize shapes up to 4M elements whole; larger ones by row slabs
+_SLAB_ROWS = (256, 512)
+_MAX_RANKS = 64  # ranks evaluated one by one (more: evenly spaced samples)
+
+
+@dataclass
+class RankMemory:
+    """Bytes per category on one rank."""
+
+    rank: int
+    bytes: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return sum(self.bytes.values())
+
+
+@dataclass
+class MemoryEstimate:
+    """The planner's answer for one (recipe, dp) pair."""
+
+    dp: int
+    ranks: list[RankMemory]
+    activations_recompute: int
+    params: int
+    layout_report: str
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def worst(self) -> RankMemory:
+        return max(self.ranks, key=lambda r: (r.total, -r.rank))
+
+    def to_dict(self) -> dict[str, Any]:
+        w = self.worst
+        return {
+            "dp": self.dp,
+            "params": self.params,
+            "worst_rank": w.rank,
+            "bytes": dict(w.bytes),
+            "total_bytes": w.total,
+            "activations_recompute_bytes": self.activations_recompute,
+            "per_rank_total_bytes": [r.total for r in self.ranks],
+            "notes": list(self.notes),
+        }
+
+
+# ---- the model on the meta device, quantized weights sized through the interface -------------
+
+
+def _planning_cfg(cfg: LPTrainConfig) -> LPTrainConfig:
+    """``cfg`` as the meta build needs it: emulated backend (TE layers need CUDA), and no
+    quantized primary weights (quantizing needs values; they are sized separately)."""
+    out = copy.deepcopy(cfg)
+    out.precision.backend = "emulated"
+    out.precision.fp8_param_gather = False
+    out.precision.fp4_param_gather = False
+    return out
+
+
+def _quantized_primary(cfg: LPTrainConfig) -> bool:
+    from lptrain.precision.factory import recipe_from_config
+
+    p = cfg.precision
+    return bool(p.fp8_param_gather or p.fp4_param_gather) and recipe_from_config(p) is not None
+
+
+class _Quantizers:
+    """The run's weight/input quantizers, taken from a small CPU layer of the run's factory
+    (so every recipe option applies), with a cache of sizes by shape."""
+
+    def __init__(self, cfg: LPTrainConfig) -> None:
+        from lptrain.precision.factory import build_factory
+
+        factory = build_factory(_planning_cfg(cfg).precision, num_layers=cfg.model.num_layers)
+        self.recipe = factory.recipe
+        align = max(16, factory.alignment)
+        with torch.device("cpu"):
+            layer = factory.linear(align, align, name="memory_planner_probe")
+        self.members = layer.quant_state(self.recipe).members[0]
+        self._cache: dict[tuple[Any, ...], tuple[Any, int]] = {}
+
+    def weight(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[Any, int]:
+        """``(proxy, nbytes)``: a quantized tensor of the same kind (for its staging dtype)
+        and the bytes a quantized primary weight of ``shape`` holds (both orientations)."""
+        key = ("w", shape, dtype)
+        if key not in self._cache:
+            self._cache[key] = self._sized(self.members.weight, shape, dtype)
+        return self._cache[key]
+
+    def input_bytes_per_row(self, width: int, dtype: torch.dtype) -> float:
+        """Bytes per token of a GEMM input of ``width`` kept for backward (column-wise)."""
+        key = ("x", width, dtype)
+        if key not in self._cache:
+            q = self.members.input.with_usage(False, True)
+            rows = 128
+            qt = q.quantize(torch.zeros(rows, width, dtype=dtype))
+            self._cache[key] = (None, qt.nbytes())
+        return self._cache[key][1] / 128
+
+    def weight_copy_bytes(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
+        """A GEMM weight's column-wise copy kept for backward (high-precision primaries)."""
+        key = ("wc", shape, dtype)
+        if key not in self._cache:
+            self._cache[key] = self._sized(self.members.weight.with_usage(False, True), shape, dtype)
+        return self._cache[key][1]
+
+    @staticmethod
+    def _sized(quantizer: Any, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[Any, int]:
+        def make(s: tuple[int, ...]) -> Any:
+            z = torch.zeros(s, dtype=dtype)
+            if len(s) == 3:
+                return quantizer.quantize_grouped(z)
+            return quantizer.quantize(z)
+
+        if math.prod(shape) <= _EXACT_NUMEL or shape[-2] <= _SLAB_ROWS[1]:
+            q = make(shape)
+            return q, q.nbytes()
+        # Bytes are affine in the row count (per-row data and block scales, plus per-tensor
+        # constants): two slabs whose row counts are multiples of every block height fix it.
+        r1, r2 = _SLAB_ROWS
+        q1, q2 = make((*shape[:-2], r1, shape[-1])), make((*shape[:-2], r2, shape[-1]))
+        per_row = (q2.nbytes() - q1.nbytes()) / (r2 - r1)
+        return q1, round(q1.nbytes() + per_row * (shape[-2] - r1))
+
+
+@dataclass
+class _Param:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    numel: int
+    quantized_bytes: int  # 0 for a high-precision param
+    gemm_weight: bool
+
+
+def meta_model(cfg: LPTrainConfig, ep_rank: int = 0) -> torch.nn.Module:
+    """The run's model on the meta device (shapes and tags, no memory)."""
+    from lptrain.model.build import build_model
+
+    with torch.device("meta"):
+        return build_model(_planning_cfg(cfg), expert_model_parallel_rank=ep_rank)
+
+
+def _gemm_weights(model: torch.nn.Module) -> set[int]:
+    """Parameters of the factory's GEMM layers (the ones that become quantized primaries)."""
+    out: set[int] = set()
+    for m in model.modules():
+        if callable(getattr(m, "quant_state", None)):
+            for n, p in m.named_parameters(recurse=False):
+                if _WEIGHT_NAME.fullmatch(n):
+                    out.add(id(p))
+    return out
+
+
+def _specs(
+    cfg: LPTrainConfig, model: torch.nn.Module, quantizers: Optional[_Quantizers]
+) -> tuple[list[ParamSpec], list[_Param]]:
+    """Layout specs through the engine's own functions; a param the run keeps as a quantized
+    primary weight gets the buffer key its quantized tensor would get (``staging_dtype`` /
+    ``is_quantized`` of a proxy the run's weight quantizer made)."""
+    from dataclasses import replace
+
+    from lptrain.distributed.layout import muon_buffer_key, param_specs
+    from lptrain.precision.param_storage import is_quantized, staging_dtype
+
+    gemm = _gemm_weights(model)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    layer_wise = bool(cfg.optimizer.use_layer_wise_optimizer)
+    specs = param_specs(named, grad_reduce_in_fp32=bool(cfg.ddp.grad_reduce_in_fp32),
+                        separate_muon=layer_wise or cfg.optimizer.name == "muon")
+    out: list[ParamSpec] = []
+    info: list[_Param] = []
+    for spec, (n, p) in zip(specs, named, strict=True):
+        qbytes = 0
+        if quantizers is not None and id(p) in gemm:
+            proxy, qbytes = quantizers.weight(tuple(p.shape), p.dtype)
+            key = replace(spec.key, param_dtype=staging_dtype(proxy), quantized=is_quantized(proxy))
+            spec = replace(spec, key=key)
+        if layer_wise and spec.key.is_muon:  # as layer_wise_param_specs: keyed by logical dtype
+            spec = replace(spec, key=muon_buffer_key(spec.key, p.dtype))
+        out.append(spec)
+        info.append(_Param(n, tuple(p.shape), p.dtype, p.numel(), qbytes, id(p) in gemm))
+    return out, info
+
+
+def engine_layout(cfg: LPTrainConfig, specs: Sequence[ParamSpec], intra: int) -> BufferLayout:
+    """The layout ``TrainEngine`` plans for these specs (same functions, same arguments)."""
+    from lptrain.distributed.layout import plan_layer_wise_layout, plan_layout
+
+    if cfg.optimizer.use_layer_wise_optimizer:
+        return plan_layer_wise_layout(
+            specs, dp=intra, bucket_size=cfg.ddp.bucket_size,
+            sharded=cfg.ddp.use_distributed_optimizer,
+            param_layout=cfg.optimizer.layer_wise_param_layout,
+        )
+    return plan_layout(specs, dp=intra, bucket_size=cfg.ddp.bucket_size,
+                       sharded=cfg.ddp.use_distributed_optimizer)
+
+
+# ---- per-rank accounting ------------------------------------------------------------------------
+
+
+def _group_sizes(cfg: LPTrainConfig, dp: int) -> tuple[int, int]:
+    """(dense intra size, expert intra size): the shard groups of dense and expert buffers."""
+    inst = max(1, cfg.ddp.num_distributed_optimizer_instances)
+    moe = cfg.model.moe
+    ep = moe.expert_model_parallel_size if moe.num_experts else 1
+    return dp // inst, max(1, dp // ep // inst)
+
+
+def _rank_in(group_size: int, rank: int, cfg: LPTrainConfig, dp: int, expert: bool) -> int:
+    """This rank's index in its buffer's shard group (consecutive blocks, as build_groups)."""
+    if not expert:
+        return rank % group_size
+    moe = cfg.model.moe
+    ep = moe.expert_model_parallel_size if moe.num_experts else 1
+    return (rank // ep) % group_size
+
+
+def _persistent(
+    cfg: LPTrainConfig, dp: int, layout: BufferLayout, info: Sequence[_Param], rank: int
+) -> dict[str, int]:
+    from lptrain.optim.layerwise import plan_ownership, units_of_buffer
+
+    by_name = {p.name: p for p in info}
+    dense_n, expert_n = _group_sizes(cfg, dp)
+    reuse = bool(cfg.ddp.reuse_grad_buf_for_mxfp8_param_ag)
+    layer_wise = bool(cfg.optimizer.use_layer_wise_optimizer)
+    out = dict.fromkeys(PERSISTENT, 0)
+    adam_elems = adam_pieces = muon_elems = masters = 0
+    muon_specs = [b for b in layout.buffers if b.key.is_muon] if layer_wise else []
+    owners = (
+        plan_ownership(muon_specs, dense_size=dense_n, expert_size=expert_n,
+                       param_layout=cfg.optimizer.layer_wise_param_layout)
+        if muon_specs else {}
+    )
+    for buf in layout.buffers:
+        size = expert_n if buf.key.is_expert else dense_n
+        slots = {s.name: s for s in buf.params}
+        me = _rank_in(size, rank, cfg, dp, buf.key.is_expert)
+        gbytes = buf.key.grad_dtype.itemsize
+        unpadded = buf.numel_unpadded
+        out["grads"] += unpadded * gbytes
+        out["padding"] += (buf.numel - unpadded) * gbytes
+        quant = buf.key.quantized
+        has_param_data = buf.sharded and not (reuse and quant)
+        pbytes = buf.key.param_dtype.itemsize
+        if has_param_data:
+            out["padding"] += (buf.numel - unpadded) * pbytes
+        for s in buf.params:
+            p = by_name[s.name]
+            if p.quantized_bytes:
+                out["quantized_weights"] += p.quantized_bytes
+                if has_param_data and buf.key.param_dtype != torch.uint8:
+                    out["param_gather_staging"] += p.numel * pbytes
+            else:
+                out["weights"] += p.numel * p.dtype.itemsize
+        # masters and optimizer state of this rank
+        if buf.key.is_muon and layer_wise:
+            for u in units_of_buffer(buf, member_level=cfg.optimizer.layer_wise_param_layout == "compact"):
+                if owners[u.key] == me:
+                    masters += u.numel
+                    muon_elems += u.numel
+            continue
+        for bucket in buf.buckets:
+            if buf.sharded:
+                shard = bucket.numel // size
+                lo, hi = bucket.start + me * shard, bucket.start + (me + 1) * shard
+            else:
+                lo, hi = bucket.start, bucket.end
+            for name in bucket.params:
+                s = slots[name]
+                n = min(hi, s.end) - max(lo, s.start)
+                if n <= 0:
+                    continue
+                masters += n
+                if buf.key.is_muon:
+                    muon_elems += n
+                else:
+                    adam_elems += n
+                    adam_pieces += 1
+    out["masters"] = masters * 4
+    # AdamW: exp_avg + exp_avg_sq (fp32) and a 4-byte step per piece; Muon: fp32 momentum.
+    out["optimizer_states"] = adam_elems * 8 + adam_pieces * 4 + muon_elems * 4
+    return out
+
+
+def _transient_weight_copies(
+    cfg: LPTrainConfig, model: torch.nn.Module, info: Sequence[_Param], quantizers: Optional[_Quantizers],
+    act_bytes: int,
+) -> int:
+    total = 0
+    if quantizers is not None and not _quantized_primary(cfg):
+        # Every quantized GEMM keeps its weight's column-wise copy until its backward;
+        # layers kept in bf16 (precision.first_last_layers_bf16) keep none.
+        factory = getattr(model, "factory", None)
+        for p in info:
+            if not p.gemm_weight:
+                continue
+            m = re.match(r"layers\.(\d+)\.", p.name)
+            if m and factory is not None and factory.is_bf16_layer(int(m.group(1)) + 1):
+                continue
+            total += quantizers.weight_copy_bytes(p.shape, p.dtype)
+    head = model.output_weight
+    if act_bytes == 4 and head.dtype != torch.float32:
+        total += head.numel() * 4  # head_logits upcasts the weight for an fp32 GEMM
+    return total
+
+
+def _sampled_ranks(dp: int) -> list[int]:
+    if dp <= _MAX_RANKS:
+        return list(range(dp))
+    return sorted({round(i * (dp - 1) / (_MAX_RANKS - 1)) for i in range(_MAX_RANKS)})
+
+
+def activation_dtype_bytes(cfg: LPTrainConfig, target: str) -> int:
+    """Bytes of the activations flowing between layers: fp32 on CPU, the 16-bit params dtype
+    on a GPU (``lptrain.model.build.compute_dtype_for``)."""
+    from lptrain.model.build import compute_dtype_for, params_dtype_of
+
+    device = torch.device("cpu" if target == "cpu" else "cuda")
+    return compute_dtype_for(device, params_dtype_of(cfg.precision.params_dtype)).itemsize
+
+
+def estimate_memory(cfg: LPTrainConfig, dp: int, target: str = "cpu") -> MemoryEstimate:
+    """Per-rank bytes of a derived ``cfg`` at data-parallel size ``dp`` on ``target``."""
+    from lptrain.memory.activations import activation_bytes
+    from lptrain.precision.factory import recipe_from_config
+
+    model = meta_model(cfg)
+    quantizers = _Quantizers(cfg) if recipe_from_config(cfg.precision) is not None else None
+    specs, info = _specs(cfg, model, quantizers if _quantized_primary(cfg) else None)
+    dense_n, _ = _group_sizes(cfg, dp)
+    layout = engine_layout(cfg, specs, dense_n)
+    act_bytes = activation_dtype_bytes(cfg, target)
+    acts, acts_rc = activation_bytes(cfg, model, act_bytes, quantizers)
+    copies = _transient_weight_copies(cfg, model, info, quantizers, act_bytes)
+    ranks = []
+    for r in _sampled_ranks(dp):
+        b = _persistent(cfg, dp, layout, info, r)
+        b["weight_copies"] = copies
+        b["activations"] = acts
+        ranks.append(RankMemory(r, b))
+    notes = []
+    if dp > _MAX_RANKS:
+        notes.append(f"{len(ranks)} of {dp} ranks evaluated (evenly spaced, first and last included)")
+    if cfg.model.moe.num_experts:
+        notes.append("MoE activations are estimated for perfectly balanced routing")
+    return MemoryEstimate(
+        dp=dp, ranks=ranks, activations_recompute=acts_rc,
+        params=sum(p.numel for p in info), layout_report=layout.report(), notes=notes,
+    )

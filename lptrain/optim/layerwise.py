@@ -1,0 +1,454 @@
+"""The layer-wise distributed Muon optimizer: every Muon matrix has exactly one owner rank.
+
+Newton-Schulz needs a whole matrix, so Muon cannot shard its state by byte ranges like
+ZeRO-1 AdamW. Instead each Muon matrix (a *unit*: a 2-D param, or one member of a grouped
+``[E, out, in]`` expert weight) is owned by one rank of its buffer's group (the data-parallel
+group for dense params, the expert-data-parallel group for expert params). Only the owner
+keeps an fp32 master and a momentum buffer for it and computes its update; every other rank
+drops its high-precision init copy and just receives the updated values.
+
+Ownership (:func:`assign_owners`) is LPT over the Newton-Schulz cost ``min^2 * max``, in the
+canonical order :func:`ownership_key` = (cost descending, parameter name, member): a total
+order that never depends on registration order, so every rank computes the same owners even
+when several matrices have equal shapes (upstream seed 002: sorting by numel alone let a
+stable sort fall back to each rank's registration order, and ranks disagreed on owners).
+
+Two layouts (``optimizer.layer_wise_param_layout``, planned in
+:func:`lptrain.distributed.layout.plan_layer_wise_layout`):
+
+* **compact** (default): Muon buffers have no padding; grads are all-reduced; after the step
+  each owner stages its units in their *transport dtype* (the param's logical dtype: bf16 for
+  bf16 and FP8 params -- staged from the fp32 master, never a lossy FP8 dequant -- and fp32
+  for fp32 params, which a bf16 transport would silently round) and a per-bucket uneven
+  all-gather (:class:`CompactGather`, the bucket's ``param_sync_hook``) delivers them; every
+  rank, the owner included, then loads the gathered value through
+  :func:`lptrain.precision.param_storage.load_from_staging` (a copy for plain params, a
+  requantization of both orientations for FP8 params), so FP8 param gather ON holds exactly
+  ``Q(bf16(master))``, what OFF quantizes in its forward. The gather runs synchronously or
+  overlapped with the next forward through the bucket state machine like any other bucket,
+  so the forced sync (``params_synced``) finalizes a pending one.
+* **padded**: whole params sit inside the equal DP shards of their bucket, so the bucket
+  reduce-scatters grads and all-gathers params exactly like a distributed-optimizer bucket;
+  the owner is the rank whose shard holds the param. A grouped 3-D expert weight is owned
+  whole here (its members must stay contiguous in the param buffer), member-wise in compact.
+
+The grad norm and the zero count sum each unit once (on its owner) over the whole world.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from lptrain.config.schema import OptimizerConfig
+from lptrain.distributed.buffers import ParamAndGradBuffer
+from lptrain.distributed.groups import Group
+from lptrain.distributed.layout import BufferSpec, ns_cost, padded_owner
+from lptrain.optim.param_groups import copy_param_attributes
+from lptrain.precision.param_storage import (
+    high_precision_value,
+    load_from_staging,
+    release_high_precision_init,
+)
+
+# Param sync strategy of the compact layout; gloo has no all-gather-v. "pad": one all-gather
+# of per-rank packs padded to the largest, then trimmed; "broadcast": one broadcast per owner.
+# bench/optim.py measures both (DP=2, tiny_cpu): see docs/muon.md for the figures.
+GATHER_MODE = "pad"
+
+
+@dataclass(frozen=True)
+class MuonUnit:
+    """One matrix for ownership: elements ``[lo, hi)`` of buffer ``buffer``, in ``bucket``;
+    ``member`` is -1 for a whole param, else the member index of a grouped 3-D weight."""
+
+    name: str
+    member: int
+    shape: tuple[int, ...]
+    buffer: int
+    bucket: int
+    lo: int
+    hi: int
+    is_expert: bool
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.name, self.member)
+
+    @property
+    def numel(self) -> int:
+        return self.hi - self.lo
+
+
+def ownership_key(unit: MuonUnit) -> tuple[Any, ...]:
+    """Canonical, rank-independent order for ownership: NS cost descending, then the
+    parameter's name and member (the fix for upstream's equal-numel ownership bug)."""
+    return (-ns_cost(unit.shape), unit.name, unit.member)
+
+
+def assign_owners(units: Sequence[MuonUnit], size: int) -> dict[tuple[str, int], int]:
+    """LPT: in :func:`ownership_key` order, each unit goes to the rank with the least
+    cumulative NS cost so far (ties to the lower rank)."""
+    loads = [0] * size
+    owners: dict[tuple[str, int], int] = {}
+    for u in sorted(units, key=ownership_key):
+        r = min(range(size), key=lambda i: (loads[i], i))
+        owners[u.key] = r
+        loads[r] += ns_cost(u.shape)
+    return owners
+
+
+def units_of_buffer(spec: BufferSpec, *, member_level: bool) -> list[MuonUnit]:
+    """The ownership units of a Muon buffer (a 3-D param is ``shape[0]`` member matrices
+    when ``member_level``; grouped expert weights are the only 3-D Muon params)."""
+    out = []
+    for s in spec.params:
+        if member_level and len(s.shape) == 3:
+            per = s.shape[1] * s.shape[2]
+            for i in range(s.shape[0]):
+                lo = s.start + i * per
+                out.append(MuonUnit(s.name, i, tuple(s.shape[1:]), s.buffer, s.bucket, lo,
+                                    lo + per, spec.key.is_expert))
+        else:
+            out.append(MuonUnit(s.name, -1, tuple(s.shape), s.buffer, s.bucket, s.start, s.end,
+                                spec.key.is_expert))
+    return out
+
+
+def plan_ownership(
+    specs: Sequence[BufferSpec], *, dense_size: int, expert_size: int, param_layout: str
+) -> dict[tuple[str, int], int]:
+    """Owner of every unit of the Muon buffers ``specs``: from the shard position in the
+    padded layout, by LPT per group (dense over ``dense_size`` ranks, expert over
+    ``expert_size``) in the compact one. Pure: the memory model uses it too."""
+    owners: dict[tuple[str, int], int] = {}
+    if param_layout == "padded":
+        for spec in specs:
+            size = expert_size if spec.key.is_expert else dense_size
+            for s in spec.params:
+                owners[(s.name, -1)] = padded_owner(spec.buckets[s.bucket], s, size)
+        return owners
+    for expert, size in ((False, dense_size), (True, expert_size)):
+        units = [u for spec in specs if spec.key.is_expert == expert
+                 for u in units_of_buffer(spec, member_level=True)]
+        owners.update(assign_owners(units, size))
+    return owners
+
+
+def transport_dtype(p: torch.Tensor) -> torch.dtype:
+    """Dtype a compact-layout param travels in: its logical dtype (bf16 for bf16 and FP8
+    params, fp32 for fp32 params; upstream seed 002 downcast fp32 params to bf16)."""
+    return p.dtype
+
+
+def first_nonempty(per_rank: Sequence[Sequence[Any]]) -> Any:
+    """The first entry of the first non-empty per-rank list (upstream seed 002 read
+    ``per_rank[0][0]``, an IndexError whenever rank 0 owns nothing in the bucket)."""
+    for entries in per_rank:
+        if entries:
+            return entries[0]
+    raise ValueError("no rank owns anything here")
+
+
+def _world_sum(t: torch.Tensor) -> torch.Tensor:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t
+
+
+class CompactGather:
+    """Param sync of one compact-layout Muon bucket: whole units from their owners to all.
+
+    Units are grouped by transport dtype (one collective each); within a group each rank's
+    pack holds its owned units in buffer order. ``stage`` packs this rank's masters,
+    ``start`` launches the collective(s), ``finish`` waits and loads every param of the
+    bucket from the gathered values (owner included).
+    """
+
+    def __init__(self, bucket: Any, units: Sequence[MuonUnit], owners: dict[tuple[str, int], int],
+                 params: dict[str, torch.Tensor], group: Group, mode: Optional[str] = None) -> None:
+        self.bucket = bucket
+        self.group = group
+        self.params = params
+        self.mode = mode or GATHER_MODE
+        self.units = sorted(units, key=lambda u: u.lo)
+        by_dtype: dict[torch.dtype, list[list[MuonUnit]]] = {}
+        for u in self.units:
+            per_rank = by_dtype.setdefault(transport_dtype(params[u.name]), [[] for _ in range(group.size)])
+            per_rank[owners[u.key]].append(u)
+        self.per_rank = list(by_dtype.values())
+        self._send: list[torch.Tensor] = []
+        self._recv: list[list[torch.Tensor]] = []
+        self._handles: list[Any] = []
+        self.in_flight = False
+
+    def stage(self, masters: dict[tuple[str, int], torch.Tensor]) -> None:
+        """Pack this rank's owned units (fp32 master -> transport dtype)."""
+        self._send = []
+        for per_rank in self.per_rank:
+            ref = first_nonempty(per_rank)
+            p = self.params[ref.name]
+            width = max(sum(u.numel for u in us) for us in per_rank)
+            send = torch.zeros(width, dtype=transport_dtype(p), device=p.device)
+            off = 0
+            for u in per_rank[self.group.rank]:
+                send[off : off + u.numel].copy_(masters[u.key].reshape(-1))
+                off += u.numel
+            self._send.append(send)
+
+    def start(self, *, async_op: bool) -> None:
+        g = self.group
+        self._recv, self._handles = [], []
+        for per_rank, send in zip(self.per_rank, self._send, strict=True):
+            counts = [sum(u.numel for u in us) for us in per_rank]
+            if not g.active:
+                self._recv.append([send])
+            elif self.mode == "pad":
+                out = torch.empty(g.size * send.numel(), dtype=send.dtype, device=send.device)
+                self._handles.append(dist.all_gather_single(out, send, group=g.pg, async_op=async_op))
+                self._recv.append(list(out.view(g.size, -1).unbind(0)))
+            else:
+                bufs = []
+                for r, n in enumerate(counts):
+                    buf = send[:n] if r == g.rank else torch.empty(n, dtype=send.dtype, device=send.device)
+                    if n:
+                        src = dist.get_global_rank(g.pg, r)
+                        self._handles.append(dist.broadcast(buf, src=src, group=g.pg, async_op=async_op))
+                    bufs.append(buf)
+                self._recv.append(bufs)
+        self.in_flight = True
+
+    def finish(self) -> None:
+        for h in self._handles:
+            if h is not None:
+                h.wait()
+        self._handles = []
+        pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
+        for per_rank, bufs in zip(self.per_rank, self._recv, strict=True):
+            for us, buf in zip(per_rank, bufs, strict=True):
+                off = 0
+                for u in us:
+                    pieces.setdefault(u.name, []).append((u.member, buf[off : off + u.numel]))
+                    off += u.numel
+        with torch.no_grad():
+            for name, parts in pieces.items():
+                p = self.params[name]
+                parts.sort(key=lambda x: x[0])
+                flat = parts[0][1] if len(parts) == 1 else torch.cat([v for _, v in parts])
+                load_from_staging(p, flat.view(p.shape))
+        self._recv = []
+        self.in_flight = False
+
+
+@dataclass
+class OwnedUnit:
+    """A unit this rank owns: its fp32 master (``.master``, with the optimizer's ``.grad``)."""
+
+    unit: MuonUnit
+    buffer: ParamAndGradBuffer
+    param: torch.nn.Parameter
+    master: torch.Tensor
+
+    def grad_view(self) -> torch.Tensor:
+        return self.buffer.grad_data[self.unit.lo : self.unit.hi].view(self.master.shape)
+
+
+class LayerWiseMuon:
+    """Muon over the Muon buffers, one owner per matrix (see the module doc). Implements the
+    :class:`lptrain.optim.chained.ChainedOptimizer` child protocol."""
+
+    def __init__(
+        self,
+        buffers: Sequence[ParamAndGradBuffer],
+        cfg: OptimizerConfig,
+        *,
+        param_layout: str = "compact",
+        gather_mode: Optional[str] = None,
+        label: str = "muon",
+    ) -> None:
+        from lptrain.optim.muon import Muon
+
+        self.buffers = list(buffers)
+        self.cfg = cfg
+        self.label = label
+        self.param_layout = param_layout
+        dense = [b.groups.intra for b in self.buffers if not b.key.is_expert]
+        expert = [b.groups.intra for b in self.buffers if b.key.is_expert]
+        self.owners = plan_ownership(
+            [b.spec for b in self.buffers],
+            dense_size=dense[0].size if dense else 1,
+            expert_size=expert[0].size if expert else 1,
+            param_layout=param_layout,
+        )
+        member_level = param_layout == "compact"
+        self.units: list[tuple[MuonUnit, ParamAndGradBuffer]] = [
+            (u, b) for b in self.buffers for u in units_of_buffer(b.spec, member_level=member_level)
+        ]
+        self.pieces: list[OwnedUnit] = []
+        hp_cache: dict[str, torch.Tensor] = {}
+        for u, buf in self.units:
+            if self.owners[u.key] != buf.groups.intra.rank:
+                continue
+            p = buf.params[u.name]
+            if u.name not in hp_cache:
+                hp_cache[u.name] = high_precision_value(p)
+            value = hp_cache[u.name]
+            if u.member >= 0:
+                master = value[u.member].clone()
+            else:
+                master = copy_param_attributes(p, value.clone())
+            self.pieces.append(OwnedUnit(u, buf, p, master))
+        del hp_cache
+        for buf in self.buffers:  # owners copied theirs; nobody keeps the init copies
+            for p in buf.params.values():
+                release_high_precision_init(p)
+        m = cfg.muon
+        self.optimizer = Muon(
+            [{"params": [pc.master for pc in self.pieces], "name": "muon"}],
+            lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=m.momentum, nesterov=m.nesterov,
+            ns_steps=m.ns_steps, coefficients=m.coefficients, scale_mode=m.scale_mode,
+            extra_scale_factor=m.extra_scale_factor, split_qkv=m.split_qkv,
+        )
+        self.optimizers = [self.optimizer]
+        self._rms: Optional[float] = None
+        self._stepped = False
+        self.gathers: list[CompactGather] = []
+        if param_layout == "compact":
+            for buf in self.buffers:
+                units = [u for u, b in self.units if b is buf]
+                for bucket in buf.buckets:
+                    mine = [u for u in units if u.bucket == bucket.index]
+                    gather = CompactGather(bucket, mine, self.owners, buf.params,
+                                           buf.groups.intra, gather_mode)
+                    bucket.param_sync_hook = gather
+                    self.gathers.append(gather)
+
+    # ---- the chained-optimizer child protocol ----------------------------------------------
+
+    def prepare_grads(self) -> None:
+        for pc in self.pieces:
+            g = pc.grad_view()
+            pc.master.grad = g if g.dtype == torch.float32 else g.float()
+
+    def grad_norm_sq(self) -> torch.Tensor:
+        """Squared norm of every Muon grad, each unit once (on its owner), over the world."""
+        local = torch.zeros((), dtype=torch.float64)
+        for pc in self.pieces:
+            local += pc.master.grad.double().square().sum()  # type: ignore[union-attr]
+        return _world_sum(local)
+
+    def count_zeros(self) -> int:
+        """Zero gradient entries of every Muon matrix, each once, summed over the world."""
+        local = torch.zeros((), dtype=torch.int64)
+        for pc in self.pieces:
+            local += int((pc.grad_view() == 0).sum())
+        return int(_world_sum(local))
+
+    def step(self, lr: float, clip_coef: Optional[float]) -> None:
+        if clip_coef is not None:
+            for pc in self.pieces:
+                pc.master.grad.mul_(clip_coef)  # type: ignore[union-attr]
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        self.optimizer.step()
+        self._stepped = True
+        for pc in self.pieces:
+            pc.master.grad = None
+        # Update RMS over every unit of the world (each counted once): one tiny all-reduce.
+        sq = self.optimizer._rms_sumsq
+        stats = torch.tensor([float(sq) if sq is not None else 0.0,
+                              float(self.optimizer._rms_count)], dtype=torch.float64)
+        _world_sum(stats)
+        self._rms = math.sqrt(float(stats[0]) / float(stats[1])) if stats[1] > 0 else None
+
+    def stage(self) -> None:
+        """Masters -> the gather: packs (compact) or the owner's shard of the param buffer
+        (padded); every bucket is then marked staged for the bucket state machine."""
+        with torch.no_grad():
+            if self.param_layout == "compact":
+                masters = {pc.unit.key: pc.master for pc in self.pieces}
+                for gather in self.gathers:
+                    gather.stage(masters)
+            else:
+                for pc in self.pieces:
+                    dst = pc.buffer.param_data[pc.unit.lo : pc.unit.hi]  # type: ignore[index]
+                    dst.copy_(pc.master.reshape(-1))
+        for buf in self.buffers:
+            for bucket in buf.buckets:
+                bucket.mark_staged()
+
+    def lr_by_group(self) -> dict[str, float]:
+        return {g["name"]: float(g["lr"]) for g in self.optimizer.param_groups}
+
+    def update_rms(self) -> Optional[float]:
+        return self._rms
+
+    # ---- checkpoint ------------------------------------------------------------------------
+
+    def full_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """``{name: {"master", "momentum_buffer"}}`` full fp32 tensors, identical on every
+        rank (owners fill their units, one SUM all-reduce per buffer group). Collective."""
+        keys = ["master"] + (["momentum_buffer"] if self._stepped else [])
+        out = {
+            name: {k: torch.zeros(p.shape, dtype=torch.float32, device=p.device) for k in keys}
+            for buf in self.buffers for name, p in buf.params.items()
+        }
+        for pc in self.pieces:
+            u = pc.unit
+            vals = {"master": pc.master}
+            if self._stepped:
+                vals["momentum_buffer"] = self.optimizer.state[pc.master]["momentum_buffer"]
+            for k, v in vals.items():
+                dst = out[u.name][k]
+                (dst[u.member] if u.member >= 0 else dst).copy_(v)
+        for buf in self.buffers:
+            g = buf.groups.intra
+            if g.active:
+                for name in buf.params:
+                    for v in out[name].values():
+                        dist.all_reduce(v, group=g.pg)
+        return out
+
+    def load_full_state(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Inverse of :meth:`full_state` (any DP size or layout wrote it)."""
+        with torch.no_grad():
+            self.optimizer.state.clear()
+            for pc in self.pieces:
+                u = pc.unit
+                entry = state[u.name]
+
+                def part(t: torch.Tensor, u: MuonUnit = u) -> torch.Tensor:
+                    return t[u.member] if u.member >= 0 else t
+
+                pc.master.copy_(part(entry["master"]).view(pc.master.shape))
+                if "momentum_buffer" in entry:
+                    mom = part(entry["momentum_buffer"]).to(torch.float32).clone()
+                    self.optimizer.state[pc.master] = {"momentum_buffer": mom.view(pc.master.shape)}
+            self._stepped = "momentum_buffer" in next(iter(state.values()), {})
+
+
+def build_layer_wise_children(
+    buffers: Sequence[ParamAndGradBuffer], cfg: OptimizerConfig
+) -> list[Any]:
+    """Chained-optimizer children for the layer-wise path: byte-sharded AdamW over the
+    non-Muon buffers and a :class:`LayerWiseMuon` over the Muon buffers, for dense and for
+    expert params (each over its own group; labelled so the engine checkpoints experts
+    under their canonical per-expert names)."""
+    from lptrain.optim.distributed import ShardedMasterOptimizer
+
+    children: list[Any] = []
+    for expert in (False, True):
+        label = "expert" if expert else "dense"  # the engine checkpoints "expert" per expert
+        adam = [b for b in buffers if not b.key.is_muon and b.key.is_expert == expert]
+        muon = [b for b in buffers if b.key.is_muon and b.key.is_expert == expert]
+        if adam:
+            children.append(ShardedMasterOptimizer(adam, cfg, label=label))
+        if muon:
+            children.append(LayerWiseMuon(muon, cfg, param_layout=cfg.layer_wise_param_layout,
+                                          label=label))
+    return children
