@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import os
 import sys
@@ -53,10 +54,8 @@ def _destroy() -> None:
     import torch.distributed as dist
 
     if dist.is_initialized():
-        try:
+        with contextlib.suppress(Exception):
             dist.destroy_process_group()
-        except Exception:  # noqa: S110 - best effort at interpreter exit
-            pass
 
 
 def _free_port() -> int:

@@ -390,49 +390,12 @@ class TrainEngine:
             load_rng_states(self.model, local["quantizer_rng"], self._quantizer_recipe())
 
     def memory_breakdown(self) -> dict[str, int]:
-        """Bytes this rank holds, by category, measured on the live buffers and optimizer.
+        """Bytes this rank holds, by category, measured on the live buffers and optimizer
+        (:func:`lptrain.distributed.memory.measured_memory`, the same categories as the
+        analytic model: ``params``, ``param_buffer``, ``grads``, ``masters``, ``moments``,
+        ``padding`` -- already inside ``grads``/``param_buffer`` -- and ``total``, which
+        excludes it). Activations are not included (they exist only inside a step); call it
+        after a step, optimizer state is created lazily. Local: no collective."""
+        from lptrain.distributed.memory import measured_memory
 
-        ``params``: parameter storage outside the data-parallel buffers (quantized params:
-        their raw data/scale buffers); ``param_buffer``: the sharded engine's param gather
-        buffer (holding aliased params) unless it reuses the grad buffer; ``grads``: the grad
-        buffers; ``masters``: the fp32 master pieces the optimizers step; ``optimizer_states``:
-        their state tensors (Adam moments, Muon momentum); ``padding``: the buffers' alignment
-        and bucket padding (grad and param buffers), excluded from ``grads``/``param_buffer``.
-        Activations are not included (they exist only inside a step).
-        """
-        from lptrain.precision.tensors import QuantizedTensor
-
-        def storage(t: torch.Tensor) -> tuple[int, int]:
-            st = t.untyped_storage()
-            return st.data_ptr(), st.nbytes()
-
-        out = dict.fromkeys(("params", "param_buffer", "grads", "masters", "optimizer_states", "padding"), 0)
-        in_buffers: set[int] = set()
-        for buf in self.ddp.buffers:
-            pad = buf.spec.numel - buf.spec.numel_unpadded
-            g = buf.grad_data
-            in_buffers.add(storage(g)[0])
-            out["grads"] += (g.numel() - pad) * g.element_size()
-            out["padding"] += pad * g.element_size()
-            pd = buf.param_data
-            if pd is not None and not buf.reuses_grad_buffer:
-                in_buffers.add(storage(pd)[0])
-                out["param_buffer"] += (pd.numel() - pad) * pd.element_size()
-                out["padding"] += pad * pd.element_size()
-        seen: set[int] = set()
-        for p in self.model.parameters():
-            parts = list(p.storage_views().values()) if isinstance(p, QuantizedTensor) else [p.data]
-            for t in parts:
-                ptr, nbytes = storage(t)
-                if ptr not in in_buffers and ptr not in seen:
-                    seen.add(ptr)
-                    out["params"] += nbytes
-        for child in self.optimizer.children:
-            for opt in getattr(child, "optimizers", []):
-                for group in opt.param_groups:
-                    out["masters"] += sum(t.numel() * t.element_size() for t in group["params"])
-                for st in opt.state.values():
-                    out["optimizer_states"] += sum(
-                        v.numel() * v.element_size() for v in st.values() if torch.is_tensor(v)
-                    )
-        return out
+        return measured_memory(self.model, self.ddp.buffers, self.optimizer.children).as_dict()

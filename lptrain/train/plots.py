@@ -85,14 +85,20 @@ def write_plots(run_dir: str | Path) -> list[Path]:
 
     breakdown = _memory_breakdown(run_dir)
     if breakdown:
-        total = sum(breakdown.values())
+        # "padding" is already inside grads/param_buffer and "total" excludes it (see
+        # lptrain.distributed.memory): bars for the categories, the total in the title.
+        total = breakdown.pop("total", None)
+        if total is None:
+            total = sum(v for k, v in breakdown.items() if k != "padding")
         unit, scale = ("GiB", 2**30) if total >= 2**30 else ("MiB", 2**20)
-        fig, ax = plt.subplots(figsize=(6, 4))
+        fig, ax = plt.subplots(figsize=(6.5, 4))
         names = list(breakdown)
-        bars = ax.bar(names, [breakdown[n] / scale for n in names])
+        labels = ["padding\n(in grads/param_buffer)" if n == "padding" else n for n in names]
+        bars = ax.bar(labels, [breakdown[n] / scale for n in names],
+                      color=["0.6" if n == "padding" else "C0" for n in names])
         ax.bar_label(bars, fmt="%.3g")
         ax.set_ylabel(f"{unit} (rank 0)")
-        ax.set_title(f"memory breakdown: {total / scale:.3g} {unit} in buffers and optimizer")
+        ax.set_title(f"memory: {total / scale:.3g} {unit} in buffers and optimizer (no activations)")
         ax.tick_params(axis="x", rotation=30)
         save(fig, "memory.png")
     return written

@@ -235,8 +235,8 @@ def test_cli_output_dir_policy_and_plot(tmp_path: Path, cache_dir: Path) -> None
     # with no distributed optimizer (so no padding); n = the checkpoint's master element count.
     mem = json.loads((out / "summary.json").read_text())["memory_breakdown_bytes"]
     n = sum(v.numel() for v in _final_state_at(out, 1)["model"].values())
-    assert (mem["params"], mem["grads"], mem["masters"], mem["padding"]) == (2 * n, 4 * n, 4 * n, 0)
-    assert 8 * n <= mem["optimizer_states"] < 8 * n + 4096  # + one step counter per tensor
+    assert (mem["params"], mem["grads"], mem["masters"], mem["moments"]) == (2 * n, 4 * n, 4 * n, 8 * n)
+    assert mem["padding"] == 0 and mem["total"] == 18 * n
     r = runner.invoke(app, ["pretrain", "--recipe", "tiny_cpu.yaml", "--output-dir", str(tmp_path / "x"),
                             "checkpoint.load=" + str(tmp_path / "missing")])
     assert r.exit_code == 2 and "checkpoint.load" in r.output

@@ -98,7 +98,9 @@ def test_cpu_target_requests_no_gpus(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert "--gpus-per-node" not in "".join(x for x in text.splitlines() if x.startswith("#SBATCH"))
     assert "GPUS_PER_NODE=1" in text.splitlines()
     r = slurm("--recipe", "tiny_cpu.yaml", "--gpus-per-node", "1", "--dry-run")
-    assert "checkpoint.save is not set" in r.stderr  # tiny_cpu saves no checkpoints
+    assert "checkpoint.save is not set" not in r.stderr  # tiny_cpu saves checkpoints
+    r = slurm("--recipe", "tiny_cpu.yaml", "--gpus-per-node", "1", "--dry-run", "checkpoint.save=null")
+    assert "checkpoint.save is not set" in r.stderr  # a requeue would start from step 0
     assert "checkpoint.save is not set" not in r.stdout
 
 

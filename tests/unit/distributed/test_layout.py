@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -29,7 +30,7 @@ def _check(layout, specs) -> None:
     assert sorted(seen) == sorted(names)
     for buf in layout.buffers:
         spans = sorted((p.start, p.end) for p in buf.params)
-        for (_, e0), (s1, _) in zip(spans, spans[1:], strict=False):
+        for (_, e0), (s1, _) in itertools.pairwise(spans):
             assert e0 <= s1, "params overlap"
         for p in buf.params:
             bucket = buf.buckets[p.bucket]

@@ -1,0 +1,132 @@
+"""Data-parallel engine at DP=2 on this machine (two gloo ranks, one thread each).
+
+Per training step, median over steps (all variants alternate inside one spawned world):
+lptrain's engine with overlap off, with overlap on (grad reduce + param gather, several
+buckets), the distributed optimizer, and ``torch.nn.parallel.DistributedDataParallel`` +
+``torch.optim.AdamW`` on the same model and batches (the baseline). Also the bytes per rank
+held by lptrain's buffers against the analytic minimum (grads: 4 bytes per param; the
+distributed optimizer's param buffer: 2 bytes per bf16 param), and the padding.
+Targets: lptrain's step at most 1.15x torch DDP's for the overlapped variants (torch DDP
+overlaps its all-reduce with the backward, so they are the like-for-like comparison; the
+non-overlapped ones are printed for reference); padding under 1%.
+
+    .venv/bin/python bench/ddp.py [--steps 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+STEP_TARGET = 1.15
+PAD_TARGET = 1.0  # percent
+COMMON = ["data.builtin_max_mb=2", "logging.progress=false", "checkpoint.save=null",
+          "model.num_layers=4", "model.hidden_size=256", "model.num_attention_heads=4",
+          "train.global_batch_size=8", "train.micro_batch_size=4"]
+VARIANTS = {
+    "ddp, overlap off": [],
+    "ddp, overlap on": ["ddp.overlap_grad_reduce=true", "ddp.bucket_size=300000"],
+    "distopt, overlap off": ["ddp.use_distributed_optimizer=true"],
+    "distopt, overlap on": ["ddp.use_distributed_optimizer=true", "ddp.overlap_grad_reduce=true",
+                            "ddp.overlap_param_gather=true", "ddp.bucket_size=300000"],
+}
+
+
+def _rank(rank: int, world: int, steps: int) -> dict[str, Any]:
+    import torch
+
+    from lptrain.config import World, derive
+    from lptrain.config.compose import load
+    from lptrain.data import build_train_valid_loaders
+    from lptrain.model import build_model
+    from lptrain.train.engine import TrainEngine
+
+    engines, its = {}, {}
+    for name, ov in VARIANTS.items():
+        cfg = derive(load("tiny_cpu.yaml", [*COMMON, *ov]).cfg, World.detect())
+        engines[name] = TrainEngine(cfg)
+    t = cfg.train
+    n = t.global_batch_size // (t.micro_batch_size * world)
+
+    def batches() -> Any:
+        return build_train_valid_loaders(
+            cfg.data, seq_length=cfg.model.seq_length, micro_batch_size=t.micro_batch_size,
+            global_batch_size=t.global_batch_size, dp_rank=rank, dp_size=world,
+            vocab_size=cfg.model.vocab_size,
+        )[0]
+
+    for name in VARIANTS:
+        its[name] = batches()
+    torch_model = build_model(cfg)
+    ddp = torch.nn.parallel.DistributedDataParallel(torch_model)
+    opt = torch.optim.AdamW(torch_model.parameters(), lr=cfg.optimizer.lr, foreach=True)
+    torch_it = batches()
+
+    def torch_step(step: int) -> None:
+        for i in range(n):
+            b = next(torch_it)
+            ctx = ddp.no_sync() if i < n - 1 else torch.enable_grad()
+            with ctx:
+                loss, _ = ddp(b["tokens"], labels=b["labels"])
+                (loss / n).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    fns = {name: (lambda s, e=engines[name], it=its[name]: e.train_step([next(it) for _ in range(n)], s))
+           for name in VARIANTS}
+    fns["torch DDP"] = torch_step
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for step in range(1, steps + 4):
+        for name, fn in fns.items():
+            torch.distributed.barrier()
+            t0 = time.perf_counter()
+            fn(step)
+            torch.distributed.barrier()
+            if step > 3:
+                times[name].append(time.perf_counter() - t0)
+    memory = {}
+    n_params = sum(p.numel() for p in torch_model.parameters())
+    for name, e in engines.items():
+        held = sum(sum(b.nbytes().values()) for b in e.ddp.buffers)
+        minimum = 4 * n_params + (2 * n_params if e.layout.sharded else 0)
+        memory[name] = (held, minimum, e.layout.padding_percent())
+    return {"times": {k: statistics.median(v) for k, v in times.items()}, "memory": memory}
+
+
+def main() -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from lptrain.testing.dist import run_distributed
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=20)
+    args = ap.parse_args()
+    res = run_distributed(_rank, 2, args=(args.steps,), timeout_s=900)[0]
+    base = res["times"]["torch DDP"]
+    table = Table(title=f"DP=2 step time vs torch DDP (target <= {STEP_TARGET:.2f}x), buffers")
+    for col in ("variant", "step ms", "vs torch DDP", "buffer bytes/rank", "analytic min", "padding", "result"):
+        table.add_column(col)
+    ok = True
+    for name, t in res["times"].items():
+        ratio = t / base
+        row = [name, f"{t * 1e3:.1f}", f"{ratio:.2f}x"]
+        if name in res["memory"]:
+            held, minimum, pad = res["memory"][name]
+            judged = "overlap on" in name
+            passed = (ratio <= STEP_TARGET or not judged) and pad < PAD_TARGET
+            verdict = ("PASS" if passed else "FAIL") if judged else ("info" if passed else "FAIL")
+            row += [f"{held:,}", f"{minimum:,}", f"{pad:.3f}%", verdict]
+            ok &= passed
+        else:
+            row += ["", "", "", "baseline"]
+        table.add_row(*row)
+    console = Console(width=140)
+    console.print(table)
+    console.print(f"overall: {'PASS' if ok else 'FAIL'}")
+
+
+if __name__ == "__main__":
+    main()
