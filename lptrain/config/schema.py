@@ -128,6 +128,11 @@ class DDPConfig:
 class MuonConfig:
     """Muon hyperparameters (for 2-D hidden matrices)."""
 
+    lr: Optional[float] = opt(
+        None,
+        "Peak lr of the Muon group (null = optimizer.lr); the AdamW groups (embeddings, head, "
+        "norms) keep optimizer.lr. Its min lr is optimizer.min_lr scaled by the same ratio.",
+    )
     momentum: float = opt(0.95, "Momentum coefficient, in [0, 1).")
     nesterov: bool = opt(True, "Use Nesterov momentum.")
     ns_steps: int = opt(

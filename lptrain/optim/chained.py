@@ -13,7 +13,7 @@ staged refuses to be gathered (:class:`lptrain.distributed.bucket_group.IllegalT
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
@@ -43,7 +43,7 @@ class ChainedOptimizer:
             total += c.grad_norm_sq()
         return math.sqrt(float(total))
 
-    def step(self, lr: float) -> StepOutcome:
+    def step(self, lrs: Mapping[str, float]) -> StepOutcome:
         """Prepare, norm, clip and update every child (does not stage: see :meth:`stage`)."""
         self.prepare_grads()
         norm = self.grad_norm()
@@ -57,7 +57,7 @@ class ChainedOptimizer:
             coef = self.clip_grad / (norm + 1e-6)
             clip = coef if coef < 1.0 else None
         for c in self.children:
-            c.step(lr, clip)
+            c.step(lrs, clip)
         return StepOutcome(norm, skipped=False)
 
     def stage(self) -> None:

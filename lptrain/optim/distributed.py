@@ -22,7 +22,7 @@ masters). Nothing here knows a quantization format: writing into a parameter goe
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -162,13 +162,14 @@ class ShardedMasterOptimizer:
             dist.all_reduce(sharded, group=self.group.pg)
         return sharded + replicated
 
-    def step(self, lr: float, clip_coef: Optional[float]) -> None:
+    def step(self, lrs: Mapping[str, float], clip_coef: Optional[float]) -> None:
+        """Clip, then update every group at ``lrs[group name]``."""
         if clip_coef is not None:
             for pc in self.pieces:
                 pc.master.grad.mul_(clip_coef)  # type: ignore[union-attr]
         for opt in self.optimizers:
             for g in opt.param_groups:
-                g["lr"] = lr
+                g["lr"] = lrs[g["name"]]
             opt.step()
         for pc in self.pieces:
             pc.master.grad = None

@@ -38,7 +38,7 @@ The grad norm and the zero count sum each unit once (on its owner) over the whol
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -349,12 +349,12 @@ class LayerWiseMuon:
             local += int((pc.grad_view() == 0).sum())
         return int(_world_sum(local))
 
-    def step(self, lr: float, clip_coef: Optional[float]) -> None:
+    def step(self, lrs: Mapping[str, float], clip_coef: Optional[float]) -> None:
         if clip_coef is not None:
             for pc in self.pieces:
                 pc.master.grad.mul_(clip_coef)  # type: ignore[union-attr]
         for g in self.optimizer.param_groups:
-            g["lr"] = lr
+            g["lr"] = lrs[g["name"]]
         self.optimizer.step()
         self._stepped = True
         for pc in self.pieces:

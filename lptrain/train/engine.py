@@ -144,19 +144,25 @@ class TrainEngine:
     # ---- steps --------------------------------------------------------------------------------
 
     def lr_for_step(self, step: int) -> dict[str, float]:
-        """LR per param group for 1-based ``step`` (every group follows ``optimizer.lr``)."""
+        """LR per param group for 1-based ``step``: each group follows the schedule from its
+        own peak (the Muon group ``optimizer.muon.lr`` when set, the others ``optimizer.lr``;
+        min lr scaled by the same ratio)."""
+        from lptrain.config.rulesets.muon import muon_lr
         from lptrain.optim.schedule import lr_at
 
         o = self.cfg.optimizer
-        lr = lr_at(
-            step - 1,
-            lr=o.lr,
-            min_lr=o.min_lr,
-            warmup_iters=o.warmup_iters,
-            decay_iters=o.decay_iters or self.cfg.train.train_iters,
-            schedule=o.lr_schedule,
-        )
-        return dict.fromkeys(self.optimizer.lr_by_group(), lr)
+        out = {}
+        for name in self.optimizer.lr_by_group():
+            peak = muon_lr(self.cfg) if name == "muon" else o.lr
+            out[name] = lr_at(
+                step - 1,
+                lr=peak,
+                min_lr=o.min_lr * (peak / o.lr if o.lr else 1.0),
+                warmup_iters=o.warmup_iters,
+                decay_iters=o.decay_iters or self.cfg.train.train_iters,
+                schedule=o.lr_schedule,
+            )
+        return out
 
     def _to_device(self, b: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self.device.type == "cpu":
@@ -215,7 +221,7 @@ class TrainEngine:
             bad = f"step {step}, rank {r}: loss is {float(losses[r, 1])}"
         self._reduce_router_counts()
         if bad is None:
-            outcome = opt.step(next(iter(lrs.values())))
+            outcome = opt.step(lrs)
             if outcome.skipped:
                 bad = f"step {step}: global gradient norm is {outcome.grad_norm}"
         if bad is not None:

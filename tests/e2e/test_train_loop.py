@@ -161,31 +161,29 @@ def test_quantized_primary_weights_follow_fp32_masters(cache_dir: Path) -> None:
     The master is seeded from the high-precision init value (not the dequantized bytes) and,
     after a step, the param's bytes equal quantizing bf16(master) afresh.
     """
+    from lptrain.config import World, derive
     from lptrain.model import build_model
     from lptrain.precision import quantize
     from lptrain.precision.factory import build_factory
     from lptrain.precision.tensors import QuantizedTensor
+    from lptrain.train.engine import TrainEngine
 
-    cfg = compose("mxfp8_adamw_cpu.yaml", [f"data.cache_dir={cache_dir}"])
+    cfg = derive(compose("mxfp8_adamw_cpu.yaml", [f"data.cache_dir={cache_dir}"]), World(dp=1))
     factory = build_factory(cfg.precision, num_layers=cfg.model.num_layers)
-    model = build_model(cfg, factory)
-    w = model.layers[0].self_attention.linear_qkv.weight
+    reference = build_model(cfg, factory)  # what the engine's model starts from
+    init = reference.layers[0].self_attention.linear_qkv.weight.high_precision_init_value().float()
+    engine = TrainEngine(cfg)
+    w = engine.model.layers[0].self_attention.linear_qkv.weight
     assert isinstance(w, QuantizedTensor)
-    init = w.high_precision_init_value().float().clone()
-    from lptrain.train._legacy_optimizer import MasterOptimizer
-
-    opt = MasterOptimizer(model, cfg)
-    idx = next(i for i, p in enumerate(opt.params) if p is w)
-    assert torch.equal(opt.masters[idx], init)
+    (piece,) = [pc for c in engine.optimizer.children for pc in c.pieces if pc.param is w]
+    assert piece.whole and torch.equal(piece.master, init)
     assert not torch.equal(w.dequantize(), init)  # the bytes alone would lose the init
     tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_length))
-    with model.autocast():
-        loss, _ = model(tokens, labels=tokens)
-    loss.backward()
-    opt.step(1e-3)
-    fresh = quantize(opt.masters[idx].to(torch.bfloat16), factory.recipe, role="weight")
-    assert torch.equal(w.dequantize(), fresh.dequantize())
-    assert not torch.equal(opt.masters[idx], init)
+    engine.train_step([{"tokens": tokens, "labels": tokens}], 1)
+    with engine.params_synced():
+        fresh = quantize(piece.master.to(torch.bfloat16), factory.recipe, role="weight")
+        assert torch.equal(w.dequantize(), fresh.dequantize())
+    assert not torch.equal(piece.master, init)
 
 
 def test_wandb_offline_run_records_metrics(tmp_path: Path, cache_dir: Path) -> None:

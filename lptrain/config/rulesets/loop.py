@@ -4,6 +4,7 @@ lptrain.checkpoint). ``checkpoint.keep_latest >= 2`` is a range rule (rulesets/r
 from __future__ import annotations
 
 from lptrain.config.rules import Rule
+from lptrain.config.rulesets.muon import _compact
 
 S = "Loop, checkpoints, signals"
 
@@ -30,4 +31,15 @@ RULES = [
         "set checkpoint.async_save=false",
         "async_save=false (not implemented)", "refused rather than silently saving in the "
         "foreground", S),
+    Rule(
+        "CKPT-MODEL-SPACE", "error", ("checkpoint.sharding_type",),
+        # (the compact layer-wise Muon layout has its own, more specific rule)
+        lambda c, w: c.checkpoint.sharding_type == "fully_sharded_model_space" and not _compact(c),
+        "checkpoint.sharding_type=fully_sharded_model_space is not implemented: lptrain "
+        "checkpoints hold each tensor whole under its canonical name (fp32 masters, optimizer "
+        "state gathered from the shards), which reshards across DP and EP sizes -- what "
+        "dp_reshardable and fully_reshardable both ask for",
+        "set checkpoint.sharding_type=dp_reshardable (or fully_reshardable: same files)",
+        "sharding_type != fully_sharded_model_space (not implemented)",
+        "refused rather than writing another format than the one asked for", S),
 ]

@@ -72,16 +72,22 @@ def _step_rules_text() -> str:
     return "; ".join(parts)
 
 
+def muon_lr(c: LPTrainConfig) -> float:
+    """The Muon group's peak lr: ``optimizer.muon.lr``, else ``optimizer.lr``."""
+    m = c.optimizer.muon.lr
+    return c.optimizer.lr if m is None else m
+
+
 def muon_step_size(c: LPTrainConfig) -> float:
     """``lr * RMS(update)`` of a hidden x hidden Muon matrix: the per-element step size."""
     h = c.model.hidden_size
-    return c.optimizer.lr * update_rms(h, h, c.optimizer.muon.scale_mode,
+    return muon_lr(c) * update_rms(h, h, c.optimizer.muon.scale_mode,
                                        c.optimizer.muon.extra_scale_factor)
 
 
 def _lr_scale_mismatch(c: LPTrainConfig, w: World) -> dict[str, Any]:
     o = c.optimizer
-    if o.name != "muon" or not o.lr > 0 or o.muon.scale_mode not in MUON_SCALE_MODES:
+    if o.name != "muon" or not muon_lr(c) > 0 or o.muon.scale_mode not in MUON_SCALE_MODES:
         return {}
     if not o.muon.extra_scale_factor > 0 or not c.model.hidden_size > 0:
         return {}
@@ -93,7 +99,7 @@ def _lr_scale_mismatch(c: LPTrainConfig, w: World) -> dict[str, Any]:
         side, factor = "below", lo / step
     else:
         return {}
-    rms = step / o.lr
+    rms = step / muon_lr(c)
     return {"step": f"{step:.2g}", "rms": f"{rms:.3g}", "side": side,
             "factor": f"{factor:.1f}", "lr_lo": f"{lo / rms:.1g}", "lr_hi": f"{hi / rms:.1g}"}
 
@@ -184,7 +190,7 @@ RULES = [
         "tuples must all run before its last one repeats)", S),
     Rule(
         "MUON-LR-SCALE", "warning",
-        ("optimizer.lr", "optimizer.muon.scale_mode", "optimizer.muon.extra_scale_factor"),
+        ("optimizer.lr", "optimizer.muon.lr", "optimizer.muon.scale_mode", "optimizer.muon.extra_scale_factor"),
         _lr_scale_mismatch,
         "Muon's per-element step lr * update RMS = {step} (scale_mode "
         "{cfg.optimizer.muon.scale_mode}, update RMS {rms} at hidden "

@@ -122,6 +122,8 @@ CASES: list[tuple[str, list[str], tuple[str, ...], list[str], World]] = [
     ("MUON-GROUPED-FP8PG", [MUON, DISTOPT, E4M3, MXFP8, FP8PG, REUSE, MOE, GROUPED, SGW],
      ("model.moe.single_grouped_weight",), [MUON, DISTOPT, E4M3, MXFP8, FP8PG, REUSE, MOE, GROUPED],
      CPU),
+    ("CKPT-MODEL-SPACE", ["checkpoint.sharding_type=fully_sharded_model_space"],
+     ("checkpoint.sharding_type",), ["checkpoint.sharding_type=fully_reshardable"], CPU),
     ("MUON-LR-SCALE", [MUON, "optimizer.lr=2e-2", "optimizer.min_lr=2e-3"], ("optimizer.lr",),
      [MUON, "optimizer.lr=2e-3", "optimizer.min_lr=2e-4"], CPU),
     ("MUON-HPARAMS", [MUON, "optimizer.muon.momentum=1.0"], ("optimizer.muon.momentum",),

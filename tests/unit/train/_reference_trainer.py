@@ -1,6 +1,5 @@
-"""Temporary: the pre-engine fp32-master optimizer, used by TrainEngine until the
-data-parallel engine replaces it."""
-
+"""The pre-engine single-process trainer (fp32 masters, grads accumulated in the params' own
+.grad), kept as the reference the DP=1 engine is compared with in test_engine_baseline.py."""
 from __future__ import annotations
 
 import torch
