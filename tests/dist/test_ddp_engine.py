@@ -48,7 +48,12 @@ def test_dp2_and_dp4_match_dp1() -> None:
     so no_sync accumulation is exercised too): plain DDP and the distributed optimizer."""
     mbs = ["train.micro_batch_size=2"]
     base = train_steps(C.TINY, [*C.BASE, *mbs], steps=3)
-    cases = {"ddp": mbs, "distopt": [*mbs, *C.DISTOPT], "distopt_overlap": [*mbs, *C.DISTOPT, *C.OVERLAP]}
+    cases = {
+        "ddp": mbs,
+        "distopt": [*mbs, *C.DISTOPT],
+        "distopt_overlap": [*mbs, *C.DISTOPT, *C.OVERLAP],
+        "distopt_avg": [*mbs, *C.DISTOPT, "ddp.average_in_collective=true"],
+    }
     two = run_distributed(C.run_cases, 2, args=(cases,), timeout_s=240)
     for name in cases:
         _assert_ranks_agree(two, name)
@@ -56,9 +61,17 @@ def test_dp2_and_dp4_match_dp1() -> None:
         for x, y in zip(got["losses"], base["losses"], strict=True):
             assert abs(x - y) <= LOSS_RTOL * abs(y), (name, got["losses"], base["losses"])
         assert max_rel_diff(got["masters"], base["masters"]) < MASTER_RTOL, name
-    four = run_distributed(C.run_cases, 4, args=({"distopt": [*mbs, *C.DISTOPT]},), timeout_s=240)
-    _assert_ranks_agree(four, "distopt")
-    assert max_rel_diff(four[0]["distopt"]["masters"], base["masters"]) < MASTER_RTOL
+    # averaging after the SUM instead of pre-scaling by 1/2: exact for a power-of-two DP size
+    _assert_same(two[0]["distopt"], two[0]["distopt_avg"], "average_in_collective")
+    four_cases = {
+        "distopt": [*mbs, *C.DISTOPT],
+        # partial sharding: reduce-scatter inside 2-rank instances, all-reduce across them
+        "instances2": [*mbs, *C.DISTOPT, "ddp.num_distributed_optimizer_instances=2"],
+    }
+    four = run_distributed(C.run_cases, 4, args=(four_cases,), timeout_s=240)
+    for name in four_cases:
+        _assert_ranks_agree(four, name)
+        assert max_rel_diff(four[0][name]["masters"], base["masters"]) < MASTER_RTOL, name
 
 
 def test_grad_accumulation_matches_one_large_batch() -> None:
