@@ -17,15 +17,15 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _reference_trainer import MasterOptimizer  # noqa: E402
+from _reference_trainer import MasterOptimizer
 
-from lptrain.config import World, derive  # noqa: E402
-from lptrain.config.compose import load  # noqa: E402
-from lptrain.data import build_train_valid_loaders  # noqa: E402
-from lptrain.model import build_model  # noqa: E402
-from lptrain.optim.schedule import lr_at  # noqa: E402
-from lptrain.precision.factory import build_factory  # noqa: E402
-from lptrain.testing.parity import train_steps  # noqa: E402
+from lptrain.config import World, derive
+from lptrain.config.compose import load
+from lptrain.data import build_train_valid_loaders
+from lptrain.model import build_model
+from lptrain.optim.schedule import lr_at
+from lptrain.precision.factory import build_factory
+from lptrain.testing.parity import train_steps
 
 BASE = ["data.builtin_max_mb=1", "logging.progress=false", "checkpoint.save=null",
         "train.micro_batch_size=2", "train.gradient_accumulation_fusion=false"]
