@@ -72,8 +72,20 @@ class ChainedOptimizer:
         return out
 
     def update_rms(self) -> Optional[float]:
+        """RMS of the last Muon update over every Muon child (dense and expert), weighted by
+        their element counts when a child reports one."""
+        total, count = 0.0, 0
         for c in self.children:
             rms = c.update_rms()
-            if rms is not None:
-                return rms
-        return None
+            if rms is None:
+                continue
+            n = sum(pc.master.numel() for pc in getattr(c, "pieces", [])) or 1
+            total += rms * rms * n
+            count += n
+        return (total / count) ** 0.5 if count else None
+
+    def count_zeros(self) -> Optional[int]:
+        """Zero gradient entries over the children that count them (reduced over the world
+        by each child, every element once); None when none does."""
+        counts = [c.count_zeros() for c in self.children if hasattr(c, "count_zeros")]
+        return sum(counts) if counts else None

@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from lptrain.config.schema import OptimizerConfig
 from lptrain.distributed.buffers import ParamAndGradBuffer
-from lptrain.distributed.groups import Group
+from lptrain.distributed.groups import SINGLE, Group
 from lptrain.distributed.layout import BufferSpec, ns_cost, padded_owner
 from lptrain.optim.param_groups import copy_param_attributes
 from lptrain.precision.param_storage import (
@@ -433,12 +433,15 @@ class LayerWiseMuon:
 
 
 def build_layer_wise_children(
-    buffers: Sequence[ParamAndGradBuffer], cfg: OptimizerConfig
+    buffers: Sequence[ParamAndGradBuffer], cfg: OptimizerConfig, ep: Optional[Group] = None
 ) -> list[Any]:
     """Chained-optimizer children for the layer-wise path: byte-sharded AdamW over the
     non-Muon buffers and a :class:`LayerWiseMuon` over the Muon buffers, for dense and for
     expert params (each over its own group; labelled so the engine checkpoints experts
-    under their canonical per-expert names)."""
+    under their canonical per-expert names). The Muon children sum their norms over the
+    whole world (each unit counted once on its owner); the expert AdamW child adds the
+    expert-parallel sum (``ep``), as every EP rank holds different experts."""
+    from lptrain.distributed.expert_state import ExpertShardedMasterOptimizer
     from lptrain.optim.distributed import ShardedMasterOptimizer
 
     children: list[Any] = []
@@ -446,7 +449,9 @@ def build_layer_wise_children(
         label = "expert" if expert else "dense"  # the engine checkpoints "expert" per expert
         adam = [b for b in buffers if not b.key.is_muon and b.key.is_expert == expert]
         muon = [b for b in buffers if b.key.is_muon and b.key.is_expert == expert]
-        if adam:
+        if adam and expert:
+            children.append(ExpertShardedMasterOptimizer(adam, cfg, label=label, ep=ep or SINGLE))
+        elif adam:
             children.append(ShardedMasterOptimizer(adam, cfg, label=label))
         if muon:
             children.append(LayerWiseMuon(muon, cfg, param_layout=cfg.layer_wise_param_layout,

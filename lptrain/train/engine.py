@@ -109,7 +109,7 @@ class TrainEngine:
         if layer_wise:
             from lptrain.optim.layerwise import build_layer_wise_children
 
-            children = build_layer_wise_children(self.ddp.buffers, cfg.optimizer)
+            children = build_layer_wise_children(self.ddp.buffers, cfg.optimizer, ep=self.groups.ep)
         else:
             dense = [b for b in self.ddp.buffers if not b.key.is_expert]
             expert = [b for b in self.ddp.buffers if b.key.is_expert]
@@ -220,6 +220,7 @@ class TrainEngine:
             r = int((~torch.isfinite(losses[:, 1])).nonzero()[0])
             bad = f"step {step}, rank {r}: loss is {float(losses[r, 1])}"
         self._reduce_router_counts()
+        zeros = opt.count_zeros()  # before the step: reused grad buffers are restaged after it
         if bad is None:
             outcome = opt.step(lrs)
             if outcome.skipped:
@@ -240,6 +241,8 @@ class TrainEngine:
         rms = opt.update_rms()
         if rms is not None:
             extra["muon_update_rms"] = rms
+        if zeros is not None:
+            extra["muon_grad_zeros"] = float(zeros)
         if total != loss:
             extra["aux_loss"] = total - loss
         return StepResult(loss=loss, grad_norm=outcome.grad_norm, lrs=lrs, extra=extra)

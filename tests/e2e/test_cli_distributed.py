@@ -71,3 +71,16 @@ def test_a_failing_rank_ends_the_run(tmp_path: Path) -> None:
     )
     assert proc.returncode == 3, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "rank" in proc.stderr and "not finite" in proc.stderr + proc.stdout
+
+
+def test_layer_wise_muon_with_expert_parallelism_matches_ep1(tmp_path: Path) -> None:
+    """Muon's dense and expert owners chain with expert parallelism: EP=2 on 2 ranks follows
+    EP=1 on 1 rank (same global batch; 2e-3 relative, as above) and the grad norm agrees."""
+    ov = ("optimizer.name=muon", "optimizer.lr=2e-3", "optimizer.min_lr=2e-4",
+          "optimizer.warmup_iters=2", "model.moe.single_grouped_weight=false")
+    one = _pretrain(tmp_path, "one", "moe_mxfp8_cpu.yaml", 1, *ov)
+    two = _pretrain(tmp_path, "two", "moe_mxfp8_cpu.yaml", 2, *ov, "model.moe.expert_model_parallel_size=2")
+    _close(one, two)
+    for a, b in zip(one, two, strict=True):
+        if "grad_norm" in a:
+            assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-3 * a["grad_norm"]
