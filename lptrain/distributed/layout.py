@@ -164,9 +164,15 @@ class BufferLayout:
             f"elements ({self.padding_percent():.3f}%, {self.padding_bytes():,} grad bytes)"
         ]
         for i, b in enumerate(self.buffers):
+            staging = (
+                f", param buffer {b.numel * b.key.param_dtype.itemsize:,} bytes "
+                f"({str(b.key.param_dtype).replace('torch.', '')})"
+                if b.sharded else ""
+            )
             lines.append(
                 f"  buffer {i} [{b.key.describe()}]: {len(b.params)} params, "
-                f"{len(b.buckets)} bucket(s), {b.numel:,} elements"
+                f"{len(b.buckets)} bucket(s), {b.numel:,} elements, grad buffer "
+                f"{b.numel * b.key.grad_dtype.itemsize:,} bytes{staging}"
             )
         return "\n".join(lines)
 
