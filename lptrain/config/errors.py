@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 from lptrain.errors import InputError
 
 
@@ -16,14 +14,3 @@ class ConfigError(InputError):
     ConfigErrors: they are collected by :func:`lptrain.config.check.check` and reported
     together (exit 1).
     """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        key: Optional[str] = None,
-        file: Optional[str] = None,
-        line: Optional[int] = None,
-        fix: Optional[str] = None,
-    ) -> None:
-        super().__init__(message, key=key, file=file, line=line, fix=fix)
