@@ -4,8 +4,8 @@ Per training step, median over steps (all variants alternate inside one spawned 
 lptrain's engine with overlap off, with overlap on (grad reduce + param gather, several
 buckets), the distributed optimizer, and ``torch.nn.parallel.DistributedDataParallel`` +
 ``torch.optim.AdamW`` on the same model and batches (the baseline). Also the bytes per rank
-held by lptrain's buffers against the analytic minimum (grads: 4 bytes per param; the
-distributed optimizer's param buffer: 2 bytes per bf16 param), and the padding.
+held by lptrain's buffers against the analytic minimum (every param's grad in the grad
+dtype, plus its param-buffer bytes with the distributed optimizer, no padding).
 Targets: lptrain's step at most 1.15x torch DDP's for the overlapped variants (torch DDP
 overlaps its all-reduce with the backward, so they are the like-for-like comparison; the
 non-overlapped ones are printed for reference); padding under 1%.
@@ -31,6 +31,11 @@ VARIANTS = {
     "distopt, overlap off": ["ddp.use_distributed_optimizer=true"],
     "distopt, overlap on": ["ddp.use_distributed_optimizer=true", "ddp.overlap_grad_reduce=true",
                             "ddp.overlap_param_gather=true", "ddp.bucket_size=300000"],
+    # torch DDP reduces the params' own dtype (bf16): the same bytes on the wire
+    "ddp, bf16 grads, overlap on": ["ddp.grad_reduce_in_fp32=false", "ddp.overlap_grad_reduce=true",
+                                    "ddp.bucket_size=300000"],
+    "ddp, bf16 grads, no NaN check": ["ddp.grad_reduce_in_fp32=false", "ddp.overlap_grad_reduce=true",
+                                      "ddp.bucket_size=300000", "ddp.check_for_nan_in_grad=false"],
 }
 
 
@@ -87,10 +92,13 @@ def _rank(rank: int, world: int, steps: int) -> dict[str, Any]:
             if step > 3:
                 times[name].append(time.perf_counter() - t0)
     memory = {}
-    n_params = sum(p.numel() for p in torch_model.parameters())
     for name, e in engines.items():
         held = sum(sum(b.nbytes().values()) for b in e.ddp.buffers)
-        minimum = 4 * n_params + (2 * n_params if e.layout.sharded else 0)
+        # unpadded elements x (grad dtype bytes + param-buffer dtype bytes when sharded)
+        minimum = sum(
+            b.numel_unpadded * (b.key.grad_dtype.itemsize + (b.key.param_dtype.itemsize if b.sharded else 0))
+            for b in e.layout.buffers
+        )
         memory[name] = (held, minimum, e.layout.padding_percent())
     return {"times": {k: statistics.median(v) for k, v in times.items()}, "memory": memory}
 

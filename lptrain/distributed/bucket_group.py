@@ -61,7 +61,9 @@ class Bucket:
         self._gather_out: Optional[torch.Tensor] = None
         self._scatter_out: Optional[torch.Tensor] = None
         self._pending: set[str] = set(self.param_names)
-        self.nonfinite_at: Optional[torch.Tensor] = None  # first bad element offset, or -1
+        # sum of this rank's grads before the reduction: non-finite iff one of them is
+        # (one cheap pass, no host sync; the position is looked up only on failure)
+        self.local_sum: Optional[torch.Tensor] = None
         self.next_in_forward: Optional[Bucket] = None
         # Layer-wise (compact Muon) buckets: whole-param uneven gather, set by the optimizer
         # (lptrain.optim.layerwise.CompactGather: start(async_op), finish(), in_flight).
@@ -112,8 +114,7 @@ class Bucket:
         self._expect("start_grad_sync", self.grad_state, GradState.IDLE)
         view = self.grad_view
         if check_nan:
-            bad = ~torch.isfinite(view)
-            self.nonfinite_at = torch.where(bad.any(), bad.to(torch.int8).argmax(), -1)
+            self.local_sum = view.sum(dtype=torch.float32)
         intra = self.groups.intra
         dp_size = self.groups.dp_size
         if dp_size > 1 and not avg_in_collective and scale != 1.0:
@@ -161,7 +162,7 @@ class Bucket:
             raise IllegalTransition(f"{self!r}: zero_grad with a reduction in flight")
         self.grad_state = GradState.IDLE
         self._pending = set(self.param_names)
-        self.nonfinite_at = None
+        self.local_sum = None
 
     # ---- params ----------------------------------------------------------------------------
 

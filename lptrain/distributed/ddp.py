@@ -21,7 +21,6 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from lptrain.config.schema import DDPConfig
@@ -121,31 +120,33 @@ class DataParallel:
         for p in self.model.parameters():
             p.grad_added_to_main_grad = False
 
-    def finish_grad_sync(self) -> None:
-        """Every bucket reduced (waiting on overlapped ones); raises NonFiniteGradError when a
-        rank's local grads held NaN/Inf, naming that rank and param on every rank."""
+    def finish_grad_sync(self) -> int:
+        """Every bucket reduced (waiting on overlapped ones). Returns this rank's non-finite
+        code for :meth:`raise_on_nonfinite` (0: all finite or ``ddp.check_for_nan_in_grad``
+        off; else 1 + the position of its first bad element). The caller exchanges the codes
+        with its other per-step scalars, so the check costs no collective of its own."""
         cfg = self.cfg
         check = bool(cfg.check_for_nan_in_grad)
         for b in self.buffers:
             for bucket in b.buckets:
                 bucket.finish_grad_sync(check, self.grad_scale, bool(cfg.average_in_collective))
-        if check:
-            self._raise_on_nonfinite()
+        return self._local_nonfinite_code() if check else 0
 
-    def _raise_on_nonfinite(self) -> None:
-        """One small all-reduce: each rank reports (buffer, offset) of its first bad element."""
-        code = torch.full((), -1, dtype=torch.int64)
-        for b in self.buffers:
-            for bucket in b.buckets:
-                at = bucket.nonfinite_at
-                if at is not None and int(code) < 0 and int(at) >= 0:
-                    code = torch.tensor(b.index * (1 << 40) + bucket.start + int(at))
-        g = self.groups.dp
-        codes = torch.zeros(g.size, dtype=torch.int64)
-        codes[g.rank] = code + 1
-        if g.active:
-            dist.all_reduce(codes, group=g.pg)
-        for rank, c in enumerate(codes.tolist()):
+    def _local_nonfinite_code(self) -> int:
+        buckets = [k for b in self.buffers for k in b.buckets if k.local_sum is not None]
+        if not buckets or bool(torch.isfinite(torch.stack([k.local_sum for k in buckets])).all()):
+            return 0
+        for k in buckets:  # failure path only: find the first bad element
+            if not bool(torch.isfinite(k.local_sum)):
+                bad = (~torch.isfinite(k.grad_view)).nonzero()
+                if len(bad):  # (else: finite grads whose fp32 sum overflowed: not an error)
+                    return 1 + k.buffer.index * (1 << 40) + k.start + int(bad[0])
+        return 0
+
+    def raise_on_nonfinite(self, codes: list[int]) -> None:
+        """Raise :class:`NonFiniteGradError` naming the first rank (by rank) whose code is set
+        and its parameter; every rank sees the same codes, so every rank raises."""
+        for rank, c in enumerate(codes):
             if c > 0:
                 buf, offset = divmod(c - 1, 1 << 40)
                 raise NonFiniteGradError(rank, self._param_at(buf, offset))

@@ -187,13 +187,15 @@ class TrainEngine:
             sums[1] += loss.detach().double().cpu() / n
         return sums
 
-    def _gather_losses(self, local: torch.Tensor) -> torch.Tensor:
-        """[dp, 2] per-rank (lm_loss, total_loss): one small all-reduce."""
+    def _gather_losses(self, local: torch.Tensor, nonfinite_code: int) -> torch.Tensor:
+        """[dp, 3] per-rank (lm_loss, total_loss, non-finite grad code): one small all-reduce
+        (the codes stay below 2^53, exact in fp64)."""
         import torch.distributed as dist
 
         g = self.groups.dp
-        out = torch.zeros(g.size, 2, dtype=torch.float64)
-        out[g.rank] = local
+        out = torch.zeros(g.size, 3, dtype=torch.float64)
+        out[g.rank, :2] = local
+        out[g.rank, 2] = float(nonfinite_code)
         if g.active:
             dist.all_reduce(out, group=g.pg)
         return out
@@ -207,11 +209,11 @@ class TrainEngine:
             opt.stage()
         local = self._forward_backward(micro_batches)
         bad: str | None = None
+        losses = self._gather_losses(local, ddp.finish_grad_sync())
         try:
-            ddp.finish_grad_sync()
+            ddp.raise_on_nonfinite([int(c) for c in losses[:, 2].tolist()])
         except NonFiniteGradError as e:
             bad = f"step {step}, rank {e.rank}: gradient of '{e.param}' is not finite"
-        losses = self._gather_losses(local)
         moe_metrics = self._moe_metrics()
         loss = float(losses[:, 0].mean())
         total = float(losses[:, 1].mean())
