@@ -36,6 +36,7 @@ class Target(str, enum.Enum):
     sm89 = "sm89"
     sm90 = "sm90"
     sm100 = "sm100"
+    sm120 = "sm120"
 
 
 RECIPE_HELP = (

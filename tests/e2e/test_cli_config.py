@@ -203,3 +203,17 @@ def test_python_dash_m_and_no_torch_on_validate_path() -> None:
     assert out.stdout.strip() == "False"
     m = subprocess.run([sys.executable, "-m", "lptrain", "--help"], capture_output=True, text=True)
     assert m.returncode == 0 and "validate-config" in m.stdout
+
+
+def test_sm120_target_refuses_mxfp8() -> None:
+    """The CLI offers every target the rules know; MXFP8 is refused on sm120 (TE does too)."""
+    from typer.testing import CliRunner
+
+    from lptrain.cli import app
+
+    r = CliRunner().invoke(app, ["validate-config", "--recipe", "mxfp8_adamw.yaml", "--target", "sm120", "--json"])
+    assert r.exit_code == 1, r.output
+    import json
+
+    rules = {v["rule"] for v in json.loads(r.output)["violations"]}
+    assert "PREC-MXFP8-SM120" in rules
