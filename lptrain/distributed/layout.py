@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -440,3 +440,23 @@ def padded_owner(bucket: BucketSpec, slot: ParamSlot, dp: int) -> int:
     if slot.end > bucket.start + (r + 1) * shard:
         raise AssertionError(f"{slot.name} crosses a shard boundary of bucket {bucket.index}")
     return r
+
+
+def plan_run_layout(cfg: Any, specs: Sequence[ParamSpec], dp: int) -> BufferLayout:
+    """The layout a run uses (``cfg``: an ``LPTrainConfig``): the layer-wise Muon layout when
+    ``optimizer.use_layer_wise_optimizer``, else :func:`plan_layout`. The engine and the
+    memory planner both call this, so they cannot choose differently."""
+    if cfg.optimizer.use_layer_wise_optimizer:
+        return plan_layer_wise_layout(
+            specs, dp=dp, bucket_size=cfg.ddp.bucket_size, sharded=cfg.ddp.use_distributed_optimizer,
+            param_layout=cfg.optimizer.layer_wise_param_layout,
+        )
+    return plan_layout(specs, dp=dp, bucket_size=cfg.ddp.bucket_size, sharded=cfg.ddp.use_distributed_optimizer)
+
+
+def run_param_specs(cfg: Any, named_params: Sequence[tuple[str, torch.Tensor]]) -> list[ParamSpec]:
+    """Specs of a run's real params: Muon params in their own (layer-wise: logical-dtype) buffers."""
+    grad_fp32 = bool(cfg.ddp.grad_reduce_in_fp32)
+    if cfg.optimizer.use_layer_wise_optimizer:
+        return layer_wise_param_specs(named_params, grad_reduce_in_fp32=grad_fp32)
+    return param_specs(named_params, grad_reduce_in_fp32=grad_fp32, separate_muon=cfg.optimizer.name == "muon")

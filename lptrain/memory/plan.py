@@ -243,17 +243,10 @@ def _specs(
 
 
 def engine_layout(cfg: LPTrainConfig, specs: Sequence[ParamSpec], intra: int) -> BufferLayout:
-    """The layout ``TrainEngine`` plans for these specs (same functions, same arguments)."""
-    from lptrain.distributed.layout import plan_layer_wise_layout, plan_layout
+    """The layout ``TrainEngine`` plans for these specs (the same function)."""
+    from lptrain.distributed.layout import plan_run_layout
 
-    if cfg.optimizer.use_layer_wise_optimizer:
-        return plan_layer_wise_layout(
-            specs, dp=intra, bucket_size=cfg.ddp.bucket_size,
-            sharded=cfg.ddp.use_distributed_optimizer,
-            param_layout=cfg.optimizer.layer_wise_param_layout,
-        )
-    return plan_layout(specs, dp=intra, bucket_size=cfg.ddp.bucket_size,
-                       sharded=cfg.ddp.use_distributed_optimizer)
+    return plan_run_layout(cfg, specs, intra)
 
 
 # ---- per-rank accounting ------------------------------------------------------------------------

@@ -58,7 +58,7 @@ class TrainEngine:
     def __init__(self, cfg: LPTrainConfig) -> None:
         from lptrain.distributed.ddp import DataParallel
         from lptrain.distributed.groups import build_groups
-        from lptrain.distributed.layout import param_specs, plan_layout
+        from lptrain.distributed.layout import plan_run_layout, run_param_specs
         from lptrain.launch.local import init_process_group_from_env
         from lptrain.model import build_model
         from lptrain.model.build import resolve_device
@@ -91,20 +91,7 @@ class TrainEngine:
         )
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         layer_wise = bool(cfg.optimizer.use_layer_wise_optimizer)
-        if layer_wise:
-            self.layout = self._layer_wise_layout(named)
-        else:
-            specs = param_specs(
-                named,
-                grad_reduce_in_fp32=bool(cfg.ddp.grad_reduce_in_fp32),
-                separate_muon=cfg.optimizer.name == "muon",
-            )
-            self.layout = plan_layout(
-                specs,
-                dp=self.groups.intra.size,
-                bucket_size=cfg.ddp.bucket_size,
-                sharded=cfg.ddp.use_distributed_optimizer,
-            )
+        self.layout = plan_run_layout(cfg, run_param_specs(cfg, named), self.groups.intra.size)
         self.ddp = DataParallel(self.model, self.layout, cfg.ddp, self.groups, device=self.device)
         if layer_wise:
             from lptrain.optim.layerwise import build_layer_wise_children
@@ -125,20 +112,6 @@ class TrainEngine:
         # forward, masters can only be staged after that step has zeroed the grad buffer.
         self.defer_staging = bool(cfg.ddp.overlap_param_gather) and any(
             b.reuses_grad_buffer for b in self.ddp.buffers
-        )
-
-    def _layer_wise_layout(self, named: Sequence[tuple[str, torch.nn.Parameter]]) -> Any:
-        """Muon + distributed optimizer: the layer-wise layout (lptrain.optim.layerwise)."""
-        from lptrain.distributed.layout import layer_wise_param_specs, plan_layer_wise_layout
-
-        cfg = self.cfg
-        specs = layer_wise_param_specs(named, grad_reduce_in_fp32=bool(cfg.ddp.grad_reduce_in_fp32))
-        return plan_layer_wise_layout(
-            specs,
-            dp=self.groups.intra.size,
-            bucket_size=cfg.ddp.bucket_size,
-            sharded=cfg.ddp.use_distributed_optimizer,
-            param_layout=cfg.optimizer.layer_wise_param_layout,
         )
 
     # ---- steps --------------------------------------------------------------------------------
