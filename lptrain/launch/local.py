@@ -88,8 +88,14 @@ def launch_local(nproc: int, args: Sequence[str]) -> int:
         start_method="spawn",
     )
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     try:
         elastic_launch(config, sys.executable)("-m", "lptrain", *args)
+    except SignalException as e:
+        # SIGTERM/SIGINT to the launcher: the agent forwarded it to the ranks (which save a
+        # checkpoint and stop) and stopped them; exit as the ranks do, 128 + signal number.
+        raise SystemExit(128 + int(e.sigval)) from None
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         raise RunFailedError(
