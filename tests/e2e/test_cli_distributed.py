@@ -84,3 +84,27 @@ def test_layer_wise_muon_with_expert_parallelism_matches_ep1(tmp_path: Path) -> 
     for a, b in zip(one, two, strict=True):
         if "grad_norm" in a:
             assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-3 * a["grad_norm"]
+
+
+def test_sigterm_to_the_launcher_saves_and_exits_143(tmp_path: Path) -> None:
+    """SIGTERM to `lptrain pretrain --nproc-per-node 2` (what SLURM sends before preemption)
+    reaches every rank: they finish the step, save a checkpoint, and the launch exits 143."""
+    import signal
+    import time
+
+    out = tmp_path / "sig"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lptrain", "pretrain", "--recipe", "tiny_cpu.yaml", "--output-dir",
+         str(out), "--nproc-per-node", "2", "train.train_iters=100000", "logging.progress=false",
+         "data.builtin_max_mb=1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (metrics.exists() and metrics.stat().st_size > 0):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 143, output[-3000:]
+    assert "saved checkpoint" in output
+    assert any((out / "checkpoints").glob("iter_*/COMPLETE.json"))
