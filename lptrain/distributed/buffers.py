@@ -5,7 +5,7 @@
   *placed* in it (their ``.data`` becomes a view, so gathering updates the model in place);
   quantized primary weights keep their own storage and are staged here in their staging
   dtype, then requantized after the gather (see :mod:`lptrain.precision.param_storage`).
-* Grad-buffer reuse (``ddp.reuse_grad_buf_for_mxfp8_param_ag``): a quantized buffer's staging
+* Grad-buffer reuse (the ``ddp.reuse_grad_buf_*`` option): a quantized buffer's staging
   area is a view of its own grad buffer (bf16 over the first half of an fp32 buffer), so the
   all-gather costs no extra memory. Then every bucket's staging slice is zeroed right after
   its params are requantized, so the next backward accumulates into zeros.

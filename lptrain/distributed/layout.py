@@ -18,14 +18,24 @@ Rules (the upstream data-parallel engine's, restated):
   after both of its uses.
 * Without the distributed optimizer there is no padding at all.
 
-Quantized primary weights are staged for the parameter all-gather in their
-``staging_dtype`` (bf16 for every lptrain format): a quantized buffer's ``param_dtype`` is
-that staging dtype, and each rank requantizes the gathered high-precision values. Why not raw
-bytes: the column-wise copies of MXFP8 and NVFP4 (and NVFP4's stochastic rounding, random
-Hadamard transform and 16x16 weight tiles) are quantized from the high-precision value and
-are not a re-layout of the row-wise bytes, so a byte shard cannot rebuild them; staging bf16
-makes FP8/FP4 param gather bitwise identical to quantizing a bf16 param in the forward, for
-every recipe, at the price of 2 bytes per element on the wire instead of 1 (or 0.5).
+Quantized primary weights travel in the all-gather in their ``staging_dtype``
+(:mod:`lptrain.precision.param_storage` asks the tensor family):
+
+* uint8 for ``shard_quantizable`` families (one per-tensor scale from current scaling, or
+  128x128 tiles whose scales depend on tile amaxes alone and whose column-wise copy is a
+  transpose): each rank quantizes its master shard into its own byte range after a MAX
+  all-reduce of the partial amaxes, the bytes are gathered as they are (1 byte per element),
+  and the column-wise copy is rebuilt locally;
+* the logical dtype (bf16) for every other family: where the column-wise copy is quantized
+  separately from the high-precision value (its own 1-D blocks, its own global scale, a random
+  Hadamard transform, stochastic rounding), a byte shard cannot rebuild it, so the
+  high-precision value is gathered and every rank requantizes (2 bytes per element on the
+  wire; 4x the packed 4-bit size, in exchange for a gather that is bitwise identical to
+  quantizing a bf16 param in the forward). The grad-buffer reuse option stages it in a view of
+  the grad buffer instead of a separate param buffer.
+
+Either way a quantized buffer's ``param_dtype`` is that staging dtype, and
+:meth:`BufferLayout.report` shows the bytes of each buffer.
 """
 
 from __future__ import annotations

@@ -333,7 +333,7 @@ class TrainEngine:
         return getattr(getattr(self.model, "factory", None), "recipe", None)
 
     def _quantizer_rng_states(self) -> dict[str, torch.Tensor]:
-        """Per-rank stochastic-rounding generator states (NVFP4 grads), by quantizer name."""
+        """Per-rank stochastic-rounding generator states (4-bit grads), by quantizer name."""
         from lptrain.precision.rng import rng_states
 
         return rng_states(self.model, self._quantizer_recipe())
