@@ -93,12 +93,8 @@ class Bucket:
 
     def shard_range(self) -> tuple[int, int]:
         """This rank's shard of the bucket, in buffer elements (the whole bucket if unsharded)."""
-        if not self.buffer.sharded:
-            return self.start, self.end
-        g = self.groups.intra
-        size = (self.end - self.start) // g.size
-        lo = self.start + g.rank * size
-        return lo, lo + size
+        spec = self.buffer.spec
+        return spec.shard_range(spec.buckets[self.index], self.groups.intra.rank, self.groups.intra.size)
 
     # ---- grads -----------------------------------------------------------------------------
 
@@ -206,11 +202,6 @@ class Bucket:
             self.param_sync_hook.finish()
         self.buffer.load_params_from_staging(self)
         self.param_state = ParamState.READY
-
-    @property
-    def gather_in_flight(self) -> bool:
-        hook = self.param_sync_hook
-        return self._gather_handle is not None or bool(hook is not None and hook.in_flight)
 
 
 def load_bucket_params(bucket: Bucket, params: dict[str, torch.Tensor], slots: dict[str, Any]) -> None:

@@ -208,7 +208,3 @@ class DataParallel:
         finally:
             self._pre_hooks_enabled = enabled
 
-    def remove_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []

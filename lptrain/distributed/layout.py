@@ -133,6 +133,20 @@ class BufferSpec:
     def padding_bytes(self) -> int:
         return (self.numel - self.numel_unpadded) * self.key.grad_dtype.itemsize
 
+    def shard_range(self, bucket: BucketSpec, rank: int, size: int) -> tuple[int, int]:
+        """Elements ``[lo, hi)`` of ``bucket`` that ``rank`` of ``size`` shard-holders owns:
+        its equal slice of a sharded buffer, the whole bucket otherwise. The one definition
+        the grad reduce-scatter, the optimizer's master pieces and the memory models share."""
+        if not self.sharded:
+            return bucket.start, bucket.end
+        n = bucket.numel // size
+        return bucket.start + rank * n, bucket.start + (rank + 1) * n
+
+    def overlap(self, bucket: BucketSpec, slot: ParamSlot, rank: int, size: int) -> int:
+        """Elements of ``slot`` inside ``rank``'s shard of ``bucket`` (0 when none)."""
+        lo, hi = self.shard_range(bucket, rank, size)
+        return max(0, min(hi, slot.end) - max(lo, slot.start))
+
 
 @dataclass
 class BufferLayout:

@@ -182,17 +182,10 @@ def analytic_memory(
                 m.moments += 4 * mine
                 continue
             state = 4 if b.key.is_muon else 8  # Muon momentum, or AdamW's two moments
-            for bucket in b.buckets:
-                if b.sharded:
-                    size = bucket.numel // dp
-                    lo, hi = bucket.start + rank * size, bucket.start + (rank + 1) * size
-                else:
-                    lo, hi = bucket.start, bucket.end
-                for s in b.params:
-                    if s.bucket == bucket.index:
-                        n = max(0, min(hi, s.end) - max(lo, s.start))
-                        m.masters += 4 * n
-                        m.moments += state * n
+            for s in b.params:
+                n = b.overlap(b.buckets[s.bucket], s, rank, dp)
+                m.masters += 4 * n
+                m.moments += state * n
         out.append(m)
     return out
 

@@ -315,14 +315,8 @@ def _persistent(
                     muon_elems += u.numel
             continue
         for bucket in buf.buckets:
-            if buf.sharded:
-                shard = bucket.numel // size
-                lo, hi = bucket.start + me * shard, bucket.start + (me + 1) * shard
-            else:
-                lo, hi = bucket.start, bucket.end
             for name in bucket.params:
-                s = slots[name]
-                n = min(hi, s.end) - max(lo, s.start)
+                n = buf.overlap(bucket, slots[name], me, size)
                 if n <= 0:
                     continue
                 masters += n

@@ -17,13 +17,6 @@ import torch
 
 from lptrain.precision.tensors import QuantizedTensor
 
-TINY_MOE = [
-    "model.moe.num_experts=4",
-    "model.moe.router_topk=2",
-    "model.moe.ffn_hidden_size=64",
-    "model.moe.grouped_gemm=true",
-]
-
 
 def _param_snapshot(p: torch.Tensor) -> dict[str, torch.Tensor]:
     """Exact contents: a plain param's values, or every raw buffer of a quantized one."""

@@ -14,14 +14,7 @@ import torch.distributed as dist
 
 from lptrain.testing.parity import first_difference, patched, train_steps
 
-TINY = "tiny_cpu.yaml"
-BASE = [
-    "data.builtin_max_mb=1",
-    "train.eval_iters=1",
-    "logging.progress=false",
-    "optimizer.warmup_iters=0",
-    "optimizer.lr=0.01",  # large for spectral Muon: amplifies any mismatch
-]
+from _engine_cases import BASE, TINY  # lr 0.01: large for spectral Muon, amplifies mismatches
 LAYER_WISE = ["optimizer.name=muon", "ddp.use_distributed_optimizer=true"]
 PADDED = [*LAYER_WISE, "optimizer.layer_wise_param_layout=padded"]
 SMALL_BUCKETS = ["ddp.bucket_size=6000"]

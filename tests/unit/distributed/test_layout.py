@@ -44,7 +44,15 @@ def _check(layout, specs) -> None:
                 assert b.numel % math.lcm(layout.dp, BUCKET_END_ALIGN) == 0
             else:
                 assert b.padding == 0
-        for a, b in zip(buf.buckets, buf.buckets[1:], strict=False):
+        for b in buf.buckets:  # the shards of a bucket tile it exactly, each param counted once
+            n = layout.dp if buf.sharded else 1
+            ranges = [buf.shard_range(b, r, n) for r in range(n)]
+            assert ranges[0][0] == b.start and ranges[-1][1] == b.end
+            assert all(x[1] == y[0] for x, y in itertools.pairwise(ranges))
+            for p in buf.params:
+                if p.bucket == b.index:
+                    assert sum(buf.overlap(b, p, r, n) for r in range(n)) == p.end - p.start
+        for a, b in itertools.pairwise(buf.buckets):
             assert a.end == b.start
 
 
