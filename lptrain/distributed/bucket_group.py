@@ -21,8 +21,6 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.distributed as dist
 
-from lptrain.precision.param_storage import load_from_staging
-
 if TYPE_CHECKING:
     from lptrain.distributed.buffers import ParamAndGradBuffer
     from lptrain.distributed.groups import BufferGroups
@@ -202,12 +200,3 @@ class Bucket:
             self.param_sync_hook.finish()
         self.buffer.load_params_from_staging(self)
         self.param_state = ParamState.READY
-
-
-def load_bucket_params(bucket: Bucket, params: dict[str, torch.Tensor], slots: dict[str, Any]) -> None:
-    """Refresh every param of ``bucket`` from its gathered staging slice."""
-    data = bucket.buffer.param_data
-    assert data is not None
-    for name in bucket.param_names:
-        s = slots[name]
-        load_from_staging(params[name], data[s.start : s.end])

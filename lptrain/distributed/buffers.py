@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from lptrain.distributed.bucket_group import Bucket, load_bucket_params
+from lptrain.distributed.bucket_group import Bucket
 from lptrain.distributed.layout import BufferSpec
-from lptrain.precision.param_storage import place_in_buffer
+from lptrain.precision.param_storage import load_from_staging, place_in_buffer
 
 if TYPE_CHECKING:
     from lptrain.distributed.groups import ParallelGroups
@@ -73,7 +73,9 @@ class ParamAndGradBuffer:
         """After ``bucket``'s gather: refresh non-aliased params, then free a reused slice."""
         if self.param_data is None:
             return
-        load_bucket_params(bucket, self.params, self.slots)
+        for name in bucket.param_names:
+            s = self.slots[name]
+            load_from_staging(self.params[name], self.param_data[s.start : s.end])
         if self.reuses_grad_buffer:
             bucket.param_view.zero_()
 
