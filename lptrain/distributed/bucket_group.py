@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.distributed as dist
 
+from lptrain.distributed.collectives import all_gather_flat, reduce_scatter_flat
+
 if TYPE_CHECKING:
     from lptrain.distributed.buffers import ParamAndGradBuffer
     from lptrain.distributed.groups import BufferGroups
@@ -119,7 +121,7 @@ class Bucket:
             lo, hi = self.shard_range()
             self._scatter_out = torch.empty(hi - lo, dtype=view.dtype, device=view.device)
             self._grad_handles.append(
-                dist.reduce_scatter_single(self._scatter_out, view, group=intra.pg, async_op=async_op)
+                reduce_scatter_flat(self._scatter_out, view, group=intra.pg, async_op=async_op)
             )
         elif intra.active:
             self._grad_handles.append(dist.all_reduce(view, group=intra.pg, async_op=async_op))
@@ -173,7 +175,7 @@ class Bucket:
             lo, hi = self.shard_range()
             local = self.buffer.param_data[lo:hi].clone()  # type: ignore[index]
             self._gather_out = torch.empty(self.end - self.start, dtype=local.dtype, device=local.device)
-            self._gather_handle = dist.all_gather_single(
+            self._gather_handle = all_gather_flat(
                 self._gather_out, local, group=g.pg, async_op=async_op
             )
         elif self.param_sync_hook is not None:

@@ -197,11 +197,11 @@ def _tensor_bytes(t: torch.Tensor) -> int:
 def measured_memory(model: torch.nn.Module, buffers: Sequence[Any], children: Sequence[Any]) -> MemoryBreakdown:
     """This rank's bytes from the live engine: ``model``, the ``DataParallel`` buffers and
     the chained optimizer's children (call after one step: optimizer state is lazy)."""
-    from lptrain.precision.param_storage import is_quantized
+    from lptrain.precision.param_storage import storage_bytes
 
     m = MemoryBreakdown()
     for p in model.parameters():
-        m.params += p.nbytes() if is_quantized(p) else _tensor_bytes(p)  # type: ignore[operator]
+        m.params += storage_bytes(p)
     for b in buffers:
         m.grads += _tensor_bytes(b.grad_data)
         pad = b.spec.numel - b.spec.numel_unpadded

@@ -21,14 +21,14 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def measure_engine(engine: Any) -> dict[str, int]:
     """Bytes per persistent category on this rank (same definitions as the planner)."""
-    from lptrain.precision.param_storage import is_quantized
+    from lptrain.precision.param_storage import is_quantized, storage_bytes
 
     out = dict.fromkeys(PERSISTENT, 0)
     for p in engine.model.parameters():
         if not p.requires_grad:
             continue
         if is_quantized(p):
-            out["quantized_weights"] += p.nbytes()
+            out["quantized_weights"] += storage_bytes(p)
         else:
             out["weights"] += _nbytes(p)
     for buf in engine.ddp.buffers:

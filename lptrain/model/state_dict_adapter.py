@@ -33,11 +33,11 @@ def _canonical_key(pre: str, fc: str, expert: int) -> str:
 
 
 def _split_members(value: torch.Tensor) -> list[torch.Tensor]:
-    """Per-expert members of a grouped value: a grouped quantized tensor hands out its own
-    member views (still quantized, bit-identical to discretely quantized members); a plain
-    tensor is unbound along dim 0."""
-    members = getattr(value, "members", None)
-    return list(members()) if callable(members) else list(value.unbind(0))
+    """Per-expert members of a grouped value (:func:`grouped_members`: a quantized grouped
+    weight's own member views, TE's included; a plain tensor unbound along dim 0)."""
+    from lptrain.precision.param_storage import grouped_members
+
+    return grouped_members(value)
 
 
 def _group_members(members: list[torch.Tensor], target: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,10 @@ class ChainedOptimizer:
             c.prepare_grads()
 
     def grad_norm(self) -> float:
-        total = torch.zeros((), dtype=torch.float64)
+        """The global norm: the children's squared norms summed on their device, then one
+        host read (the skip decision is a host branch)."""
+        device = self.children[0].device if self.children else torch.device("cpu")
+        total = torch.zeros((), dtype=torch.float64, device=device)
         for c in self.children:
             total += c.grad_norm_sq()
         return math.sqrt(float(total))

@@ -96,6 +96,8 @@ class ShardedMasterOptimizer:
         self.buffers = list(buffers)
         # The shard group of these buffers (all of one optimizer share it: dense or expert).
         self.group: Group = self.buffers[0].groups.intra if self.buffers else SINGLE
+        # where this optimizer's scalars live: its buffers' device (NCCL reduces CUDA tensors)
+        self.device = self.buffers[0].grad_data.device if self.buffers else torch.device("cpu")
         self.label = label
         self.pieces = _pieces(self.buffers)
         for buf in self.buffers:
@@ -150,8 +152,8 @@ class ShardedMasterOptimizer:
     def grad_norm_sq(self) -> torch.Tensor:
         """Squared norm of this optimizer's full gradient (fp64; reduced over its group for
         sharded buffers, each element counted once)."""
-        sharded = torch.zeros((), dtype=torch.float64)
-        replicated = torch.zeros((), dtype=torch.float64)
+        sharded = torch.zeros((), dtype=torch.float64, device=self.device)
+        replicated = torch.zeros((), dtype=torch.float64, device=self.device)
         for pc in self.pieces:
             sq = pc.master.grad.double().square().sum()  # type: ignore[union-attr]
             if pc.buffer.sharded:
@@ -193,15 +195,11 @@ class ShardedMasterOptimizer:
                     else:
                         dst = buf.param_data[pc.lo : pc.hi]  # type: ignore[index]
                         entries.append((p, pc.master, pc.p_lo, pc.p_hi, dst))
-            stage_shards(entries, self._reduce_max)
+            stage_shards(entries, self.group.pg if self.group.active else None)
         for buf in self.buffers:
             if buf.sharded:
                 for bucket in buf.buckets:
                     bucket.mark_staged()
-
-    def _reduce_max(self, t: torch.Tensor) -> None:
-        if self.group.active:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group.pg)
 
     def lr_by_group(self) -> dict[str, float]:
         return {g["name"]: float(g["lr"]) for opt in self.optimizers for g in opt.param_groups}
@@ -243,8 +241,10 @@ class ShardedMasterOptimizer:
         out: dict[str, dict[str, torch.Tensor]] = {}
         for buf in self.buffers:
             for name, p in buf.params.items():
-                entry = {k: torch.zeros(p.numel(), dtype=torch.float32) for k in ("master", *sorted(vector_keys))}
-                entry.update({k: torch.zeros((), dtype=torch.float64) for k in sorted(scalar_keys)})
+                entry = {k: torch.zeros(p.numel(), dtype=torch.float32, device=self.device)
+                         for k in ("master", *sorted(vector_keys))}
+                entry.update({k: torch.zeros((), dtype=torch.float64, device=self.device)
+                              for k in sorted(scalar_keys)})
                 out[name] = entry
         for pc in self.pieces:
             entry = out[pc.name]
@@ -252,8 +252,10 @@ class ShardedMasterOptimizer:
             for k, v in states[id(pc.master)].items():
                 if k in vector_keys:
                     entry[k][pc.p_lo : pc.p_hi] = v.reshape(-1)
+                elif torch.is_tensor(v):
+                    entry[k].copy_(v)  # a 0-dim state (AdamW's step): no host round trip
                 else:
-                    entry[k].fill_(float(v))
+                    entry[k].fill_(v)
         if sharded:
             for buf in self.buffers:
                 if not buf.sharded:

@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 from lptrain.config.schema import OptimizerConfig
 from lptrain.distributed.buffers import ParamAndGradBuffer
+from lptrain.distributed.collectives import all_gather_flat
 from lptrain.distributed.groups import SINGLE, Group
 from lptrain.distributed.layout import BufferSpec, ns_cost, padded_owner
 from lptrain.optim.param_groups import copy_param_attributes
@@ -210,7 +211,7 @@ class CompactGather:
                 self._recv.append([send])
             elif self.mode == "pad":
                 out = torch.empty(g.size * send.numel(), dtype=send.dtype, device=send.device)
-                self._handles.append(dist.all_gather_single(out, send, group=g.pg, async_op=async_op))
+                self._handles.append(all_gather_flat(out, send, group=g.pg, async_op=async_op))
                 self._recv.append(list(out.view(g.size, -1).unbind(0)))
             else:
                 bufs = []
@@ -276,6 +277,7 @@ class LayerWiseMuon:
         self.buffers = list(buffers)
         self.cfg = cfg
         self.label = label
+        self.device = self.buffers[0].grad_data.device if self.buffers else torch.device("cpu")
         self.param_layout = param_layout
         dense = [b.groups.intra for b in self.buffers if not b.key.is_expert]
         expert = [b.groups.intra for b in self.buffers if b.key.is_expert]
@@ -337,16 +339,16 @@ class LayerWiseMuon:
 
     def grad_norm_sq(self) -> torch.Tensor:
         """Squared norm of every Muon grad, each unit once (on its owner), over the world."""
-        local = torch.zeros((), dtype=torch.float64)
+        local = torch.zeros((), dtype=torch.float64, device=self.device)
         for pc in self.pieces:
             local += pc.master.grad.double().square().sum()  # type: ignore[union-attr]
         return _world_sum(local)
 
     def count_zeros(self) -> int:
         """Zero gradient entries of every Muon matrix, each once, summed over the world."""
-        local = torch.zeros((), dtype=torch.int64)
+        local = torch.zeros((), dtype=torch.int64, device=self.device)
         for pc in self.pieces:
-            local += int((pc.grad_view() == 0).sum())
+            local += (pc.grad_view() == 0).sum()  # on the device: one host read per step
         return int(_world_sum(local))
 
     def step(self, lrs: Mapping[str, float], clip_coef: Optional[float]) -> None:
@@ -361,10 +363,13 @@ class LayerWiseMuon:
             pc.master.grad = None
         # Update RMS over every unit of the world (each counted once): one tiny all-reduce.
         sq = self.optimizer._rms_sumsq
-        stats = torch.tensor([float(sq) if sq is not None else 0.0,
-                              float(self.optimizer._rms_count)], dtype=torch.float64)
+        stats = torch.zeros(2, dtype=torch.float64, device=self.device)
+        if sq is not None:
+            stats[0] = sq
+        stats[1] = float(self.optimizer._rms_count)
         _world_sum(stats)
-        self._rms = math.sqrt(float(stats[0]) / float(stats[1])) if stats[1] > 0 else None
+        total, count = stats.tolist()  # the step's one host read of Muon's statistics
+        self._rms = math.sqrt(total / count) if count > 0 else None
 
     def stage(self) -> None:
         """Masters -> the gather: packs (compact) or the owner's shard of the param buffer

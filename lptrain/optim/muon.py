@@ -301,10 +301,11 @@ class Muon(_UpdateRMS, NamedStateMixin, torch.optim.Optimizer):
 
 
 def _adamw_group_step(group: dict[str, Any], state: Any) -> None:
-    """torch's AdamW (``torch.optim.adam.adam`` with decoupled decay) on one group: the same
-    kernel and state layout (``step``, ``exp_avg``, ``exp_avg_sq``) as ``torch.optim.AdamW``,
-    so the result is bitwise identical to it."""
-    from torch.optim.adam import adam
+    """torch's AdamW (the ``torch.optim.adamw.adamw`` functional, present with this
+    signature from torch 2.2) on one group: the same kernel and state layout (``step``,
+    ``exp_avg``, ``exp_avg_sq``) as ``torch.optim.AdamW``, so the result is bitwise
+    identical to it."""
+    from torch.optim.adamw import adamw
 
     params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
     for p in group["params"]:
@@ -325,11 +326,11 @@ def _adamw_group_step(group: dict[str, Any], state: Any) -> None:
     if not params:
         return
     beta1, beta2 = group["betas"]
-    adam(
+    adamw(
         params, grads, exp_avgs, exp_avg_sqs, [], steps,
         foreach=group["foreach"], capturable=False, differentiable=False,
         fused=group["fused"], grad_scale=None, found_inf=None, has_complex=False,
-        decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2,
+        amsgrad=False, beta1=beta1, beta2=beta2,
         lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
     )
 

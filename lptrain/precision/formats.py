@@ -255,11 +255,15 @@ def draw_rbits(n: int, generator: Optional[torch.Generator], device: torch.devic
     """``n`` uniform random bytes (uint8), deterministic for a seeded ``generator``.
 
     Drawn as int64 words over the full int64 range (every byte uniform) and viewed as bytes:
-    one generator call per 8 elements is ~6x cheaper than per-element uint8 draws.
+    one generator call per 8 elements is ~6x cheaper than per-element uint8 draws. The words
+    are drawn where ``generator`` lives (a seeded CPU generator: the same bits whatever
+    ``device`` is, so a CUDA run quantizes bit-identically to the CPU emulation; a CUDA
+    kernel cannot draw from a CPU generator) and copied to ``device``.
     """
-    words = torch.empty((n + 7) // 8, dtype=torch.int64, device=device)
+    where = generator.device if generator is not None else device
+    words = torch.empty((n + 7) // 8, dtype=torch.int64, device=where)
     words.random_(-(2**63), None, generator=generator)
-    return words.view(torch.uint8)[:n]
+    return words.view(torch.uint8)[:n].to(device)
 
 
 def sr_e2m1_codes_i32(

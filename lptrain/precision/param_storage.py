@@ -16,28 +16,45 @@ new format changes nothing outside lptrain/precision.
   allows it (plain params: ``p.data`` aliases ``view``, checkable by ``data_ptr``); returns
   whether it did. Quantized params keep their own storage and are refreshed from the staged
   slice by ``load_from_staging``.
-* ``stage_shards(entries, reduce_max)``: write this rank's master pieces into their staging
-  slices; shard-quantizable params first MAX-reduce their partial amaxes (one collective for
-  all of them) so every rank quantizes with the same scales.
+* ``stage_shards(entries, group)``: write this rank's master pieces into their staging
+  slices; byte-gathered params are cast per family (``stage_bytes``), which first MAX-reduces
+  the partial amaxes over ``group`` (one collective per family) so every rank quantizes with
+  the same scales.
 * ``load_from_staging(p, staged)``: after a gather, make ``p`` hold ``staged`` (a no-op for an
   aliased plain param; the column-wise copy rebuilt for byte-gathered params; a
   requantization -- both orientations -- for the others).
+
+Transformer Engine's tensor classes answer through :mod:`lptrain.precision.te_storage`,
+registered here the first time a tensor from ``transformer_engine`` arrives (so importing
+lptrain never imports TE).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from functools import singledispatch
-from typing import Optional
+from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 
 from lptrain.precision.tensors import QuantizedTensor
 
 
+def _registers_te(p: torch.Tensor) -> bool:
+    """Whether ``p`` is a Transformer Engine tensor whose class now has its own answers
+    (registered on first sight); the plain-tensor defaults then dispatch again."""
+    if not type(p).__module__.startswith("transformer_engine"):
+        return False
+    from lptrain.precision import te_storage
+
+    te_storage.register()
+    return is_quantized.dispatch(type(p)) is not is_quantized.dispatch(torch.Tensor)
+
+
 @singledispatch
 def is_quantized(p: torch.Tensor) -> bool:
-    return False
+    return is_quantized(p) if _registers_te(p) else False
 
 
 @is_quantized.register
@@ -47,7 +64,7 @@ def _(p: QuantizedTensor) -> bool:
 
 @singledispatch
 def staging_dtype(p: torch.Tensor) -> torch.dtype:
-    return p.dtype
+    return staging_dtype(p) if _registers_te(p) else p.dtype
 
 
 @staging_dtype.register
@@ -57,7 +74,7 @@ def _(p: QuantizedTensor) -> torch.dtype:
 
 @singledispatch
 def high_precision_value(p: torch.Tensor) -> torch.Tensor:
-    return p.detach().float()
+    return high_precision_value(p) if _registers_te(p) else p.detach().float()
 
 
 @high_precision_value.register
@@ -70,6 +87,8 @@ def _(p: QuantizedTensor) -> torch.Tensor:
 @singledispatch
 def release_high_precision_init(p: torch.Tensor) -> None:
     """Free a kept init copy once masters hold it (no-op for plain params)."""
+    if _registers_te(p):
+        release_high_precision_init(p)
 
 
 @release_high_precision_init.register
@@ -79,6 +98,8 @@ def _(p: QuantizedTensor) -> None:
 
 @singledispatch
 def place_in_buffer(p: torch.Tensor, view: torch.Tensor) -> bool:
+    if _registers_te(p):
+        return place_in_buffer(p, view)
     view.copy_(p.detach().reshape(-1))
     p.data = view.view(p.shape)
     return True
@@ -95,7 +116,9 @@ def _(p: QuantizedTensor, view: torch.Tensor) -> bool:
 
 @singledispatch
 def load_from_staging(p: torch.Tensor, staged: torch.Tensor) -> None:
-    if p.data_ptr() != staged.data_ptr():
+    if _registers_te(p):
+        load_from_staging(p, staged)
+    elif p.data_ptr() != staged.data_ptr():
         with torch.no_grad():
             p.copy_(staged.view(p.shape))
 
@@ -111,28 +134,75 @@ def _(p: QuantizedTensor, staged: torch.Tensor) -> None:
 StageEntry = tuple[torch.Tensor, Optional[torch.Tensor], int, int, Optional[torch.Tensor]]
 
 
-def stage_shards(entries: Sequence[StageEntry], reduce_max: Callable[[torch.Tensor], None]) -> None:
+def stage_shards(entries: Sequence[StageEntry], group: Optional[Any]) -> None:
     """Stage ``(param, master piece or None, lo, hi, staging slice or None)`` entries.
 
     Every rank must pass the same params in the same order (pieces may be None): the
-    shard-quantizable ones join one MAX all-reduce of their partial amaxes.
+    byte-gathered ones of each family are cast together (:func:`stage_bytes`: one MAX
+    all-reduce of their partial amaxes over ``group``; None when this rank is alone).
     """
-    byte = [e for e in entries if staging_dtype(e[0]) == torch.uint8]
-    for _p, x, _lo, _hi, dst in entries:
-        if x is not None and dst is not None and dst.dtype != torch.uint8:
+    families: dict[type, list[StageEntry]] = {}
+    for e in entries:
+        p, x, _lo, _hi, dst = e
+        if staging_dtype(p) == torch.uint8:
+            families.setdefault(type(p), []).append(e)
+        elif x is not None and dst is not None:
             dst.copy_(x.reshape(-1))
-    if not byte:
+    for family in families.values():
+        stage_bytes(family[0][0], family, group)
+
+
+@singledispatch
+def stage_bytes(p: torch.Tensor, entries: Sequence[StageEntry], group: Optional[Any]) -> None:
+    """Cast the master shards of byte-gathered params of ``p``'s family into their bytes."""
+    if _registers_te(p):
+        stage_bytes(p, entries, group)
         return
-    partial = [e[0].shard_amax(_to_logical(e[0], e[1]), e[2], e[3]) for e in byte]  # type: ignore[attr-defined]
+    raise TypeError(f"{type(p).__name__} is not gathered as bytes")
+
+
+@stage_bytes.register
+def _(p: QuantizedTensor, entries: Sequence[StageEntry], group: Optional[Any]) -> None:
+    partial = [e[0].shard_amax(_to_logical(e[0], e[1]), e[2], e[3]) for e in entries]  # type: ignore[attr-defined]
     flat = torch.cat([a.reshape(-1) for a in partial])
-    reduce_max(flat)
+    if group is not None:
+        dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
     off = 0
-    for (p, x, lo, hi, dst), a in zip(byte, partial, strict=True):
+    for (q, x, lo, hi, dst), a in zip(entries, partial, strict=True):
         amax = flat[off : off + a.numel()].view_as(a)
         off += a.numel()
-        q = p.shard_quantize(_to_logical(p, x), lo, hi, amax)  # type: ignore[attr-defined]
-        if q is not None and dst is not None:
-            dst.copy_(q.reshape(-1))
+        out = q.shard_quantize(_to_logical(q, x), lo, hi, amax)  # type: ignore[attr-defined]
+        if out is not None and dst is not None:
+            dst.copy_(out.reshape(-1))
+
+
+@singledispatch
+def storage_bytes(p: torch.Tensor) -> int:
+    """Bytes ``p`` holds (a quantized param: its data and scales, every kept orientation)."""
+    if _registers_te(p):
+        return storage_bytes(p)
+    return p.numel() * p.element_size()
+
+
+@storage_bytes.register
+def _(p: QuantizedTensor) -> int:
+    return p.nbytes()
+
+
+@singledispatch
+def grouped_members(p: torch.Tensor) -> list[torch.Tensor]:
+    """The per-member tensors of a grouped ``[N, ...]`` weight (views of its storage): a
+    plain tensor unbound along dim 0; a grouped quantized tensor's own member views (still
+    quantized, each bit-identical to a discretely quantized member)."""
+    if _registers_te(p):
+        return grouped_members(p)
+    return list(p.unbind(0))
+
+
+@grouped_members.register
+def _(p: QuantizedTensor) -> list[torch.Tensor]:
+    members = getattr(p, "members", None)
+    return list(members()) if callable(members) else list(p.unbind(0))
 
 
 def _to_logical(p: torch.Tensor, x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

@@ -23,24 +23,17 @@ def master_weight_init(p: torch.Tensor) -> torch.Tensor:
     device), and the model-side init copy is freed.
 
     A quantized primary weight starts from its high-precision init value, not from its
-    dequantized bytes, so training starts from the true init (numerics.md: "seed fp32 master
-    weights from the true init"): lptrain's ``high_precision_init_value()``, or TE's
-    ``get_high_precision_init_val()`` (a CPU copy kept by ``quantized_model_init(...,
-    preserve_high_precision_init_val=True)``). Without one it falls back to ``dequantize()``;
-    a plain tensor is copied.
+    dequantized bytes, so training starts from the true init: lptrain's
+    ``high_precision_init_value()``, or TE's ``get_high_precision_init_val()`` (a CPU copy
+    kept by ``quantized_model_init(..., preserve_high_precision_init_val=True)``); without
+    one, its dequantized value. A plain tensor is copied. The data-parallel engine asks the
+    same questions (:mod:`lptrain.precision.param_storage`).
     """
-    init = None
-    if hasattr(p, "high_precision_init_value"):  # lptrain QuantizedTensor
-        init = p.high_precision_init_value()
-        p.clear_high_precision_init_value()
-    elif callable(getattr(p, "get_high_precision_init_val", None)):  # TE quantized param
-        init = p.get_high_precision_init_val()
-        clear = getattr(p, "clear_high_precision_init_val", None)
-        if callable(clear):
-            clear()
-    if init is None:
-        init = p.dequantize() if callable(getattr(p, "dequantize", None)) else p
-    return init.detach().to(device=p.device, dtype=torch.float32).clone()
+    from lptrain.precision.param_storage import high_precision_value, release_high_precision_init
+
+    value = high_precision_value(p).to(device=p.device, dtype=torch.float32).clone()
+    release_high_precision_init(p)
+    return value
 
 
 def fused_wgrad_weights(model: nn.Module) -> Iterator[nn.Parameter]:

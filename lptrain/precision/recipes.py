@@ -97,7 +97,15 @@ class DelayedScalingState:
         self.scale = torch.ones(1, dtype=torch.float32)
         self.amax_history = torch.zeros(self.history_len, dtype=torch.float32)
 
+    def follow(self, device: torch.device) -> None:
+        """Keep the slot on the device of the tensors it scales (created on the CPU, before
+        the model's device is known; moved once, at the first quantization)."""
+        if self.scale.device != device:
+            self.scale = self.scale.to(device)
+            self.amax_history = self.amax_history.to(device)
+
     def record_amax(self, amax: torch.Tensor) -> None:
+        self.follow(amax.device)
         self.amax_history[0] = torch.maximum(self.amax_history[0], amax.reshape(()).float())
 
     @property

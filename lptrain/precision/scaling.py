@@ -57,7 +57,9 @@ def block_amax(
     out = None if ws is None else ws.get("amax", xf.shape, torch.int32)
     a = torch.bitwise_and(xf.view(torch.int32), _ABS_MASK, out=out).amax(dim=d)
     nan = a > _INF_BITS
-    if bool(nan.any()):
+    # On the CPU the NaN-free common case skips the recompute; elsewhere asking would be a
+    # host sync per quantization, so the (value-identical) select always runs.
+    if x.device.type != "cpu" or bool(nan.any()):
         a = torch.where(nan, abs_nan_to_zero(xf).amax(dim=d).view(torch.int32), a)
     return a.view(torch.float32)
 

@@ -297,8 +297,12 @@ def _te_grouped_linear_cls() -> type:
 
     class TEGroupedLinear(te.GroupedLinear):
         def member_weight(self, i: int) -> torch.Tensor:
+            """Expert ``i``'s weight: a per-member tensor viewing the single grouped weight
+            (TE's ``GroupedTensor`` refuses ``weight[i]``), or the discrete ``weight<i>``."""
             if getattr(self, "single_grouped_weight", False):
-                return self.weight[i]
+                from lptrain.precision.param_storage import grouped_members
+
+                return grouped_members(self.weight)[i]
             return getattr(self, f"weight{i}")
 
         def forward(self, inp: torch.Tensor, m_splits: Sequence[int], *args: Any, **kw: Any) -> Any:

@@ -33,6 +33,13 @@ import torch
 
 from lptrain.config.schema import LPTrainConfig
 from lptrain.errors import RunFailedError
+from lptrain.precision.model_state import (
+    load_rank_state,
+    load_scaling_state,
+    rank_state,
+    scaling_state,
+    seed_device_rng,
+)
 
 
 class TrainingDivergedError(RunFailedError):
@@ -86,6 +93,7 @@ class TrainEngine:
         if recipe is not None and hasattr(recipe, "seed"):
             # Stochastic-rounding streams: distinct per rank, reproducible from (seed, rank).
             recipe.seed = cfg.train.seed * 65_537 + self.rank
+        seed_device_rng(cfg.train.seed, self.rank, self.device)  # TE draws its SR bits there
         self.model = build_model(
             cfg, factory, expert_model_parallel_rank=self.groups.ep.rank, device=self.device
         )
@@ -143,10 +151,11 @@ class TrainEngine:
         return {k: v.to(self.device, non_blocking=True) for k, v in b.items()}
 
     def _forward_backward(self, micro_batches: Sequence[dict[str, torch.Tensor]]) -> torch.Tensor:
-        """Local (lm_loss, total_loss) means over this rank's micro-batches, fp64."""
+        """Local (lm_loss, total_loss) means over this rank's micro-batches, fp64, on the
+        device (read once per step, after the loss all-reduce)."""
         model, ddp = self.model, self.ddp
         n = len(micro_batches)
-        sums = torch.zeros(2, dtype=torch.float64)
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)
         for i, b in enumerate(micro_batches):
             b = self._to_device(b)
             ctx = ddp.no_sync() if i < n - 1 else contextlib.nullcontext()
@@ -156,22 +165,22 @@ class TrainEngine:
                 if i == 0:  # every bucket gathered (and a reused one zeroed) before grads land
                     ddp.sync_params(ddp.pending_param_buckets())
                 (loss / n).backward()
-            sums[0] += aux["lm_loss"].detach().double().cpu() / n
-            sums[1] += loss.detach().double().cpu() / n
+            sums[0] += aux["lm_loss"].detach().double() / n
+            sums[1] += loss.detach().double() / n
         return sums
 
     def _gather_losses(self, local: torch.Tensor, nonfinite_code: int) -> torch.Tensor:
         """[dp, 3] per-rank (lm_loss, total_loss, non-finite grad code): one small all-reduce
-        (the codes stay below 2^53, exact in fp64)."""
+        on the device, then one copy to the host (the codes stay below 2^53, exact in fp64)."""
         import torch.distributed as dist
 
         g = self.groups.dp
-        out = torch.zeros(g.size, 3, dtype=torch.float64)
+        out = torch.zeros(g.size, 3, dtype=torch.float64, device=self.device)
         out[g.rank, :2] = local
         out[g.rank, 2] = float(nonfinite_code)
         if g.active:
             dist.all_reduce(out, group=g.pg)
-        return out
+        return out.cpu()
 
     def train_step(self, micro_batches: Sequence[dict[str, torch.Tensor]], step: int) -> StepResult:
         from lptrain.distributed.ddp import NonFiniteGradError
@@ -261,7 +270,7 @@ class TrainEngine:
         import torch.distributed as dist
 
         model = self.model
-        total = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
         routers = model.routers() if hasattr(model, "routers") else []
         counts = [r.local_tokens_per_expert.clone() for r in routers if hasattr(r, "local_tokens_per_expert")]
         with self.params_synced(), torch.no_grad():
@@ -271,7 +280,7 @@ class TrainEngine:
                     b = self._to_device(next(batches))
                     with model.autocast():
                         _, aux = model(b["tokens"], labels=b["labels"])
-                    total += aux["lm_loss"].double().cpu()
+                    total += aux["lm_loss"].double()
             finally:
                 model.train()
                 with_counts = [r for r in routers if hasattr(r, "local_tokens_per_expert")]
@@ -281,21 +290,6 @@ class TrainEngine:
         if g.active:
             dist.all_reduce(total, group=g.pg)
         return float(total) / max(1, n) / g.size
-
-    def _scaling_state(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Delayed-scaling state (scales, amax histories) per quantized module, cloned."""
-        out = {}
-        for name, mod in self.model.named_modules():
-            if hasattr(mod, "scaling_state_dict"):
-                sd = mod.scaling_state_dict()
-                if sd:
-                    out[name] = sd
-        return out
-
-    def _load_scaling_state(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
-        for name, mod in self.model.named_modules():
-            if name in state and hasattr(mod, "load_scaling_state_dict"):
-                mod.load_scaling_state_dict(state[name])
 
     @contextlib.contextmanager
     def params_synced(self) -> Iterator[None]:
@@ -312,8 +306,10 @@ class TrainEngine:
         ``global``: identical on every rank: ``model`` (fp32 masters by canonical name: the
         high-precision weights, never quantized bytes), ``optimizer`` (per param name: the
         full optimizer state, sharded pieces gathered), ``scaling`` (delayed-scaling state).
-        ``local``: this rank's RNG states (torch, and the quantizers' stochastic-rounding
-        generators by name); absent on load when written at another world size.
+        ``local``: this rank's random streams and module extra state (torch's and CUDA's
+        generators, the quantizers' stochastic-rounding generators, Transformer Engine's
+        per-module scaling state: :mod:`lptrain.precision.model_state`); absent on load when
+        written at another world size.
         """
         model: dict[str, torch.Tensor] = {}
         optim: dict[str, dict[str, torch.Tensor]] = {}
@@ -325,18 +321,12 @@ class TrainEngine:
                 model[name] = entry.pop("master")
                 optim[name] = entry
         return {
-            "global": {"model": model, "optimizer": optim, "scaling": self._scaling_state()},
-            "local": {"torch_rng": torch.get_rng_state(), "quantizer_rng": self._quantizer_rng_states()},
+            "global": {"model": model, "optimizer": optim, "scaling": scaling_state(self.model)},
+            "local": rank_state(self.model, self._quantizer_recipe(), self.device),
         }
 
     def _quantizer_recipe(self) -> Any:
         return getattr(getattr(self.model, "factory", None), "recipe", None)
-
-    def _quantizer_rng_states(self) -> dict[str, torch.Tensor]:
-        """Per-rank stochastic-rounding generator states (4-bit grads), by quantizer name."""
-        from lptrain.precision.rng import rng_states
-
-        return rng_states(self.model, self._quantizer_recipe())
 
     # Expert parameters are checkpointed under canonical per-expert names, gathered over the
     # expert-parallel group, so a checkpoint loads at any EP size and expert layout.
@@ -362,16 +352,11 @@ class TrainEngine:
                     for name in buf.params:
                         entries[name] = {"master": g["model"][name], **g["optimizer"].get(name, {})}
             child.load_full_state(entries)
-        self._load_scaling_state(g.get("scaling") or {})
+        load_scaling_state(self.model, g.get("scaling") or {})
         with self.params_synced():  # push the loaded masters into the params
             pass
-        local = state.get("local") or {}
-        if "torch_rng" in local:
-            torch.set_rng_state(local["torch_rng"])
-        if "quantizer_rng" in local:  # absent from another world size: streams start from (seed, rank)
-            from lptrain.precision.rng import load_rng_states
-
-            load_rng_states(self.model, local["quantizer_rng"], self._quantizer_recipe())
+        # absent when written at another world size: the streams start from (seed, rank)
+        load_rank_state(self.model, state.get("local") or {}, self._quantizer_recipe())
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds, by category, measured on the live buffers and optimizer

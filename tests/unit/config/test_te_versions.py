@@ -1,6 +1,6 @@
 """The TE version table of the rule catalog against a stand-in TE of each listed version.
 
-For every listed TE release (``_fake_te.VERSIONS``) and every recipe / feature: the rules
+For every listed TE release (``lptrain.testing.te_standin.VERSIONS``) and every recipe / feature: the rules
 accept a ``backend=te`` config exactly when lptrain's TE adapter can build it against that
 release's Python surface (recipe classes, GroupedLinear arguments, environment gating). The
 hardware facts (MXFP8 on sm120, blockwise on Blackwell and its CUDA minimum) are checked
@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import warnings
 
-import _fake_te
 import pytest
 import torch
 
@@ -20,6 +19,7 @@ from lptrain.config import World, check, compose
 from lptrain.config.rulesets.precision import auto_backend
 from lptrain.config.world import parse_version
 from lptrain.precision import te_adapter
+from lptrain.testing import te_standin as _fake_te
 
 TE = "precision.backend=te"
 RECIPES = {

@@ -260,26 +260,25 @@ def test_master_init_plain_and_emulated_quantized() -> None:
     assert lin.weight.high_precision_init_value() is None  # freed
 
 
-class _TEStyleParam:
-    """Duck type of a TE quantized parameter built under quantized_model_init."""
-
-    def __init__(self, init: torch.Tensor | None, deq: torch.Tensor) -> None:
-        self._init, self._deq, self.device, self.cleared = init, deq, deq.device, False
-
-    def get_high_precision_init_val(self) -> torch.Tensor | None:
-        return self._init
-
-    def clear_high_precision_init_val(self) -> None:
-        self.cleared = True
-
-    def dequantize(self) -> torch.Tensor:
-        return self._deq
-
-
 def test_master_init_uses_te_high_precision_init_val() -> None:
-    init = torch.randn(4, 8).to(torch.bfloat16)
-    p = _TEStyleParam(init, deq=torch.zeros(4, 8, dtype=torch.bfloat16))
-    m = master_weight_init(p)  # type: ignore[arg-type]
-    assert torch.equal(m, init.float()) and m.dtype == torch.float32 and p.cleared
-    fallback = _TEStyleParam(None, deq=torch.full((4, 8), 0.5, dtype=torch.bfloat16))
-    assert torch.equal(master_weight_init(fallback), torch.full((4, 8), 0.5))  # type: ignore[arg-type]
+    """A TE primary weight (the stand-in TE's, built as TE builds it) starts its master from
+    the kept CPU init value, which is then released; without one, from its dequantized bytes."""
+    from lptrain.precision import te_adapter
+    from lptrain.testing import te_standin
+
+    init = torch.randn(32, 64)
+
+    def set_init(t: torch.Tensor) -> None:
+        t.copy_(init)
+
+    with te_standin.installed() as mods:
+        r = mods["transformer_engine.common.recipe"]
+        recipe = r.Float8CurrentScaling(fp8_format=r.Format.E4M3)
+        with te_adapter.te_model_init(recipe):
+            lin = te_adapter.te_linear(64, 32, params_dtype=torch.bfloat16, init_method=set_init)
+        w = lin.weight
+        assert not torch.equal(w.dequantize().float(), init.to(torch.bfloat16).float())
+        m = master_weight_init(w)
+        assert torch.equal(m, init.to(torch.bfloat16).float()) and m.dtype == torch.float32
+        assert w.get_high_precision_init_val() is None  # released
+        assert torch.equal(master_weight_init(w), w.dequantize().float())  # the fallback

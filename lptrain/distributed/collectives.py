@@ -1,0 +1,32 @@
+"""The flat-tensor collectives, under the name the installed torch prefers.
+
+torch 2.13 added ``all_gather_single`` / ``reduce_scatter_single`` and deprecated
+``all_gather_into_tensor`` / ``reduce_scatter_tensor`` (same arguments, same semantics); GPU
+installs commonly run an older torch (NVIDIA's containers), which has only the old names.
+Every flat all-gather and reduce-scatter of lptrain goes through these two functions, which
+pick the new name when it exists. The name is looked up at each call, so a test can wrap
+``torch.distributed``'s functions (the virtual CUDA device checks every collective's tensors).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+
+def all_gather_flat(
+    output: torch.Tensor, input: torch.Tensor, group: Optional[Any] = None, async_op: bool = False
+) -> Any:
+    """``output`` (``size x input.numel()``) = every rank's ``input``, in rank order."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter_flat(
+    output: torch.Tensor, input: torch.Tensor, group: Optional[Any] = None, async_op: bool = False
+) -> Any:
+    """``output`` = this rank's equal slice of the SUM of every rank's ``input``."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(output, input, group=group, async_op=async_op)

@@ -1,0 +1,142 @@
+"""A run's config for a few steps on a virtual GPU: what ``pretrain --dry-run`` does on a GPU
+target, and what the tests of the GPU path use.
+
+:func:`virtual_gpu` is the world: one virtual CUDA device of the target's compute capability
+(:mod:`lptrain.testing.virtual_cuda`, which enforces CUDA's device rules), and, for
+``precision.backend=te`` where Transformer Engine is not installed, the stand-in TE
+(:mod:`lptrain.testing.te_standin`, which computes through the emulation and behaves like TE
+where lptrain depends on it). :func:`fake_gpu_steps` shrinks a config to tiny shapes
+(keeping its precision, optimizer, data-parallel and MoE settings) and runs training steps,
+an evaluation and the collection of the checkpoint state on it, reporting the host syncs and
+collectives per step and the peak device memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+# target -> (compute capability, device name the MFU table knows)
+GPUS = {
+    "sm89": ((8, 9), "NVIDIA L40S"),
+    "sm90": ((9, 0), "NVIDIA H100 80GB HBM3"),
+    "sm100": ((10, 0), "NVIDIA B200"),
+    "sm120": ((12, 0), "NVIDIA RTX PRO 6000 Blackwell"),
+}
+
+
+@contextlib.contextmanager
+def virtual_gpu(target: str = "sm90", *, te: bool = False, te_version: Optional[str] = None) -> Iterator[Any]:
+    """A virtual GPU of ``target`` (and the stand-in TE ``te_version`` when ``te``, unless
+    a real TE is importable); yields the :class:`~lptrain.testing.virtual_cuda.VirtualCuda`,
+    whose ``te_backend`` attribute says which TE serves (``None``, ``"installed"`` or
+    ``"stand-in X.Y"``)."""
+    from lptrain.testing import te_standin
+    from lptrain.testing.virtual_cuda import VirtualCuda
+
+    capability, name = GPUS[target]
+    with VirtualCuda(capability=capability, name=name) as vc, contextlib.ExitStack() as stack:
+        vc.te_backend = None
+        if te:
+            from lptrain.precision.te_adapter import te_importable
+
+            if te_importable():
+                vc.te_backend = "installed"
+            else:
+                version = te_version or te_standin.LATEST
+                stack.enter_context(te_standin.installed(version))
+                vc.te_backend = f"stand-in {version}"
+        yield vc
+
+
+@dataclass
+class FakeStepReport:
+    """What :func:`fake_gpu_steps` saw."""
+
+    target: str
+    backend: str  # "emulated", "te (stand-in 2.19)", ...
+    losses: list[float]
+    val_loss: float
+    syncs_per_step: dict[str, int]
+    collectives_per_step: dict[str, int]
+    peak_device_bytes: int
+    changed: list[str] = field(default_factory=list)  # what was shrunk for the step
+
+    def lines(self) -> list[str]:
+        syncs = sum(self.syncs_per_step.values())
+        kinds = ", ".join(f"{k} {v}" for k, v in sorted(self.syncs_per_step.items())) or "none"
+        losses = " -> ".join(f"{x:.4f}" for x in self.losses)
+        return [
+            f"fake GPU step ({self.target}, virtual CUDA, {self.backend}): {len(self.losses)} "
+            f"steps, loss {losses}, val {self.val_loss:.4f}; {syncs} host syncs per step "
+            f"({kinds}); peak device memory {self.peak_device_bytes / 2**20:.1f} MiB",
+            "fake GPU step shrank: " + "; ".join(self.changed),
+        ]
+
+
+# tiny shapes that every recipe's GEMMs align to (all multiples of 32; see configs/model/tiny)
+_TINY_MODEL = {"num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 256, "num_attention_heads": 4,
+               "num_query_groups": 4, "seq_length": 64, "vocab_size": 259,
+               "make_vocab_size_divisible_by": 1}
+
+
+def shrink(cfg: Any) -> tuple[Any, list[str]]:
+    """A copy of ``cfg`` at tiny shapes on the built-in corpus, one rank: everything else
+    (precision, optimizer, data-parallel engine, MoE layout) as it was; and what changed."""
+    out = copy.deepcopy(cfg)
+    m, t, d = out.model, out.train, out.data
+    changed = [f"model {m.num_layers}x{m.hidden_size} -> 2x64, seq {m.seq_length} -> 64"]
+    for k, v in _TINY_MODEL.items():
+        setattr(m, k, v)
+    if m.moe.num_experts:
+        m.moe.ffn_hidden_size = 64
+        if m.moe.expert_model_parallel_size != 1:
+            changed.append(f"expert parallelism {m.moe.expert_model_parallel_size} -> 1")
+            m.moe.expert_model_parallel_size = 1
+    changed.append(f"batch {t.global_batch_size} -> 4 (micro 2)")
+    t.global_batch_size, t.micro_batch_size, t.eval_iters = 4, 2, 1
+    if d.source != "builtin:python-stdlib" or d.paths:
+        changed.append(f"data {', '.join(d.paths) or d.source} -> builtin:python-stdlib (byte tokenizer)")
+    d.source, d.paths, d.weights, d.tokenizer, d.builtin_max_mb = "builtin:python-stdlib", [], [], "byte", 1.0
+    out.run.device = "cuda"
+    out.logging.progress = False
+    return out, changed
+
+
+def fake_gpu_steps(cfg: Any, target: str, *, steps: int = 2, te_version: Optional[str] = None) -> FakeStepReport:
+    """Run ``steps`` training steps of ``cfg`` (shrunk: :func:`shrink`) on a virtual ``target``
+    GPU, then an evaluation and the checkpoint state (not written). Raises
+    :class:`~lptrain.testing.virtual_cuda.DeviceRuleError` where a GPU would fail."""
+    from lptrain.config import World, derive
+    from lptrain.data import build_train_valid_loaders
+    from lptrain.train.engine import TrainEngine
+
+    small, changed = shrink(cfg)
+    te = small.precision.backend == "te"
+    with virtual_gpu(target, te=te, te_version=te_version) as vc:
+        small = derive(small, World.detect())
+        engine = TrainEngine(small)
+        t = small.train
+        train_it, valid_it = build_train_valid_loaders(
+            small.data, seq_length=small.model.seq_length, micro_batch_size=t.micro_batch_size,
+            global_batch_size=t.global_batch_size, dp_rank=0, dp_size=1, vocab_size=small.model.vocab_size,
+        )
+        n = t.global_batch_size // t.micro_batch_size
+        losses, syncs, coll = [], {}, {}
+        for step in range(1, steps + 1):
+            before_s, before_c = dict(vc.stats.syncs), dict(vc.stats.collectives)
+            losses.append(engine.train_step([next(train_it) for _ in range(n)], step).loss)
+            syncs = {k: v - before_s.get(k, 0) for k, v in vc.stats.syncs.items() if v - before_s.get(k, 0)}
+            coll = {k: v - before_c.get(k, 0) for k, v in vc.stats.collectives.items() if v - before_c.get(k, 0)}
+        val = engine.evaluate(valid_it if valid_it is not None else train_it, 1)
+        with engine.params_synced():
+            engine.checkpoint_state()
+        peak = vc.stats.bytes_peak
+        backend = "emulated backend" if not te else f"TE backend, {vc.te_backend} TE"
+    if not all(math.isfinite(x) for x in losses):
+        raise FloatingPointError(f"fake GPU step: non-finite loss {losses}")
+    return FakeStepReport(target, backend, losses, val, syncs, coll, peak, changed)

@@ -1,0 +1,369 @@
+"""Stand-in ``transformer_engine.pytorch`` modules and contexts that compute like TE.
+
+``Linear`` and ``GroupedLinear`` take TE's constructor arguments (per release, see
+``lptrain.testing.te_standin.make``), create their parameters on ``device`` (``"cuda"``: the
+real or the virtual GPU), and run their GEMMs through lptrain's emulated quantized ops, so a
+model built on the TE backend trains for real on a CPU. What TE does and lptrain must cope
+with is kept:
+
+* quantized primary weights under ``quantized_model_init`` are TE tensor classes (the
+  stand-ins of :mod:`.tensors`), with the bf16 init value kept on the CPU and bound
+  ``get_high_precision_init_val`` / ``clear_high_precision_init_val`` methods;
+* a single grouped weight (2.14+) is a ``GroupedTensor`` parameter named ``weight`` (members
+  ``weight0..N-1`` are gone) that refuses ``select``;
+* fused wgrad accumulation adds into ``weight.main_grad`` and sets
+  ``grad_added_to_main_grad`` when the attribute exists;
+* delayed-scaling state (scales and amax histories) lives in the module and is saved only
+  through ``get_extra_state()`` (a CPU ``uint8`` tensor of pickled state, as TE's), i.e.
+  under the ``_extra_state`` key of ``state_dict()``; the module exposes ``fp8_meta``;
+* NVFP4 stochastic rounding draws from the CUDA default generator (TE's kernels use its
+  Philox state), not from a per-quantizer one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+from collections.abc import Iterator
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from lptrain.precision import autocast as _ac
+from lptrain.precision import linear_ops as _ops
+
+from . import tensors as T
+
+# quantized_model_init state: [(recipe, preserve_high_precision_init_val)]
+_MODEL_INIT: list[tuple[Any, bool]] = []
+
+
+def _device(device: Any) -> torch.device:
+    """TE builds on ``device``; ``cuda`` on a machine without one (no virtual GPU) stays on
+    the CPU, so the version tests can construct modules anywhere."""
+    d = torch.device(device) if device is not None else torch.device("cuda")
+    if d.type == "cuda" and not torch.cuda.is_available():
+        return torch.device("cpu")
+    return d
+
+
+class _AsEmulated(torch.autograd.Function):
+    """A TE quantized parameter -> the lptrain emulated tensor holding its bytes, for the
+    emulated ops (which use a quantized primary weight's bytes as stored). The gradient
+    flows back to the TE parameter; fused-wgrad bookkeeping is mirrored onto it."""
+
+    @staticmethod
+    def forward(ctx: Any, w: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        out = T._shallow(w._emu)
+        main_grad = getattr(w, "main_grad", None)
+        if main_grad is not None:
+            out.main_grad = main_grad
+        ctx.pair = (w, out)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        w, out = ctx.pair
+        if getattr(out, "grad_added_to_main_grad", False) and hasattr(w, "grad_added_to_main_grad"):
+            w.grad_added_to_main_grad = True
+        return grad
+
+
+def _operand(w: torch.Tensor) -> torch.Tensor:
+    return _AsEmulated.apply(w) if isinstance(w, T.QuantizedTensor) else w
+
+
+class _TEModule(nn.Module):
+    """What every stand-in TE module shares: quantizer state per recipe, primary weights,
+    ``fp8_meta`` and the extra state."""
+
+    def __init__(self, *, num_members: int, fuse_wgrad_accumulation: bool, name: Optional[str],
+                 device: Any, record: dict[str, Any]) -> None:
+        super().__init__()
+        self.kw = record  # constructor arguments, for the version tests
+        self.device_arg = device
+        self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
+        self.name = name
+        self._members = num_members
+        self._states: dict[int, _ops.QuantState] = {}
+        self._hp_state: Optional[_ops.QuantState] = None
+        self._pending_extra: Optional[dict[str, Any]] = None
+        self.primary_weights_in_fp8 = bool(_MODEL_INIT)
+
+    # ---- quantizer state --------------------------------------------------------------------
+
+    def _state(self, emu_recipe: Any) -> _ops.QuantState:
+        st = self._states.get(id(emu_recipe))
+        if st is None:
+            st = _ops.QuantState(emu_recipe, self._members)
+            self._states[id(emu_recipe)] = st
+            if self._pending_extra is not None:
+                self._load_scaling(st, self._pending_extra)
+                self._pending_extra = None
+        return st
+
+    def _forward_state(self) -> _ops.QuantState:
+        recipe = _ac.active_recipe()
+        if recipe is None:
+            if self._hp_state is None:
+                self._hp_state = _ops.high_precision_state(self._members)
+            return self._hp_state
+        return self._state(recipe)
+
+    def _primary(self, w: torch.Tensor, member_quantizer: Any) -> torch.Tensor:
+        """Under ``quantized_model_init``: the quantized primary weight made from ``w``."""
+        preserve = _MODEL_INIT[-1][1]
+        q = T.quantizer_for(member_quantizer)
+        with torch.no_grad():
+            qw = q.quantize(w)
+        param = nn.Parameter(qw)
+        if preserve:
+            attach_high_precision_init_val(param, w.detach().cpu())
+        return param
+
+    @property
+    def fp8_meta(self) -> dict[str, Any]:
+        """TE's slots: forward [input, weight, output] (one triple per member), backward
+        [grad_output, grad_input]; scale and amax_history per slot."""
+        fwd, bwd = [], []
+        for st in self._states.values():
+            for m in st.members:
+                if m.states:
+                    fwd += [m.states["input"], m.states["weight"]]
+                    bwd += [m.states["grad"]]
+        return {"scaling_fwd": _Meta(fwd), "scaling_bwd": _Meta(bwd), "recipe": None}
+
+    # ---- extra state (TE's checkpoint channel for scaling state) ------------------------------
+
+    def get_extra_state(self) -> torch.Tensor:
+        states = [st for st in self._states.values() if any(m.states for m in st.members)]
+        if not states:
+            return torch.empty(0, dtype=torch.uint8)
+        payload = {f"{i}.{role}": (ds.scale.detach().cpu(), ds.amax_history.detach().cpu())
+                   for st in states for i, m in enumerate(st.members) for role, ds in m.states.items()}
+        return torch.frombuffer(bytearray(pickle.dumps(payload)), dtype=torch.uint8)
+
+    def set_extra_state(self, state: Any) -> None:
+        if state is None or (isinstance(state, torch.Tensor) and state.numel() == 0):
+            return
+        payload = pickle.loads(state.detach().cpu().numpy().tobytes())
+        stateful = [st for st in self._states.values() if any(m.states for m in st.members)]
+        if not stateful:
+            self._pending_extra = payload
+        for st in stateful:
+            self._load_scaling(st, payload)
+
+    @staticmethod
+    def _load_scaling(st: _ops.QuantState, payload: dict[str, Any]) -> None:
+        for i, m in enumerate(st.members):
+            for role, ds in m.states.items():
+                scale, hist = payload[f"{i}.{role}"]
+                ds.scale.copy_(scale)
+                ds.amax_history.copy_(hist)
+
+
+class _Meta:
+    def __init__(self, states: list[Any]) -> None:
+        self.scale = torch.cat([s.scale.reshape(1) for s in states]) if states else torch.empty(0)
+        self.amax_history = (torch.stack([s.amax_history for s in states], 1)
+                             if states else torch.empty(0))
+
+
+def attach_high_precision_init_val(param: torch.Tensor, value: torch.Tensor) -> None:
+    """TE's ``_high_precision_init_val`` plus the bound get/clear methods."""
+    import types
+
+    def get(self: torch.Tensor) -> Optional[torch.Tensor]:
+        return getattr(self, "_high_precision_init_val", None)
+
+    def clear(self: torch.Tensor) -> None:
+        if hasattr(self, "_high_precision_init_val"):
+            del self._high_precision_init_val
+
+    param._high_precision_init_val = value
+    param.get_high_precision_init_val = types.MethodType(get, param)
+    param.clear_high_precision_init_val = types.MethodType(clear, param)
+
+
+class Linear(_TEModule):
+    """``te.pytorch.Linear`` (bias-free use in lptrain)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 init_method: Any = None, params_dtype: Any = None,
+                 fuse_wgrad_accumulation: bool = False, device: Any = "cuda",
+                 name: Optional[str] = None) -> None:
+        super().__init__(num_members=1, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+                         name=name, device=device,
+                         record={"init_method": init_method, "params_dtype": params_dtype,
+                                 "fuse_wgrad_accumulation": fuse_wgrad_accumulation, "name": name})
+        self.in_features, self.out_features = in_features, out_features
+        dtype = params_dtype or torch.float32
+        w = torch.empty(out_features, in_features, dtype=dtype, device=_device(device))
+        if init_method is not None:
+            init_method(w)
+        else:
+            nn.init.zeros_(w)
+        if _MODEL_INIT:
+            self.weight = self._primary(w, self._state(_emulated(_MODEL_INIT[-1][0])).members[0].weight)
+        else:
+            self.weight = nn.Parameter(w)
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=w.device)) if bias else None
+
+    def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
+        st = self._forward_state()
+        y = _ops.quantized_grouped_linear(
+            inp.reshape(-1, inp.shape[-1]), [inp.numel() // inp.shape[-1]], [_operand(self.weight)],
+            st, single=False, out_features=self.out_features, fuse_wgrad=self.fuse_wgrad_accumulation,
+        ).reshape(*inp.shape[:-1], self.out_features).to(inp.dtype)
+        return y + self.bias.to(y.dtype) if self.bias is not None else y
+
+
+class GroupedLinear(_TEModule):
+    """``te.pytorch.GroupedLinear`` (per release: see ``make``)."""
+
+    single_param_env_gated = False  # 2.15+: NVTE_GROUPED_LINEAR_SINGLE_PARAM must be set
+    needs_grouped_tensor = False  # 2.19+: single weights need use_grouped_tensor=True
+
+    def __init__(self, num_gemms: int, in_features: int, out_features: int, bias: bool = True,
+                 init_method: Any = None, params_dtype: Any = None,
+                 fuse_wgrad_accumulation: bool = False, device: Any = "cuda",
+                 single_grouped_weight: bool = False, name: Optional[str] = None,
+                 use_grouped_tensor: Optional[bool] = None) -> None:
+        import os
+        import warnings
+
+        super().__init__(num_members=num_gemms, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+                         name=name, device=device,
+                         record={"init_method": init_method, "params_dtype": params_dtype,
+                                 "fuse_wgrad_accumulation": fuse_wgrad_accumulation, "name": name})
+        if (self.single_param_env_gated and single_grouped_weight
+                and int(os.environ.get("NVTE_GROUPED_LINEAR_SINGLE_PARAM", "0") or 0) <= 0):
+            warnings.warn("NVTE_GROUPED_LINEAR_SINGLE_PARAM is not set; falling back", UserWarning,
+                          stacklevel=3)
+            single_grouped_weight = False
+        self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
+        self.single_grouped_weight = single_grouped_weight
+        self.use_grouped_tensor = bool(use_grouped_tensor or False)
+        dtype = params_dtype or torch.float32
+        dev = _device(device)
+        emu_recipe = _emulated(_MODEL_INIT[-1][0]) if _MODEL_INIT else None
+        members = []
+        for i in range(num_gemms):
+            w = torch.empty(out_features, in_features, dtype=dtype, device=dev)
+            if init_method is not None:
+                init_method(w)
+            else:
+                nn.init.zeros_(w)
+            if emu_recipe is not None:
+                members.append(self._primary(w, self._state(emu_recipe).members[i].weight))
+            else:
+                members.append(nn.Parameter(w))
+        if single_grouped_weight:
+            self.weight = self._grouped(members, emu_recipe)
+        else:
+            for i, p in enumerate(members):
+                self.register_parameter(f"weight{i}", p)
+
+    @staticmethod
+    def _grouped(members: list[torch.Tensor], emu_recipe: Any) -> nn.Parameter:
+        """TE's ``make_grouped_weights``: one GroupedTensor parameter; the members' kept
+        init values move to it, stacked."""
+        from lptrain.precision.tensors import GroupedQuantizedTensor
+
+        if emu_recipe is None:
+            return nn.Parameter(T.GroupedTensor(torch.stack([m.detach() for m in members]), None))  # type: ignore[arg-type]
+        emu = GroupedQuantizedTensor.from_members([m._emu for m in members])
+        param = nn.Parameter(T.GroupedTensor(emu, members[0]._quantizer))
+        inits = [getattr(m, "_high_precision_init_val", None) for m in members]
+        if all(v is not None for v in inits):
+            attach_high_precision_init_val(param, torch.stack(inits))  # type: ignore[arg-type]
+        return param
+
+    def forward(self, inp: torch.Tensor, m_splits: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.single_grouped_weight and self.needs_grouped_tensor and not self.use_grouped_tensor:
+            raise RuntimeError("single_grouped_weight and single_grouped_bias require use_grouped_tensor=True")
+        if self.use_grouped_tensor and not isinstance(m_splits, torch.Tensor):
+            raise ValueError("The native grouped_tensor path requires CUDA m_splits")
+        self.last_m_splits = m_splits
+        splits = m_splits.tolist() if isinstance(m_splits, torch.Tensor) else list(m_splits)
+        weights = ([_operand(self.weight)] if self.single_grouped_weight
+                   else [_operand(getattr(self, f"weight{i}")) for i in range(self.num_gemms)])
+        return _ops.quantized_grouped_linear(
+            inp, splits, weights, self._forward_state(), single=self.single_grouped_weight,
+            out_features=self.out_features, fuse_wgrad=self.fuse_wgrad_accumulation,
+        ).to(inp.dtype)
+
+
+# ---- contexts ------------------------------------------------------------------------------
+
+_EMULATED: dict[int, tuple[Any, Any]] = {}
+
+
+def _emulated(te_recipe: Any) -> Any:
+    """The lptrain emulated recipe equal to a stand-in TE recipe (one object per TE recipe,
+    so delayed-scaling state is shared across modules like TE's global buffers)."""
+    hit = _EMULATED.get(id(te_recipe))
+    if hit is not None and hit[0] is te_recipe:
+        return hit[1]
+    emu = te_recipe.to_emulated()
+    _EMULATED[id(te_recipe)] = (te_recipe, emu)
+    return emu
+
+
+@contextlib.contextmanager
+def _autocast(enabled: bool, recipe: Any, group: Any, calls: list, name: str) -> Iterator[None]:
+    calls.append((name, {"enabled": enabled, "recipe": recipe, "group": group}))
+    if recipe is None or not hasattr(recipe, "to_emulated"):
+        with _ac.autocast(enabled=False) if not enabled else contextlib.nullcontext():
+            yield
+        return
+    with _ac.autocast(_emulated(recipe), enabled=enabled, amax_reduction_group=group):
+        yield
+
+
+@contextlib.contextmanager
+def _model_init(enabled: bool, recipe: Any, preserve: bool, calls: list, name: str) -> Iterator[None]:
+    calls.append((name, {"recipe": recipe, "preserve": preserve}))
+    if not enabled or recipe is None or not hasattr(recipe, "to_emulated"):
+        yield
+        return
+    _MODEL_INIT.append((recipe, preserve))
+    try:
+        yield
+    finally:
+        _MODEL_INIT.pop()
+
+
+def contexts(calls: list, new_api: bool) -> dict[str, Any]:
+    """``fp8_autocast`` / ``fp8_model_init`` (always) and ``autocast`` /
+    ``quantized_model_init`` (2.9+), recording their calls in ``calls``."""
+
+    def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe: Any = None,
+                     fp8_group: Any = None) -> Any:
+        return _autocast(enabled, fp8_recipe, fp8_group, calls, "fp8_autocast")
+
+    def fp8_model_init(enabled: bool = True, recipe: Any = None,
+                       preserve_high_precision_init_val: bool = False) -> Any:
+        return _model_init(enabled, recipe, preserve_high_precision_init_val, calls, "fp8_model_init")
+
+    out: dict[str, Any] = {"fp8_autocast": fp8_autocast, "fp8_model_init": fp8_model_init}
+    if new_api:
+
+        def autocast(enabled: bool = True, calibrating: bool = False, recipe: Any = None,
+                     amax_reduction_group: Any = None) -> Any:
+            return _autocast(enabled, recipe, amax_reduction_group, calls, "autocast")
+
+        def quantized_model_init(enabled: bool = True, recipe: Any = None,
+                                 preserve_high_precision_init_val: bool = False) -> Any:
+            return _model_init(enabled, recipe, preserve_high_precision_init_val, calls,
+                               "quantized_model_init")
+
+        out.update(autocast=autocast, quantized_model_init=quantized_model_init)
+    return out
+
+
+def cuda_generator() -> torch.Generator:
+    """CUDA's default generator (the virtual GPU's under ``VirtualCuda``)."""
+    return torch.cuda.default_generators[0]
+
