@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.lptrain-installed
 
-.PHONY: install run test lint bench clean
+.PHONY: install run test lint bench gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -29,6 +29,12 @@ bench: install
 	$(BIN)/python bench/model_step.py
 	$(BIN)/python bench/data.py
 	$(BIN)/python bench/muon_vs_adamw.py
+
+# On a machine with a CUDA GPU and a CUDA torch (>= 2.11) already installed: no venv (its CPU
+# torch would shadow the GPU build), lptrain from this checkout. With OUT set (an environment
+# variable or OUT=dir) the results are written to $(OUT)/gpu_check.json. See scripts/gpu_check.py.
+gpu-check:
+	PYTHONPATH=$(CURDIR) $(PY) scripts/gpu_check.py $(if $(OUT),--out $(OUT))
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

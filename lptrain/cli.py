@@ -234,7 +234,7 @@ def pretrain(
     check_output_dir(cfg, out, overwrite)  # resume, or refuse a folder holding another run (exit 2)
     if dry_run:
         preflight.check_output_dir(out)
-        for line in preflight.dry_run(cfg).lines():
+        for line in preflight.dry_run(cfg, world).lines():
             typer.echo(line)
         raise typer.Exit(0)
     preflight.prepare_output_dir(out)  # OutputDirError (exit 2) before anything is written

@@ -7,12 +7,15 @@ user (and the fuzz test) exercise everything ``pretrain`` checks without trainin
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 from lptrain.config.schema import LPTrainConfig
+from lptrain.config.world import World
 from lptrain.errors import OutputDirError
 
 _OUT_KEY = "run.output_dir"
@@ -68,13 +71,15 @@ def write_text(path: Path, text: str) -> None:
 
 @dataclass
 class DryRunReport:
-    """What ``--dry-run`` found: model size and the resolved data."""
+    """What ``--dry-run`` found: model size, the resolved data, and on a GPU target the fake
+    GPU step's report lines."""
 
     params: int
     quantized_primary_weights_skipped: bool
     datasets: list[str]
     train_samples_per_epoch: int
     valid_samples_per_epoch: int
+    fake_gpu_step: list[str] = field(default_factory=list)
 
     def lines(self) -> list[str]:
         note = (
@@ -89,17 +94,25 @@ class DryRunReport:
             f"model: {self.params / 1e6:.2f}M parameters, built on the meta device{note}",
             f"data: {', '.join(self.datasets)}: {self.train_samples_per_epoch} training samples "
             f"per epoch, {valid}",
+            *self.fake_gpu_step,
             "dry run ok: no run folder written, no training",
         ]
 
 
-def dry_run(cfg: LPTrainConfig) -> DryRunReport:
-    """Build the model of a derived ``cfg`` on the meta device and open its data.
+def dry_run(cfg: LPTrainConfig, world: Optional[World] = None) -> DryRunReport:
+    """Build the model of a derived ``cfg`` on the meta device and open its data; for a GPU
+    ``world`` on a machine without one, then run the fake GPU step.
 
     The meta device allocates no memory, so any recipe (an 8B model too) is checked in
     seconds. Quantized primary weights need real values to quantize, so with
     ``fp8_param_gather``/``fp4_param_gather`` the model is sized with high-precision weights of
     the same shapes (the report says so).
+
+    The fake GPU step (:func:`lptrain.testing.fake_gpu.fake_gpu_steps`) trains two steps of
+    the recipe at tiny shapes on a virtual GPU of the target that enforces CUDA's device rules
+    -- through the emulated backend, or the stand-in Transformer Engine when the recipe uses
+    TE and TE is not installed -- so a code path that would crash on a GPU fails here, before
+    the job gets one.
     """
     import torch
 
@@ -112,15 +125,27 @@ def dry_run(cfg: LPTrainConfig) -> DryRunReport:
         build_cfg = copy.deepcopy(cfg)
         build_cfg.precision.fp8_param_gather = False
         build_cfg.precision.fp4_param_gather = False
-    with torch.device("meta"):
-        model = build_model(build_cfg)
-    params = sum(p.numel() for p in model.parameters())
-    del model
+    virtual = world is not None and world.cuda and not torch.cuda.is_available()
+    with contextlib.ExitStack() as stack:
+        if virtual:
+            from lptrain.testing.fake_gpu import virtual_gpu
+
+            stack.enter_context(virtual_gpu(world.target, te=cfg.precision.backend == "te",
+                                            te_version=world.te_version))
+        with torch.device("meta"):
+            model = build_model(build_cfg)
+        params = sum(p.numel() for p in model.parameters())
+        del model
     train, valid = build_streams(cfg.data, cfg.model.seq_length, cfg.model.vocab_size)
-    return DryRunReport(
+    report = DryRunReport(
         params=params,
         quantized_primary_weights_skipped=skipped,
         datasets=list(dict.fromkeys(d.indexed.prefix for d in train.datasets)),
         train_samples_per_epoch=sum(d.samples_per_epoch for d in train.datasets),
         valid_samples_per_epoch=sum(d.samples_per_epoch for d in valid.datasets) if valid else 0,
     )
+    if virtual:
+        from lptrain.testing.fake_gpu import fake_gpu_steps
+
+        report.fake_gpu_step = fake_gpu_steps(cfg, world.target, te_version=world.te_version).lines()
+    return report

@@ -1,4 +1,4 @@
-"""Shared test setup: deterministic CPU defaults and the `gpu` marker's skip rule."""
+"""Shared test setup: deterministic CPU defaults and the `gpu` / `te` markers' skip rules."""
 
 from __future__ import annotations
 
@@ -6,9 +6,7 @@ import pytest
 import torch
 
 
-def _gpu_available() -> bool:
-    if not torch.cuda.is_available():
-        return False
+def _te_importable() -> bool:
     try:
         import transformer_engine.pytorch  # noqa: F401
     except Exception:
@@ -17,12 +15,16 @@ def _gpu_available() -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if _gpu_available():
-        return
-    skip = pytest.mark.skip(reason="needs CUDA and Transformer Engine")
+    """``gpu``: needs a CUDA device; ``te``: needs Transformer Engine (on a CUDA device)."""
+    cuda = torch.cuda.is_available()
+    te = cuda and _te_importable()
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    skip_te = pytest.mark.skip(reason="needs CUDA and Transformer Engine")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if item.get_closest_marker("te") is not None and not te:
+            item.add_marker(skip_te)
+        elif item.get_closest_marker("gpu") is not None and not cuda:
+            item.add_marker(skip_gpu)
 
 
 @pytest.fixture(autouse=True)

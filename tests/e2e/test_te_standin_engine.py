@@ -190,3 +190,17 @@ def test_resume_restores_the_cuda_generator_of_te_stochastic_rounding(cache: Pat
     assert resumed == reference
     _, without = _resume(ov, "sm100", cache, drop=("cuda_rng",))
     assert without[3] != reference[3]
+
+
+@pytest.mark.parametrize(("target", "recipe"), [("sm90", TENSORWISE), ("sm100", MXFP8)], ids=["tensorwise", "mxfp8-reuse"])
+def test_te_engine_holds_the_bytes_the_emulated_engine_holds(target: str, recipe: list[str], cache: Path) -> None:
+    """Same buffers, masters and moments on both backends (what the memory planner, built on
+    the emulated layout, predicts); before, TE runs allocated an extra bf16 param buffer."""
+    mem = {}
+    for backend in ("te", "emulated"):
+        with virtual_gpu(target, te=backend == "te"):
+            engine = _engine([*recipe, *NO_BF16_EDGES, f"precision.backend={backend}"], cache)
+            engine.train_step(next(_batches(engine, cache)), 1)
+            mem[backend] = engine.memory_breakdown()
+    for category in ("grads", "param_buffer", "masters", "moments", "padding"):
+        assert mem["te"][category] == mem["emulated"][category], (category, mem)

@@ -22,7 +22,7 @@ import torch
 
 from lptrain.precision.factory import build_factory, recipe_from_config
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.te]
 
 NAMES = sorted(G.CONFIGS)
 

@@ -27,7 +27,7 @@ from lptrain.model.build import build_model
 from lptrain.precision.factory import build_factory
 from lptrain.precision.params import fused_wgrad_weights, master_weight_init
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.te]
 
 NAMES = sorted(G.CONFIGS)
 
