@@ -12,10 +12,10 @@ ROOT = Path(__file__).parents[2]
 
 def test_gpu_check_script_runs_on_the_virtual_gpu(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--virtual", "--steps", "2",
-                           "--recipes", "tiny_cpu.yaml", "nvfp4_adamw_cpu.yaml", "--out", str(tmp_path)],
+                           "--recipes", "fp8_tensorwise_cpu.yaml", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "PASS  quantizer nvfp4/grad: bit-identical" in proc.stdout
-    assert "PASS  recipe nvfp4_adamw_cpu.yaml (2 steps)" in proc.stdout
+    assert "PASS  recipe fp8_tensorwise_cpu.yaml (2 steps)" in proc.stdout
     results = json.loads((tmp_path / "gpu_check.json").read_text())
     assert all(r["ok"] for r in results) and any(r["check"] == "throughput" for r in results)

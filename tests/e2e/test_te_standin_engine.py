@@ -153,43 +153,41 @@ def test_member_weight_of_a_single_grouped_te_weight(cache: Path) -> None:
     assert torch.equal(stacked, module.weight.dequantize().float())
 
 
-def _resume(overrides: list[str], target: str, cache: Path, drop: tuple[str, ...] = ()) -> tuple[list[float], list[float]]:
-    """4 steps straight vs 2 steps, checkpoint state into a fresh engine, steps 3 and 4 (the
-    bits a step draws show in the next step's loss); ``drop``: per-rank state entries
-    removed before loading (to show the test can tell)."""
+def _resume(overrides: list[str], target: str, cache: Path, drop: str) -> dict[str, list[float]]:
+    """Losses of 4 steps straight, and of 2 steps whose checkpoint state is loaded into a
+    fresh engine that runs steps 3 and 4 (the bits a step draws show in the next step's
+    loss): once with the whole state, once without the per-rank entry ``drop`` (to show the
+    test can tell)."""
     with virtual_gpu(target, te=True):
         straight = _engine(overrides, cache)
         b = _batches(straight, cache)
         batches = [next(b) for _ in range(4)]
-        reference = [straight.train_step(batches[i], i + 1).loss for i in range(4)]
+        out = {"straight": [straight.train_step(batches[i], i + 1).loss for i in range(4)]}
         first = _engine(overrides, cache)
-        got = [first.train_step(batches[i], i + 1).loss for i in range(2)]
+        head = [first.train_step(batches[i], i + 1).loss for i in range(2)]
         with first.params_synced():
             state = first.checkpoint_state()
-        for key in drop:
-            del state["local"][key]
-        resumed = _engine(overrides, cache)
-        resumed.load_checkpoint_state(state)
-        got += [resumed.train_step(batches[i], i + 1).loss for i in (2, 3)]
-    return reference, got
+        partial = {**state, "local": {k: v for k, v in state["local"].items() if k != drop}}
+        for name, st in (("resumed", state), ("without", partial)):
+            resumed = _engine(overrides, cache)
+            resumed.load_checkpoint_state(st)
+            out[name] = head + [resumed.train_step(batches[i], i + 1).loss for i in (2, 3)]
+    return out
 
 
 def test_resume_restores_te_delayed_scaling_state(cache: Path) -> None:
     """TE keeps the scales and amax histories in each module's ``_extra_state`` only."""
-    ov = [*DELAYED, *NO_BF16_EDGES]
-    reference, resumed = _resume(ov, "sm90", cache)
-    assert resumed == reference
-    _, without = _resume(ov, "sm90", cache, drop=("module_extra_state",))
-    assert without[2:] != reference[2:]  # scales restarting at 1 change steps 3 and 4
+    runs = _resume([*DELAYED, *NO_BF16_EDGES], "sm90", cache, drop="module_extra_state")
+    assert runs["resumed"] == runs["straight"]
+    assert runs["without"][2:] != runs["straight"][2:]  # scales restarting at 1 change step 3
 
 
 def test_resume_restores_the_cuda_generator_of_te_stochastic_rounding(cache: Path) -> None:
     """TE's NVFP4 stochastic rounding draws from CUDA's generator, saved per rank."""
     ov = ["precision.fp4_format=e2m1", "precision.nvfp4_stochastic_rounding=true", *NO_BF16_EDGES]
-    reference, resumed = _resume(ov, "sm100", cache)
-    assert resumed == reference
-    _, without = _resume(ov, "sm100", cache, drop=("cuda_rng",))
-    assert without[3] != reference[3]
+    runs = _resume(ov, "sm100", cache, drop="cuda_rng")
+    assert runs["resumed"] == runs["straight"]
+    assert runs["without"][3] != runs["straight"][3]
 
 
 @pytest.mark.parametrize(("target", "recipe"), [("sm90", TENSORWISE), ("sm100", MXFP8)], ids=["tensorwise", "mxfp8-reuse"])

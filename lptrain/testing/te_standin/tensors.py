@@ -260,13 +260,18 @@ class Float8Tensor(QuantizedTensor):
         return self.reshape(*shape)
 
 
-class MXFP8Tensor(QuantizedTensor):
-    """TE's MXFP8 tensor: 1x32 E8M0 block scales per orientation."""
+class _BlockScaled(QuantizedTensor):
+    """The storage attributes TE's block-scaled classes share (MXFP8, blockwise, NVFP4)."""
 
     _rowwise_data = _field("_rowwise_data", "rowwise_data")
     _columnwise_data = _field("_columnwise_data", "columnwise_data")
     _rowwise_scale_inv = _field("_rowwise_scale_inv", "rowwise_scale_inv")
     _columnwise_scale_inv = _field("_columnwise_scale_inv", "columnwise_scale_inv")
+
+
+class MXFP8Tensor(_BlockScaled):
+    """TE's MXFP8 tensor: 1x32 E8M0 block scales per orientation."""
+
     _with_gemm_swizzled_scales = False
 
     def reshape(self, *shape: Any) -> torch.Tensor:  # type: ignore[override]
@@ -287,13 +292,9 @@ class MXFP8Tensor(QuantizedTensor):
         return self.dequantize().view(dims)
 
 
-class Float8BlockwiseQTensor(QuantizedTensor):
+class Float8BlockwiseQTensor(_BlockScaled):
     """TE's 128x128 (weights) / 1x128 blockwise FP8 tensor."""
 
-    _rowwise_data = _field("_rowwise_data", "rowwise_data")
-    _columnwise_data = _field("_columnwise_data", "columnwise_data")
-    _rowwise_scale_inv = _field("_rowwise_scale_inv", "rowwise_scale_inv")
-    _columnwise_scale_inv = _field("_columnwise_scale_inv", "columnwise_scale_inv")
     refuses_inner_reshape: ClassVar[bool] = True  # TE <= 2.13; 2.14+ warns (set per version)
 
     @property
@@ -320,13 +321,9 @@ class Float8BlockwiseQTensor(QuantizedTensor):
         return self.reshape(*shape)
 
 
-class NVFP4Tensor(QuantizedTensor):
+class NVFP4Tensor(_BlockScaled):
     """TE's NVFP4 tensor: packed E2M1, E4M3 per-16 scales, fp32 per-tensor amax."""
 
-    _rowwise_data = _field("_rowwise_data", "rowwise_data")
-    _columnwise_data = _field("_columnwise_data", "columnwise_data")
-    _rowwise_scale_inv = _field("_rowwise_scale_inv", "rowwise_scale_inv")
-    _columnwise_scale_inv = _field("_columnwise_scale_inv", "columnwise_scale_inv")
     _amax_rowwise = _field("_amax_rowwise", "amax_rowwise")
     _amax_columnwise = _field("_amax_columnwise", "amax_columnwise")
 

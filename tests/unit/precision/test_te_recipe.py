@@ -1,73 +1,28 @@
 """TE recipe construction from config, checked on CPU against a stand-in ``transformer_engine``.
 
-The stand-in mimics the one TE behaviour that matters here (numerics.md 2.3): the
-``fp8_quant_*`` QParams of Float8CurrentScaling / Float8BlockScaling are class attributes
-that constructor arguments do not set, so ``amax_epsilon`` must be assigned after
+The stand-in TE (``lptrain.testing.te_standin``) reproduces the one TE behaviour that matters
+here: the ``fp8_quant_*`` QParams of Float8CurrentScaling / Float8BlockScaling are class
+attributes that constructor arguments do not set, so ``amax_epsilon`` must be assigned after
 construction. The real classes are exercised by the GPU tests in test_te_backend.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
-import sys
 import types
+from collections.abc import Iterator
 
 import pytest
 
 from lptrain.config.schema import PrecisionConfig
 from lptrain.precision import te_adapter
+from lptrain.testing import te_standin
 
 
 @pytest.fixture
-def fake_te(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
-    rec = types.ModuleType("transformer_engine.common.recipe")
-
-    class Format(enum.Enum):
-        E4M3 = "e4m3"
-        HYBRID = "hybrid"
-
-    @dataclasses.dataclass(frozen=True)
-    class QParams:
-        power_2_scale: bool = False
-        amax_epsilon: float = 0.0
-
-    class _Base:
-        def __init__(self, **kw):
-            for k, v in kw.items():
-                if k not in self.FIELDS:  # like pydantic: only annotated fields are settable
-                    raise TypeError(k)
-                setattr(self, k, v)
-
-    class DelayedScaling(_Base):
-        FIELDS = ("margin", "fp8_format", "amax_history_len", "amax_compute_algo")
-
-    class Float8CurrentScaling(_Base):
-        FIELDS = ("fp8_format",)
-        use_power_2_scales = False
-        fp8_quant_fwd_inp = fp8_quant_fwd_weight = fp8_quant_bwd_grad = QParams()
-
-    class Float8BlockScaling(_Base):
-        FIELDS = ("fp8_format",)
-        fp8_quant_fwd_inp = fp8_quant_fwd_weight = fp8_quant_bwd_grad = QParams(power_2_scale=True)
-
-    class MXFP8BlockScaling(_Base):
-        FIELDS = ("fp8_format",)
-
-    class NVFP4BlockScaling(_Base):
-        FIELDS = ("disable_rht", "disable_stochastic_rounding", "disable_2d_quantization")
-
-    for name, obj in list(locals().items()):
-        if isinstance(obj, type):
-            setattr(rec, name, obj)
-    te = types.ModuleType("transformer_engine")
-    common = types.ModuleType("transformer_engine.common")
-    common.recipe = rec
-    te.common = common
-    monkeypatch.setitem(sys.modules, "transformer_engine", te)
-    monkeypatch.setitem(sys.modules, "transformer_engine.common", common)
-    monkeypatch.setitem(sys.modules, "transformer_engine.common.recipe", rec)
-    return rec
+def fake_te() -> Iterator[types.ModuleType]:
+    with te_standin.installed() as mods:
+        yield mods["transformer_engine.common.recipe"]
 
 
 def _cfg(**kw) -> PrecisionConfig:
