@@ -74,6 +74,9 @@ class ModelConfig:
     )
     rotary_base: float = opt(10000.0, "RoPE base frequency.")
     norm_epsilon: float = opt(1e-5, "RMSNorm epsilon.")
+    qk_layernorm: bool = opt(
+        False, "RMSNorm over each query and key head before RoPE (Qwen3's q_norm/k_norm)."
+    )
     tie_embeddings: bool = opt(False, "Share the token embedding and the output head weight.")
     init_method_std: float = opt(0.02, "Std of the normal weight initialisation.")
     moe: MoEConfig = opt_factory(MoEConfig, "Mixture-of-experts settings.")
