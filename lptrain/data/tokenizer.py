@@ -128,6 +128,11 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         return str(self._tok.decode([int(i) for i in ids], skip_special_tokens=False))
 
+    def id_to_token(self, token_id: int) -> str | None:
+        """The token string of ``token_id`` (special tokens by their names)."""
+        token = self._tok.id_to_token(int(token_id))
+        return None if token is None else str(token)
+
     def spec(self) -> str:
         return self.path
 
