@@ -198,6 +198,9 @@ def prepare_dataset(
         )
     if stats.bad_lines:
         report.warnings.append(f"skipped {len(stats.bad_lines)} bad JSONL lines: " + "; ".join(stats.bad_lines))
+    if stats.null_texts:
+        names = ", ".join(f"{p} ({n})" for p, n in stats.null_texts.items())
+        report.warnings.append(f"skipped {sum(stats.null_texts.values())} parquet rows whose text is null in: {names}")
     if stats.skipped_empty_files:
         report.warnings.append(f"skipped {len(stats.skipped_empty_files)} empty files")
     return report
