@@ -29,7 +29,9 @@ def register(app: typer.Typer) -> None:
             None, "--train-tokenizer", help="Train a tokenizer on the input first: bpe."
         ),
         vocab_size: Optional[int] = typer.Option(None, help="Vocabulary size for --train-tokenizer."),
-        workers: int = typer.Option(1, help="Tokenizer processes (1 = in-process)."),
+        workers: int = typer.Option(
+            0, help="Tokenizer threads (1 = all in this thread; 0 = one per available CPU)."
+        ),
         text_key: str = typer.Option("text", help="JSONL key / parquet column holding the document text."),
         glob: Optional[list[str]] = typer.Option(
             None, "--glob", help="File patterns inside directories (repeat; default *.txt *.md *.rst *.py *.jsonl "

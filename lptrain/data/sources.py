@@ -171,12 +171,12 @@ Reader = Callable[[Path, str, bool, ReadStats], Iterator[tuple[str, int]]]
 
 
 def _read_text(path: Path, text_key: str, skip_bad_lines: bool, stats: ReadStats) -> Iterator[tuple[str, int]]:
-    """A text file is one document, read whole."""
-    check_not_binary(path, _read_head(path))
+    """A text file is one document, read whole (once: the binary sniff looks at its head)."""
     try:
         raw = path.read_bytes()
     except OSError as e:
         raise DataError(f"cannot read input {path}: {e.strerror or e}") from None
+    check_not_binary(path, raw[:_SNIFF_BYTES])
     stats.bytes_read += len(raw)
     if not raw:
         stats.skipped_empty_files.append(str(path))
