@@ -181,7 +181,7 @@ def to_hf(state: Mapping[str, torch.Tensor], m: ModelConfig, arch: Architecture,
         used.add(link.canonical)
         parts = _SPLIT[link.cut](m, state[link.canonical])
         for name, t in zip(link.hf, parts, strict=True):
-            out[name] = t.detach().to(dtype).contiguous()
+            out[name] = t.detach().to(dtype=dtype, memory_format=torch.contiguous_format)  # one pass
     extra = sorted(set(state) - used)
     if extra:
         raise HFFormatError(
