@@ -176,6 +176,17 @@ def test_a_folder_of_another_shape_is_refused_in_one_line(cache: Path, tmp_path:
         assert "Traceback" not in res.output
 
 
+def test_dry_run_checks_the_folder(cache: Path, tmp_path: Path) -> None:
+    save_random("llama", tmp_path / "hf")
+    common = ["pretrain", "--recipe", "tiny_cpu.yaml", "--dry-run", *BASE, *SHAPE, f"data.cache_dir={cache}",
+              f"checkpoint.init_from_hf={tmp_path / 'hf'}", "--output-dir", str(tmp_path / "run")]
+    ok = CliRunner().invoke(app, common)
+    assert ok.exit_code == 0, ok.output
+    assert f"checkpoint.init_from_hf: {tmp_path / 'hf'} (LlamaForCausalLM) matches the recipe" in ok.output
+    bad = CliRunner().invoke(app, [*common, "model.rotary_base=500000"])
+    assert bad.exit_code == 2 and "rope_theta=10000.0 but the recipe has model.rotary_base=500000.0" in bad.output
+
+
 def test_init_from_hf_with_checkpoint_load_is_a_rule_violation(tmp_path: Path) -> None:
     res = CliRunner().invoke(app, ["validate-config", "--recipe", "tiny_cpu.yaml", "--json",
                                    f"checkpoint.init_from_hf={tmp_path}", f"checkpoint.load={tmp_path}"])
