@@ -104,7 +104,7 @@ def _chunks(docs: Iterator[tuple[str, int]], chunk_bytes: int) -> Iterator[tuple
 
 
 class _NoProgress:
-    """What ``_progress`` gives when disabled: no rich import, no terminal work."""
+    """What ``transfer_progress`` gives when disabled: no rich import, no terminal work."""
 
     def __enter__(self) -> _NoProgress:
         return self
@@ -119,7 +119,8 @@ class _NoProgress:
         return None
 
 
-def _progress(enabled: bool) -> Any:
+def transfer_progress(enabled: bool) -> Any:
+    """A rich bar of bytes done and MB/s (prepare-data, export), or a silent stand-in."""
     if not enabled:
         return _NoProgress()
     from rich.progress import (
@@ -205,7 +206,7 @@ def prepare_dataset(
             if pool is not None:  # read ahead on a thread of its own (file reads drop the GIL)
                 chunks = stack.enter_context(_read_ahead(chunks, 2 * workers))
             results = _in_order(pool, encode, chunks, 2 * workers)
-            with _progress(progress) as bar:
+            with transfer_progress(progress) as bar:
                 task = bar.add_task(f"tokenizing -> {Path(prefix).name}", total=total_bytes)
                 for packed, src in results:
                     writer.add_packed(packed)

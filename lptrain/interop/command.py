@@ -7,6 +7,7 @@ a model without a Hugging Face architecture or an occupied output folder is one
 
 from __future__ import annotations
 
+import sys
 from typing import Optional
 
 import typer
@@ -30,6 +31,7 @@ def register(app: typer.Typer) -> None:
             None, "--tokenizer", help="tokenizers JSON file to ship (default: the run's data.tokenizer)."
         ),
         overwrite: bool = typer.Option(False, "--overwrite", help="Replace the files of a non-empty --output."),
+        progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar."),
     ) -> None:
         """Write the newest checkpoint of a run as a Hugging Face model folder.
 
@@ -43,7 +45,7 @@ def register(app: typer.Typer) -> None:
         from lptrain.interop.hf_export import export_hf
 
         rep = export_hf(source, output, dtype=dtype, max_shard_size=max_shard_size,
-                        tokenizer=tokenizer, overwrite=overwrite)
+                        tokenizer=tokenizer, overwrite=overwrite, progress=progress and sys.stdout.isatty())
         typer.echo(f"exported {rep.checkpoint} (step {rep.iteration}) as {rep.architecture}, "
                    f"{rep.num_params / 1e6:.2f}M parameters in {rep.dtype}, to {rep.output}: "
                    + ", ".join(rep.files))

@@ -165,8 +165,10 @@ def export_hf(
     max_shard_size: str | int = DEFAULT_MAX_SHARD,
     tokenizer: str | None = None,
     overwrite: bool = False,
+    progress: bool = False,
 ) -> ExportReport:
-    """Write the Hugging Face folder ``output`` from the newest checkpoint of ``source``."""
+    """Write the Hugging Face folder ``output`` from the newest checkpoint of ``source``
+    (``progress``: a rich bar over the bytes written, shard by shard)."""
     from lptrain.config.compose import compose
 
     if dtype not in DTYPES:
@@ -180,7 +182,11 @@ def export_hf(
     tensors = to_hf(read_masters(step), cfg.model, arch, torch_dtype)
     out = Path(output)
     _prepare_output(out, overwrite)
-    files = write_safetensors(tensors, out, max_bytes)
+    from lptrain.data.prepare import transfer_progress
+
+    with transfer_progress(progress) as bar:
+        task = bar.add_task(f"writing {out.name}", total=sum(t.numel() * t.element_size() for t in tensors.values()))
+        files = write_safetensors(tensors, out, max_bytes, on_shard=lambda n: bar.advance(task, n))
     config = hf_config(cfg.model, arch, dtype_name, ids)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     generation = {"_from_model_config": True, **{f"{k}_token_id": v for k, v in ids.items() if v is not None}}

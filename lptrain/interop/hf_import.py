@@ -66,8 +66,9 @@ def hf_masters(cfg: LPTrainConfig, arch: Architecture | None = None) -> dict[str
 
 def init_engine_from_hf(engine: Any, cfg: LPTrainConfig, arch: Architecture | None = None) -> str:
     """Load the folder's weights as the engine's masters (fresh optimizer); returns the log line."""
+    arch = arch or check_init_from_hf(cfg)
     masters = hf_masters(cfg, arch)
     engine.load_checkpoint_state({"global": {"model": masters, "optimizer": {}, "scaling": {}}, "local": {}})
     n = sum(t.numel() for t in masters.values())
-    return (f"initialised from {cfg.checkpoint.init_from_hf} ({n / 1e6:.2f}M weights, "
-            f"{(arch or check_init_from_hf(cfg)).name}); optimizer state starts fresh")
+    return (f"initialised from {cfg.checkpoint.init_from_hf} ({n / 1e6:.2f}M weights, {arch.name}); "
+            "optimizer state starts fresh")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -63,8 +63,12 @@ def plan_shards(tensors: Mapping[str, torch.Tensor], max_bytes: int) -> list[lis
     return shards
 
 
-def write_safetensors(tensors: Mapping[str, torch.Tensor], folder: Path, max_bytes: int) -> list[str]:
-    """Write ``tensors`` into ``folder`` (sharded above ``max_bytes``); returns the file names."""
+def write_safetensors(
+    tensors: Mapping[str, torch.Tensor], folder: Path, max_bytes: int,
+    on_shard: Callable[[int], None] | None = None,
+) -> list[str]:
+    """Write ``tensors`` into ``folder`` (sharded above ``max_bytes``); returns the file
+    names. ``on_shard(bytes)`` is called after each shard (a progress bar)."""
     st = safetensors_torch()
     shards = plan_shards(tensors, max_bytes)
     names = ([SINGLE] if len(shards) == 1 else
@@ -73,6 +77,8 @@ def write_safetensors(tensors: Mapping[str, torch.Tensor], folder: Path, max_byt
         tmp = folder / f".{name}.tmp"
         st.save_file({k: tensors[k] for k in keys}, str(tmp), metadata={"format": "pt"})
         os.replace(tmp, folder / name)
+        if on_shard is not None:
+            on_shard(sum(tensors[k].numel() * tensors[k].element_size() for k in keys))
     if len(shards) > 1:
         index = {
             "metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
