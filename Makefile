@@ -28,6 +28,7 @@ bench: install
 	$(BIN)/python bench/quantize.py
 	$(BIN)/python bench/model_step.py
 	$(BIN)/python bench/data.py
+	$(BIN)/python bench/hf_export.py
 	$(BIN)/python bench/muon_vs_adamw.py
 
 # On a machine with a CUDA GPU and a CUDA torch (>= 2.11) already installed: no venv (its CPU

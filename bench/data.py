@@ -1,7 +1,12 @@
 """Data-pipeline benchmark: tokenization MB/s and loader tokens/s (not a test; prints tables).
 
-1. ``prepare-data`` throughput on the Python stdlib sources (capped, see ``--mb``): byte and
-   BPE tokenizers, 1 and 2 worker processes (end to end: read, tokenize, write, checksum).
+1. ``prepare-data`` throughput on the Python stdlib sources (capped, see ``--mb``), byte and
+   BPE tokenizers, 1 and 2 workers, end to end (read, tokenize, pack, checksum, write),
+   against the tokenizer's own batch encoding of the same documents already in memory, in
+   the same run: ``tokenizers``' ``encode_batch`` single-threaded (the 1-worker baseline)
+   and on its Rust thread pool (the 2-worker baseline); for the byte tokenizer, its own
+   ``encode_batch``. Targets: prepare-data >= 85% of the baseline, 2 workers >= 1.6x one.
+   All candidates are timed in alternating rounds, best round each (``--rounds``).
 2. Loader throughput: tokens/s delivered by GPTDataset + BlendedStream + GlobalBatchSampler
    + collation into torch tensors, against a plain ``numpy.memmap`` slice-and-copy of the same
    token file at random offsets (target: loader >= 50% of raw).
@@ -14,8 +19,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
+import os
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -27,23 +36,76 @@ from lptrain.config.schema import DataConfig
 from lptrain.data.builtin import stdlib_files
 from lptrain.data.indexed import IndexedDataset
 from lptrain.data.loader import build_train_valid_loaders
-from lptrain.data.prepare import prepare_dataset
+from lptrain.data.prepare import available_cpus, prepare_dataset
 from lptrain.data.sources import iter_documents
-from lptrain.data.tokenizer import train_bpe
+from lptrain.data.tokenizer import ByteTokenizer, train_bpe
 
 
-def bench_tokenize(files: list[Path], tmp: Path, bpe_vocab: int) -> list[tuple[str, int, float, int]]:
-    rows = []
-    tok_path = tmp / "bench.tokenizer.json"
-    sample = [t for t, _ in iter_documents(files[: max(1, len(files) // 4)]) if t]
-    train_bpe(sample, bpe_vocab, tok_path)
-    mb = sum(f.stat().st_size for f in files) / 1e6
-    for name, spec in (("byte", "byte"), (f"bpe-{bpe_vocab}", str(tok_path))):
-        for workers in (1, 2):
+def _best_of(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
+    """Fastest wall time of each function over ``rounds`` alternating rounds."""
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(rounds):
+        for name, fn in fns.items():
             t0 = time.perf_counter()
-            rep = prepare_dataset([], tmp / f"tok-{name}-{workers}", spec, files=files, workers=workers)
-            dt = time.perf_counter() - t0
-            rows.append((name, workers, mb / dt, rep.header["num_tokens"]))
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return best
+
+
+@contextlib.contextmanager
+def _parallelism(on: bool) -> Iterator[None]:
+    old = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "true" if on else "false"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["TOKENIZERS_PARALLELISM"]
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = old
+
+
+def bench_tokenize(files: list[Path], tmp: Path, bpe_vocab: int, rounds: int) -> list[dict[str, object]]:
+    """One row per tokenizer: MB/s of the baselines and of prepare-data at 1 and 2 workers."""
+    import tokenizers
+
+    tok_path = tmp / "bench.tokenizer.json"
+    docs = [t for t, _ in iter_documents(files) if t]
+    train_bpe(docs[: max(1, len(docs) // 4)], bpe_vocab, tok_path)
+    mb = sum(len(d.encode()) for d in docs) / 1e6
+    raw_bpe = tokenizers.Tokenizer.from_file(str(tok_path))
+
+    def bpe_single() -> None:
+        with _parallelism(False):
+            raw_bpe.encode_batch(docs, add_special_tokens=False)
+
+    def bpe_pool() -> None:
+        with _parallelism(True):
+            raw_bpe.encode_batch(docs, add_special_tokens=False)
+
+    def prepare(name: str, spec: str, workers: int) -> Callable[[], object]:
+        return lambda: prepare_dataset([], tmp / f"tok-{name}-{workers}", spec, files=files, workers=workers)
+
+    def io_floor() -> None:
+        """What any byte-level dataset costs without tokenizing: read every file, widen to
+        uint16, checksum (blake2b, as the index does) and write -- prepare-data's floor."""
+        h = hashlib.blake2b(digest_size=32)
+        with open(tmp / "floor.bin", "wb") as out:
+            for f in files:
+                data = np.frombuffer(f.read_bytes(), dtype=np.uint8).astype(np.uint16).tobytes()
+                h.update(data)
+                out.write(data)
+
+    rows = []
+    for name, spec, base1, base2 in (
+        ("byte", "byte", ("own encode_batch", lambda: ByteTokenizer().encode_batch(docs)),
+         ("read+checksum+write", io_floor)),
+        (f"bpe-{bpe_vocab}", str(tok_path), ("encode_batch 1 thread", bpe_single),
+         ("encode_batch Rust pool", bpe_pool)),
+    ):
+        fns = {"base1": base1[1], "base2": base2[1], "prep1": prepare(name, spec, 1), "prep2": prepare(name, spec, 2)}
+        rate = {k: mb / v for k, v in _best_of(fns, rounds).items()}
+        rows.append({"tokenizer": name, "mb": mb, "base1_name": base1[0], "base2_name": base2[0], **rate})
     return rows
 
 
@@ -119,21 +181,35 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mb", type=float, default=8.0, help="corpus size: first N MB of the stdlib sources")
     ap.add_argument("--bpe-vocab", type=int, default=4096)
+    ap.add_argument("--rounds", type=int, default=3, help="alternating timing rounds per candidate")
     ap.add_argument("--seconds", type=float, default=1.5, help="time per loader/step measurement")
     ap.add_argument("--step-tokens-per-s", type=float, default=None, help="skip timing the tiny step")
     args = ap.parse_args()
     torch.set_num_threads(2)
-    console = Console()
+    console = Console(width=130)
     files = stdlib_files(int(args.mb * 1e6))
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        tok_rows = bench_tokenize(files, tmp, args.bpe_vocab)
-        t = Table(title=f"prepare-data throughput ({len(files)} stdlib files, {sum(f.stat().st_size for f in files) / 1e6:.1f} MB)")
-        for c in ("tokenizer", "workers", "MB/s", "tokens"):
+        tok_rows = bench_tokenize(files, tmp, args.bpe_vocab, args.rounds)
+        t = Table(title=f"prepare-data throughput ({len(files)} stdlib files, {tok_rows[0]['mb']:.1f} MB, "
+                  f"{available_cpus()} CPUs, best of {args.rounds} rounds)")
+        for c in ("tokenizer", "workers", "prepare-data MB/s", "baseline", "baseline MB/s", "ratio", "scaling"):
             t.add_column(c, justify="right")
-        for name, w, mbs, ntok in tok_rows:
-            t.add_row(name, str(w), f"{mbs:.1f}", f"{ntok:,}")
+        for r in tok_rows:
+            byte = r["tokenizer"] == "byte"
+            # byte: both workers against the tokenizer, and 1 worker against the I/O floor too
+            pairs = [("1", "prep1", "base1"), ("2", "prep2", "base1" if byte else "base2")]
+            if byte:
+                pairs.append(("1", "prep1", "base2"))
+            for workers, prep, base in pairs:
+                t.add_row(str(r["tokenizer"]) if workers == "1" and base == "base1" else "", workers,
+                          f"{r[prep]:.2f}", str(r[f"{base}_name"]), f"{r[base]:.2f}", f"{r[prep] / r[base]:.0%}",
+                          f"{r['prep2'] / r['prep1']:.2f}x" if prep == "prep2" else "")
         console.print(t)
+        console.print("targets: prepare-data >= 85% of the tokenizer's own batch encoding, 2 workers >= 1.6x "
+                      "one worker (other load on a shared machine lowers the scaling). The byte tokenizer's "
+                      "encoding is a memory copy: prepare-data is bounded by reading, checksumming and "
+                      "writing instead (the read+checksum+write row)")
 
         prefix = str(tmp / "tok-byte-1")
         # Fastest of 1 and 2 torch threads (oversubscribed threads can be far slower on a busy

@@ -293,6 +293,10 @@ from lptrain.memory.command import register as register_memory  # noqa: E402  (e
 
 register_memory(app)
 
+from lptrain.interop.command import register as register_export  # noqa: E402  (lptrain export)
+
+register_export(app)
+
 
 def main() -> None:
     app()

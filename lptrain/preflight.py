@@ -79,6 +79,7 @@ class DryRunReport:
     datasets: list[str]
     train_samples_per_epoch: int
     valid_samples_per_epoch: int
+    init_from_hf: str | None = None  # the checked checkpoint.init_from_hf folder and its architecture
     fake_gpu_step: list[str] = field(default_factory=list)
 
     def lines(self) -> list[str]:
@@ -90,10 +91,13 @@ class DryRunReport:
             f"{self.valid_samples_per_epoch} validation samples"
             if self.valid_samples_per_epoch else "no validation split"
         )
+        hf = [f"checkpoint.init_from_hf: {self.init_from_hf} matches the recipe (read when the run "
+              "starts fresh)"] if self.init_from_hf else []
         return [
             f"model: {self.params / 1e6:.2f}M parameters, built on the meta device{note}",
             f"data: {', '.join(self.datasets)}: {self.train_samples_per_epoch} training samples "
             f"per epoch, {valid}",
+            *hf,
             *self.fake_gpu_step,
             "dry run ok: no run folder written, no training",
         ]
@@ -137,12 +141,18 @@ def dry_run(cfg: LPTrainConfig, world: Optional[World] = None) -> DryRunReport:
         params = sum(p.numel() for p in model.parameters())
         del model
     train, valid = build_streams(cfg.data, cfg.model.seq_length, cfg.model.vocab_size)
+    hf = None
+    if cfg.checkpoint.init_from_hf:  # its config.json against the recipe (one line, exit 2)
+        from lptrain.interop.hf_import import check_init_from_hf
+
+        hf = f"{cfg.checkpoint.init_from_hf} ({check_init_from_hf(cfg).name})"
     report = DryRunReport(
         params=params,
         quantized_primary_weights_skipped=skipped,
         datasets=list(dict.fromkeys(d.indexed.prefix for d in train.datasets)),
         train_samples_per_epoch=sum(d.samples_per_epoch for d in train.datasets),
         valid_samples_per_epoch=sum(d.samples_per_epoch for d in valid.datasets) if valid else 0,
+        init_from_hf=hf,
     )
     if virtual:
         from lptrain.testing.fake_gpu import fake_gpu_steps

@@ -74,6 +74,9 @@ class ModelConfig:
     )
     rotary_base: float = opt(10000.0, "RoPE base frequency.")
     norm_epsilon: float = opt(1e-5, "RMSNorm epsilon.")
+    qk_layernorm: bool = opt(
+        False, "RMSNorm over each query and key head before RoPE (Qwen3's q_norm/k_norm)."
+    )
     tie_embeddings: bool = opt(False, "Share the token embedding and the output head weight.")
     init_method_std: float = opt(0.02, "Std of the normal weight initialisation.")
     moe: MoEConfig = opt_factory(MoEConfig, "Mixture-of-experts settings.")
@@ -217,6 +220,12 @@ class CheckpointConfig:
 
     save: Optional[str] = opt(None, "Folder to save checkpoints to (null = no saving).")
     load: Optional[str] = opt(None, "Folder to resume from (null = checkpoint.save if it holds one).")
+    init_from_hf: Optional[str] = opt(
+        None,
+        "Hugging Face model folder (Llama, Qwen3, Mixtral, Qwen3-MoE) a fresh run starts from: "
+        "its weights become the fp32 masters, the optimizer starts fresh; a run that resumes "
+        "from checkpoint.save ignores it.",
+    )
     save_interval: Optional[int] = opt(None, "Save every N steps.")
     keep_latest: int = opt(2, "Checkpoints kept (at least 2, the newest may be half-written).")
     sharding_type: str = opt(

@@ -17,7 +17,9 @@ def register(app: typer.Typer) -> None:
     @app.command("prepare-data")
     def prepare_data(
         input: Optional[list[str]] = typer.Option(
-            None, "--input", "-i", help="Text/JSONL file or directory (repeat for several)."
+            None, "--input", "-i",
+            help="Text, JSONL (.jsonl, .jsonl.gz, .jsonl.zst) or .parquet file, directory or quoted "
+            "glob pattern such as 'data/*.parquet' (repeat for several).",
         ),
         output: Optional[str] = typer.Option(
             None, "--output", "-o", help="Output prefix: writes PREFIX.bin and PREFIX.idx."
@@ -27,10 +29,13 @@ def register(app: typer.Typer) -> None:
             None, "--train-tokenizer", help="Train a tokenizer on the input first: bpe."
         ),
         vocab_size: Optional[int] = typer.Option(None, help="Vocabulary size for --train-tokenizer."),
-        workers: int = typer.Option(1, help="Tokenizer processes (1 = in-process)."),
-        text_key: str = typer.Option("text", help="JSONL key holding the document text."),
+        workers: int = typer.Option(
+            0, help="Tokenizer threads (1 = all in this thread; 0 = one per available CPU)."
+        ),
+        text_key: str = typer.Option("text", help="JSONL key / parquet column holding the document text."),
         glob: Optional[list[str]] = typer.Option(
-            None, "--glob", help="File patterns inside directories (repeat; default *.txt *.md *.rst *.py *.jsonl)."
+            None, "--glob", help="File patterns inside directories (repeat; default *.txt *.md *.rst *.py *.jsonl "
+            "*.jsonl.gz *.jsonl.zst *.parquet)."
         ),
         skip_bad_lines: bool = typer.Option(
             False, "--skip-bad-lines", help="Warn about and skip bad JSONL lines instead of failing."

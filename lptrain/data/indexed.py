@@ -60,6 +60,50 @@ def _offsets_digest(offsets: np.ndarray) -> str:
 
 
 @dataclass
+class PackedDocuments:
+    """Documents back to back in the storage dtype, each followed by EOS, with their lengths
+    (EOS included) and the extreme ids (for the vocabulary check)."""
+
+    tokens: np.ndarray
+    lengths: np.ndarray
+    max_id: int
+    min_id: int
+
+
+def _outside_vocab(token_id: int, vocab_size: int) -> DataError:
+    return DataError(f"token id {token_id} outside the tokenizer vocabulary ({vocab_size})")
+
+
+def pack_documents(docs: list[np.ndarray], eos_id: int, dtype: np.dtype, vocab_size: int) -> PackedDocuments:
+    """One contiguous ``dtype`` buffer of ``docs`` + EOS each (empty documents skipped).
+
+    Tokenizers hand out ids in an unsigned dtype no wider than the storage one (the byte
+    tokenizer uint8, ``tokenizers`` uint16/uint32 by vocabulary), which casts exactly; any
+    other array (int64, say) is range-checked before the cast so nothing wraps silently.
+    The work is numpy on whole buffers, so it runs in a worker thread without the GIL most
+    of the time."""
+    docs = [d for d in docs if len(d)]
+    if not docs:
+        return PackedDocuments(np.zeros(0, dtype), np.zeros(0, np.int64), -1, 0)
+    for d in docs:
+        if not np.can_cast(d.dtype, dtype, "safe"):
+            d_min, d_max = int(d.min()), int(d.max())
+            if d_min < 0 or d_max >= vocab_size:
+                raise _outside_vocab(d_max if d_max >= vocab_size else d_min, vocab_size)
+    eos = np.array([eos_id], dtype=dtype)
+    parts: list[np.ndarray] = []
+    for d in docs:
+        parts.append(d)
+        parts.append(eos)
+    tokens = np.concatenate(parts, dtype=dtype, casting="unsafe")
+    lengths = np.fromiter((len(d) + 1 for d in docs), dtype=np.int64, count=len(docs))
+    packed = PackedDocuments(tokens, lengths, int(tokens.max()), int(tokens.min()))
+    if packed.max_id >= vocab_size:
+        raise _outside_vocab(packed.max_id, vocab_size)
+    return packed
+
+
+@dataclass
 class IndexedDatasetWriter:
     """Streams documents into temp files; :meth:`finalize` checksums and renames them."""
 
@@ -88,24 +132,23 @@ class IndexedDatasetWriter:
 
     def add_documents(self, docs: list[np.ndarray]) -> None:
         """Append documents (token arrays without EOS); empty documents are skipped."""
-        docs = [d for d in docs if len(d)]
-        if not docs:
+        self.add_packed(pack_documents(docs, self.eos_id, self.dtype, self.vocab_size))
+
+    def add_packed(self, packed: PackedDocuments) -> None:
+        """Append documents packed by :func:`pack_documents` (in a worker thread, say): the
+        range check, then the checksum and the write, both on the packed buffer in place."""
+        if not len(packed.lengths):
             return
-        eos = np.array([self.eos_id], dtype=np.int64)
-        parts: list[np.ndarray] = []
-        for d in docs:
-            parts.append(d)
-            parts.append(eos)
-        flat = np.concatenate(parts).astype(np.int64, copy=False)
-        mx = int(flat.max())
-        if mx >= self.vocab_size or int(flat.min()) < 0:
-            raise DataError(f"token id {mx} outside the tokenizer vocabulary ({self.vocab_size})")
-        self._max_id = max(self._max_id, mx)
-        data = flat.astype(self.dtype).tobytes()
+        if packed.max_id >= self.vocab_size or packed.min_id < 0:
+            raise _outside_vocab(packed.max_id if packed.max_id >= self.vocab_size else packed.min_id, self.vocab_size)
+        if packed.tokens.dtype != self.dtype:
+            raise ValueError(f"packed as {packed.tokens.dtype}, the dataset stores {self.dtype}")
+        self._max_id = max(self._max_id, packed.max_id)
+        data = memoryview(packed.tokens).cast("B")
         self._f.write(data)
         self._hash.update(data)
-        self._lengths.append(np.fromiter((len(d) + 1 for d in docs), dtype=np.int64, count=len(docs)))
-        self._num_tokens += len(flat)
+        self._lengths.append(packed.lengths)
+        self._num_tokens += len(packed.tokens)
 
     @property
     def num_tokens(self) -> int:

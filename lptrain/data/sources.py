@@ -1,8 +1,11 @@
-"""Input discovery and document reading: text files, directories and JSONL.
+"""Input discovery and document reading: text files, JSONL (plain, ``.gz``, ``.zst``), parquet,
+directories and glob patterns mixing them.
 
-A plain text file is one document; each JSONL line is one document (its ``text_key`` value).
-Reading happens in the main process in a deterministic order (inputs in the given order,
-directory contents sorted), so a dataset is reproducible. Invalid UTF-8 is replaced with U+FFFD
+A plain text file is one document; each JSONL line is one document (its ``text_key`` value),
+as is each parquet row (its ``text_key`` column; see :mod:`lptrain.data.formats` for the
+compressed and columnar readers). Reading happens in the main process in a deterministic
+order (inputs in the given order, directory contents and glob matches sorted), so a dataset
+is reproducible. Invalid UTF-8 is replaced with U+FFFD
 and counted per file (as are lone surrogates that a JSON ``\\ud800`` escape can produce, which
 UTF-8 cannot encode); bad JSONL lines raise with file and line number unless skipped.
 """
@@ -10,21 +13,25 @@ UTF-8 cannot encode); bad JSONL lines raise with file and line number unless ski
 from __future__ import annotations
 
 import fnmatch
+import glob as globbing
 import json
 import os
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from lptrain.data.errors import DataError
+from lptrain.data.formats import compressed_lines, parquet_texts
 
-DEFAULT_GLOBS = ("*.txt", "*.md", "*.rst", "*.py", "*.jsonl")
+DEFAULT_GLOBS = ("*.txt", "*.md", "*.rst", "*.py", "*.jsonl", "*.jsonl.gz", "*.jsonl.zst", "*.parquet")
 _REPLACEMENT_UTF8 = "\ufffd".encode()
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 _SNIFF_BYTES = 1 << 16
 _MAX_INVALID_UTF8_SHARE = 0.1  # above this share of bad bytes, a file is not text with typos
-_BINARY_FIX = "pass text, Markdown, code or JSONL files (in a directory, pick them with --glob)"
+_BINARY_FIX = ("pass text, Markdown, code, JSONL (.jsonl, .jsonl.gz, .jsonl.zst) or .parquet files "
+               "(in a directory, pick them with --glob)")
+_GLOB_CHARS = set("*?[")
 
 
 @dataclass
@@ -37,6 +44,7 @@ class ReadStats:
     invalid_utf8: dict[str, int] = field(default_factory=dict)
     bad_lines: list[str] = field(default_factory=list)
     skipped_empty_files: list[str] = field(default_factory=list)
+    null_texts: dict[str, int] = field(default_factory=dict)  # parquet rows whose text is null
 
     @property
     def invalid_utf8_total(self) -> int:
@@ -44,11 +52,17 @@ class ReadStats:
 
 
 def discover_files(inputs: Sequence[str | os.PathLike[str]], globs: Sequence[str] = DEFAULT_GLOBS) -> list[Path]:
-    """Files named directly (must exist and be non-empty) plus matching files under directories."""
+    """Files named directly (must exist and be non-empty), matching files under directories,
+    and the files a glob pattern (``data/*.parquet``, ``shards/**/*.jsonl.zst``) matches."""
     out: list[Path] = []
     for item in inputs:
         p = Path(item)
-        if p.is_dir():
+        if not p.exists() and _GLOB_CHARS & set(str(item)):
+            matched = sorted(Path(m) for m in globbing.glob(str(item), recursive=True) if Path(m).is_file())
+            if not matched:
+                raise DataError(f"no input files match the pattern {item}")
+            out.extend(matched)
+        elif p.is_dir():
             found = sorted(
                 q
                 for q in p.rglob("*")
@@ -81,42 +95,48 @@ def decode_utf8(raw: bytes, path: str, stats: ReadStats) -> str:
 
 
 def _jsonl_docs(
-    path: Path, text_key: str, skip_bad_lines: bool, stats: ReadStats
+    path: Path, lines: Iterable[tuple[bytes, int]], text_key: str, skip_bad_lines: bool, stats: ReadStats
 ) -> Iterator[tuple[str, int]]:
-    """``(text, bytes consumed since the previous yield)`` per good line, streamed line by line."""
+    """``(text, source bytes consumed since the previous yield)`` per good line of
+    ``lines`` (``(line bytes, source bytes)`` pairs, streamed)."""
     pending = 0
-    with open(path, "rb") as f:
-        for lineno, line in enumerate(f, start=1):
-            pending += len(line)
-            stats.bytes_read += len(line)
-            if not line.strip():
-                continue
-            text = decode_utf8(line, str(path), stats)
-            problem: str | None = None
-            try:
-                obj = json.loads(text)
-            except json.JSONDecodeError as exc:
-                problem = f"invalid JSON ({exc.msg})"
-            else:
-                if not isinstance(obj, dict) or text_key not in obj:
-                    problem = f"no {text_key!r} key"
-                elif not isinstance(obj[text_key], str):
-                    problem = f"{text_key!r} is not a string"
-            if problem is not None:
-                msg = f"{path}:{lineno}: {problem}"
-                if not skip_bad_lines:
-                    raise DataError(f"bad JSONL line {msg} (use --skip-bad-lines to skip such lines)")
-                stats.bad_lines.append(msg)
-                continue
-            value: str = obj[text_key]
-            if "\\u" in text:  # only a JSON escape can produce a lone surrogate (not encodable)
-                value, n = _LONE_SURROGATE.subn("\ufffd", value)
-                if n:
-                    stats.invalid_utf8[str(path)] = stats.invalid_utf8.get(str(path), 0) + n
-            yield value, pending
-            pending = 0
+    for lineno, (line, nbytes) in enumerate(lines, start=1):
+        pending += nbytes
+        stats.bytes_read += nbytes
+        if not line.strip():
+            continue
+        text = decode_utf8(line, str(path), stats)
+        problem: str | None = None
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as exc:
+            problem = f"invalid JSON ({exc.msg})"
+        else:
+            if not isinstance(obj, dict) or text_key not in obj:
+                problem = f"no {text_key!r} key"
+            elif not isinstance(obj[text_key], str):
+                problem = f"{text_key!r} is not a string"
+        if problem is not None:
+            msg = f"{path}:{lineno}: {problem}"
+            if not skip_bad_lines:
+                raise DataError(f"bad JSONL line {msg} (use --skip-bad-lines to skip such lines)")
+            stats.bad_lines.append(msg)
+            continue
+        value: str = obj[text_key]
+        if "\\u" in text:  # only a JSON escape can produce a lone surrogate (not encodable)
+            value, n = _LONE_SURROGATE.subn("\ufffd", value)
+            if n:
+                stats.invalid_utf8[str(path)] = stats.invalid_utf8.get(str(path), 0) + n
+        yield value, pending
+        pending = 0
     if pending:
         yield "", pending
+
+
+def _file_lines(path: Path) -> Iterator[tuple[bytes, int]]:
+    with open(path, "rb") as f:
+        for line in f:
+            yield line, len(line)
 
 
 def check_not_binary(path: Path, head: bytes) -> None:
@@ -147,6 +167,61 @@ def _read_head(path: Path) -> bytes:
         raise DataError(f"cannot read input {path}: {e.strerror or e}") from None
 
 
+Reader = Callable[[Path, str, bool, ReadStats], Iterator[tuple[str, int]]]
+
+
+def _read_text(path: Path, text_key: str, skip_bad_lines: bool, stats: ReadStats) -> Iterator[tuple[str, int]]:
+    """A text file is one document, read whole (once: the binary sniff looks at its head)."""
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise DataError(f"cannot read input {path}: {e.strerror or e}") from None
+    check_not_binary(path, raw[:_SNIFF_BYTES])
+    stats.bytes_read += len(raw)
+    if not raw:
+        stats.skipped_empty_files.append(str(path))
+        return
+    yield decode_utf8(raw, str(path), stats), len(raw)
+
+
+def _read_jsonl(path: Path, text_key: str, skip_bad_lines: bool, stats: ReadStats) -> Iterator[tuple[str, int]]:
+    check_not_binary(path, _read_head(path))
+    return _jsonl_docs(path, _file_lines(path), text_key, skip_bad_lines, stats)
+
+
+def _compressed_jsonl(kind: str) -> Reader:
+    def read(path: Path, text_key: str, skip_bad_lines: bool, stats: ReadStats) -> Iterator[tuple[str, int]]:
+        return _jsonl_docs(path, compressed_lines(path, kind), text_key, skip_bad_lines, stats)
+
+    return read
+
+
+def _read_parquet(path: Path, text_key: str, skip_bad_lines: bool, stats: ReadStats) -> Iterator[tuple[str, int]]:
+    for texts, nbytes in parquet_texts(path, text_key):
+        for text in texts:
+            if text is None:
+                stats.null_texts[str(path)] = stats.null_texts.get(str(path), 0) + 1
+                continue
+            yield text, 0
+        if nbytes:
+            stats.bytes_read += nbytes
+            yield "", nbytes
+
+
+# Longest suffix first: a name ending in .jsonl.gz is compressed JSONL, not text.
+READERS: tuple[tuple[str, Reader], ...] = (
+    (".jsonl.gz", _compressed_jsonl("gzip")),
+    (".jsonl.zst", _compressed_jsonl("zstd")),
+    (".jsonl", _read_jsonl),
+    (".parquet", _read_parquet),
+)
+
+
+def reader_for(path: Path) -> Reader:
+    """The document reader of ``path`` by its name (plain text when no suffix matches)."""
+    return next((r for suffix, r in READERS if path.name.endswith(suffix)), _read_text)
+
+
 def iter_documents(
     files: Sequence[Path],
     text_key: str = "text",
@@ -155,27 +230,14 @@ def iter_documents(
 ) -> Iterator[tuple[str, int]]:
     """Yield ``(document_text, source_bytes_consumed)``; the byte count drives the progress bar.
 
-    A text file is read whole (it is one document); JSONL is streamed line by line.
+    A text file is read whole (it is one document); JSONL and parquet are streamed.
     """
     stats = stats if stats is not None else ReadStats()
     for path in files:
         if not path.is_file():
             raise DataError(f"input path not found: {path}")
         stats.files += 1
-        check_not_binary(path, _read_head(path))
-        if path.suffix == ".jsonl":
-            for doc, nbytes in _jsonl_docs(path, text_key, skip_bad_lines, stats):
-                if doc:
-                    stats.documents += 1
-                yield doc, nbytes
-            continue
-        try:
-            raw = path.read_bytes()
-        except OSError as e:
-            raise DataError(f"cannot read input {path}: {e.strerror or e}") from None
-        stats.bytes_read += len(raw)
-        if not raw:
-            stats.skipped_empty_files.append(str(path))
-            continue
-        stats.documents += 1
-        yield decode_utf8(raw, str(path), stats), len(raw)
+        for doc, nbytes in reader_for(path)(path, text_key, skip_bad_lines, stats):
+            if doc:
+                stats.documents += 1
+            yield doc, nbytes

@@ -109,6 +109,8 @@ class HFTokenizer:
         self.eos_id: int = eos
         self.bos_id = self._find(_BOS_NAMES)
         self.pad_id = self._find(_PAD_NAMES)
+        self._dtype = np.uint16 if self.vocab_size <= 1 << 16 else np.uint32
+        self._encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
         # Text that spells a special token ("<|endoftext|>" in a document) is ordinary text:
         # only the pipeline inserts EOS, so document boundaries cannot be forged by content.
         if hasattr(self._tok, "encode_special_tokens"):
@@ -122,11 +124,19 @@ class HFTokenizer:
         return None
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
-        encs = self._tok.encode_batch(list(texts), add_special_tokens=False)
-        return [np.asarray(e.ids, dtype=np.int64) for e in encs]
+        """Token ids per text, as the narrowest unsigned dtype the vocabulary fits (what the
+        dataset stores). ``encode_batch_fast`` (tokenizers >= 0.20) skips the character
+        offsets nobody here reads; the ids are the same."""
+        encs = self._encode(list(texts), add_special_tokens=False)
+        return [np.array(e.ids, dtype=self._dtype) for e in encs]
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         return str(self._tok.decode([int(i) for i in ids], skip_special_tokens=False))
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """The token string of ``token_id`` (special tokens by their names)."""
+        token = self._tok.id_to_token(int(token_id))
+        return None if token is None else str(token)
 
     def spec(self) -> str:
         return self.path

@@ -12,7 +12,8 @@ groups, f SwiGLU width):
   column-wise quantized input instead (bytes from the run's own input quantizer);
 * attention: rotated Q ``a*n*d``; with MHA rotated K ``a*g*d`` and the fused QKV output
   ``a*(n+2g)*d`` (V is a view of it); with GQA the repeated K and V ``2*a*n*d`` instead;
-  the attention output ``a*n*d`` (the projection reads a view of it), ``4n`` log-sum-exp;
+  with ``qk_layernorm`` the norms' ``8*(n+g)*d``; the attention output ``a*n*d`` (the
+  projection reads a view of it), ``4n`` log-sum-exp;
 * SwiGLU: fp32 ``[gate|up]`` ``8f``, ``silu(gate)`` ``4f``, the product in the activation
   dtype ``a*f`` (the fc2 input);
 * head: final norm ``8h``, the head input ``a*h``, fp32 log-softmax over the vocabulary.
@@ -57,6 +58,8 @@ def _layer_terms(
     else:
         attn += 2 * a * n * d
     attn += a * n * d + 4 * n  # output + log-sum-exp
+    if m.qk_layernorm:  # each norm keeps its fp32 input and normalized value, and 1/rms per head
+        attn += 8 * (n + g) * d + 4 * (n + g)
     if quantized:
         attn += gemm_in(n * d)  # the projection's own quantized copy of its input
     layer = 2 * norm + gemm_in(h) + attn

@@ -5,6 +5,10 @@ group: for each KV group, its ``q_per_group`` query heads, then its key head, th
 value head (Megatron's layout). Viewed as ``[groups, (q_per_group + 2) * head_dim, hidden]``
 it splits into Q, K and V blocks of ``qkv_split_shapes = [q_per_group*head_dim, head_dim,
 head_dim]`` rows, which is what Muon's ``split_qkv`` orthogonalises separately.
+
+With ``model.qk_layernorm`` every query and key head is RMS-normalised over its ``head_dim``
+(one weight per norm, shared by the heads) before RoPE, as Qwen3 and Megatron's
+``qk_layernorm`` do; the norms are plain fp32-math modules, never quantized.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lptrain.model.build_context import BuildContext
+from lptrain.model.norm import RMSNorm
 from lptrain.model.rope import apply_rotary
 
 
@@ -54,6 +59,12 @@ class SelfAttention(nn.Module):
             name=f"{prefix}linear_proj",
         )
 
+        self.q_layernorm: RMSNorm | None = None
+        self.k_layernorm: RMSNorm | None = None
+        if cfg.qk_layernorm:
+            self.q_layernorm = RMSNorm(self.head_dim, cfg.norm_epsilon, ctx.params_dtype)
+            self.k_layernorm = RMSNorm(self.head_dim, cfg.norm_epsilon, ctx.params_dtype)
+
     @property
     def qkv_split_shapes(self) -> list[int]:
         """Rows of Q, K and V inside one query group of the QKV weight."""
@@ -63,8 +74,11 @@ class SelfAttention(nn.Module):
         b, s, _ = x.shape
         g, qpg, hd = self.num_groups, self.q_per_group, self.head_dim
         qkv = self.linear_qkv(x).to(x.dtype).view(b, s, g, qpg + 2, hd)
-        q = qkv[:, :, :, :qpg].reshape(b, s, g * qpg, hd).transpose(1, 2)  # head = g*qpg + j
-        k = qkv[:, :, :, qpg].transpose(1, 2)  # [b, g, s, hd]
+        q = qkv[:, :, :, :qpg].reshape(b, s, g * qpg, hd)  # head = g*qpg + j
+        k = qkv[:, :, :, qpg]  # [b, s, g, hd]
+        if self.q_layernorm is not None and self.k_layernorm is not None:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [b, heads, s, hd]
         v = qkv[:, :, :, qpg + 1].transpose(1, 2)
         q = apply_rotary(q.float(), cos, sin).to(x.dtype)
         k = apply_rotary(k.float(), cos, sin).to(x.dtype)

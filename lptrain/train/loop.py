@@ -151,6 +151,11 @@ def pretrain(cfg: LPTrainConfig, output_dir: str | Path, *, overwrite: bool = Fa
     cfg = rebase_on_output_dir(cfg, out)
     t, ck = cfg.train, cfg.checkpoint
     plan = plan_run(cfg, out, overwrite)
+    hf_arch = None
+    if ck.init_from_hf and not plan.candidates:  # checked (one line, exit 2) before the engine
+        from lptrain.interop.hf_import import check_init_from_hf
+
+        hf_arch = check_init_from_hf(cfg)
     engine = TrainEngine(cfg)
     main = engine.is_main
     log = _Log(main, cfg)
@@ -165,6 +170,13 @@ def pretrain(cfg: LPTrainConfig, output_dir: str | Path, *, overwrite: bool = Fa
     if plan.candidates:
         train_state = _resume(engine, plan.candidates, log)
         load_data_state(train_state["data"], train_it, valid_it)
+        if ck.init_from_hf:
+            log.line(f"note: checkpoint.init_from_hf={ck.init_from_hf} not read: the run resumes "
+                     "from its own checkpoint (its weights started from that folder)")
+    elif hf_arch is not None:
+        from lptrain.interop.hf_import import init_engine_from_hf
+
+        log.line(init_engine_from_hf(engine, cfg, hf_arch))
     start_iter = int(train_state.get("iteration", 0))
     resolved = config_yaml(cfg)
     # Every rank has planned (read the folder) before the main rank claims it; without this a

@@ -42,4 +42,13 @@ RULES = [
         "set checkpoint.sharding_type=dp_reshardable (or fully_reshardable: same files)",
         "sharding_type != fully_sharded_model_space (not implemented)",
         "refused rather than writing another format than the one asked for", S),
+    Rule(
+        "CKPT-INIT-FROM-HF-LOAD", "error", ("checkpoint.init_from_hf", "checkpoint.load"),
+        lambda c, w: bool(c.checkpoint.init_from_hf and c.checkpoint.load),
+        "checkpoint.init_from_hf={cfg.checkpoint.init_from_hf} and checkpoint.load="
+        "{cfg.checkpoint.load} are two sources of initial weights",
+        "unset checkpoint.load to start from the Hugging Face folder, or unset "
+        "checkpoint.init_from_hf to resume from the checkpoint",
+        "init_from_hf -> load unset",
+        "a fresh run starts from the folder; a run resuming from checkpoint.save ignores it", S),
 ]

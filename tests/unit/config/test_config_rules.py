@@ -166,6 +166,8 @@ CASES: list[tuple[str, list[str], tuple[str, ...], list[str], World]] = [
      ["train.exit_duration_mins=0.5"], CPU),
     ("CKPT-ASYNC-SAVE", ["checkpoint.async_save=true"], ("checkpoint.async_save",),
      ["checkpoint.async_save=false"], CPU),
+    ("CKPT-INIT-FROM-HF-LOAD", ["checkpoint.init_from_hf=hf", "checkpoint.load=ckpt"],
+     ("checkpoint.init_from_hf",), ["checkpoint.init_from_hf=hf"], CPU),
     ("PREC-CHOICES", ["precision.fp8_recipe=mxfp88"], ("precision.fp8_recipe",),
      [MXFP8], CPU),
     ("OPT-CHOICES", ["optimizer.name=adam"], ("optimizer.name",), [MUON], CPU),

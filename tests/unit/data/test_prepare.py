@@ -76,10 +76,10 @@ def test_crash_mid_write_leaves_previous_dataset_valid(tmp_path: Path, monkeypat
 
     from lptrain.data import indexed
 
-    def boom(self: object, docs: list[np.ndarray]) -> None:
+    def boom(self: object, packed: indexed.PackedDocuments) -> None:
         raise RuntimeError("simulated crash")
 
-    monkeypatch.setattr(indexed.IndexedDatasetWriter, "add_documents", boom)
+    monkeypatch.setattr(indexed.IndexedDatasetWriter, "add_packed", boom)
     with pytest.raises(RuntimeError, match="simulated crash"):
         prepare_dataset([src], tmp_path / "ds")
     ds = IndexedDataset(tmp_path / "ds")
@@ -105,3 +105,38 @@ def test_special_token_text_is_not_a_document_boundary(tmp_path: Path) -> None:
     doc = IndexedDataset(tmp_path / "bpe").get_document(0)
     assert tok.eos_id not in doc.tolist()
     assert tok.decode(doc) == "before <|endoftext|> after " * 5
+
+
+def test_worker_threads_give_the_same_bpe_dataset_and_leave_tokenizers_as_found(
+    tmp_path: Path, text_docs: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+
+    inputs = _write_inputs(tmp_path, text_docs * 5)
+    rep = prepare_dataset(inputs, tmp_path / "w1", train_tokenizer="bpe", vocab_size=300, workers=1)
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "true")
+    rep3 = prepare_dataset(inputs, tmp_path / "w3", tokenizer=str(rep.tokenizer_path), workers=3, chunk_bytes=40)
+    assert rep3.workers == 3
+    assert bin_path(tmp_path / "w1").read_bytes() == bin_path(tmp_path / "w3").read_bytes()
+    assert os.environ["TOKENIZERS_PARALLELISM"] == "true"  # restored after the run
+    assert prepare_dataset(inputs, tmp_path / "auto", workers=0).workers >= 1  # 0: every CPU
+
+
+def test_a_bad_line_read_ahead_on_a_thread_still_fails_cleanly(tmp_path: Path) -> None:
+    f = tmp_path / "d.jsonl"
+    f.write_text("".join(json.dumps({"text": f"doc {i} " * 20}) + "\n" for i in range(300)) + "{broken\n")
+    with pytest.raises(DataError, match=rf"bad JSONL line {f}:301: invalid JSON"):
+        prepare_dataset([f], tmp_path / "ds", workers=2, chunk_bytes=256)
+    assert not list(tmp_path.glob("*.tmp-*")) and not idx_path(tmp_path / "ds").exists()
+
+
+def test_packing_checks_ids_before_narrowing(tmp_path: Path) -> None:
+    from lptrain.data.indexed import pack_documents
+
+    docs = [np.array([1, 2, 3], dtype=np.int64), np.array([], dtype=np.int64), np.array([4], dtype=np.uint8)]
+    packed = pack_documents(docs, 9, np.dtype(np.uint16), 10)
+    assert packed.tokens.tolist() == [1, 2, 3, 9, 4, 9] and packed.lengths.tolist() == [4, 2]
+    with pytest.raises(DataError, match=r"token id 70000 outside the tokenizer vocabulary \(10\)"):
+        pack_documents([np.array([70000], dtype=np.int64)], 9, np.dtype(np.uint16), 10)  # would wrap to 4464
+    with pytest.raises(DataError, match="token id -1 outside"):
+        pack_documents([np.array([-1], dtype=np.int64)], 9, np.dtype(np.uint16), 10)
