@@ -34,11 +34,14 @@ AMAX_ALGOS = ("most_recent", "max")
 OPTIMIZERS = ("adamw", "muon")
 LAYER_WISE_LAYOUTS = ("compact", "padded")
 LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
-SCALAR_OPTIMIZERS = ("adamw",)
+SCALAR_OPTIMIZERS = ("adamw", "lion")
 MUON_COEFFICIENTS = tuple(COEFFICIENT_SETS)  # one source: the optimizer's own table
 MUON_SCALE_MODES = ("shape_scaling", "spectral", "unit_rms_norm")
 LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "none")
-SCORE_FUNCTIONS = ("softmax", "sigmoid")
+SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
+# Score functions that score each expert on its own: the ones the expert bias pairs with
+# (Megatron's TransformerConfig check), and the ones whose top-1 probability is not always 1.
+INDEPENDENT_SCORE_FUNCTIONS = ("sigmoid", "sqrtsoftplus")
 SHARDING_TYPES = ("dp_reshardable", "fully_reshardable", "fully_sharded_model_space")
 DEVICES = ("auto", "cpu", "cuda")
 WANDB_MODES = ("online", "offline", "disabled")
