@@ -149,6 +149,16 @@ def param_gather(c: LPTrainConfig) -> bool:
     return c.precision.fp8_param_gather or c.precision.fp4_param_gather
 
 
+def is_moe(c: LPTrainConfig) -> bool:
+    return c.model.moe.num_experts > 0
+
+
+def decay_end(c: LPTrainConfig) -> int:
+    """The step the LR decay ends at: ``optimizer.decay_iters``, else ``train.train_iters``."""
+    o = c.optimizer
+    return o.decay_iters if o.decay_iters is not None else c.train.train_iters
+
+
 def bad_choices(c: LPTrainConfig, table: Sequence[tuple[str, Sequence[Any]]]) -> dict[str, Any]:
     """For a choices rule: the keys whose values are outside their known sets."""
     bad = []
@@ -175,6 +185,7 @@ def all_rules() -> list[Rule]:
         data,
         ddp,
         ep,
+        inert,
         loop,
         model,
         moe,
@@ -184,7 +195,7 @@ def all_rules() -> list[Rule]:
     )
 
     return [*precision.RULES, *ddp.RULES, *muon.RULES, *moe.RULES, *ep.RULES, *model.RULES, *choices.RULES,
-            *ranges.RULES, *data.RULES, *loop.RULES]
+            *ranges.RULES, *data.RULES, *loop.RULES, *inert.RULES]
 
 
 def rule_ids() -> list[str]:
