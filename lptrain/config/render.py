@@ -99,9 +99,23 @@ INERT_DOC_HEADER = """\
 ## Keys each shipped recipe leaves without effect
 
 A setting that is accepted is honoured. In each recipe below, the listed keys would do nothing
-(the rule says why), so changing one from its default is refused by that rule. Checked at
-each recipe's `meta.target` (cluster recipes at dp 8).
+(the rule says why), so changing one from its default is refused by that rule. Every other key
+of every recipe changes something observable -- the model, the buffer layout, the optimizer,
+the resolved settings or the first optimizer step -- or acts later and is listed in the next
+section (`tests/unit/config/test_key_effects.py` checks both, for every key and recipe).
+Checked at each recipe's `meta.target` (cluster recipes at dp 8).
 """
+
+LATER_DOC_HEADER = """\
+## Keys that take effect after the first step
+
+Their effect comes at intervals, on signals, through paths, in the data pipeline, at more than
+one rank or on another backend, so no first step shows it; each is proved by the test named
+(`lptrain/config/key_effects.py`).
+
+| key | effect | proved by |
+|---|---|---|"""
+
 
 def _recipe_worlds() -> list[tuple[str, Any, Any]]:
     """(name, composed config, world) of every shipped recipe, at its declared target."""
@@ -134,9 +148,16 @@ def inert_keys_markdown() -> str:
     return "\n".join(out) + "\n"
 
 
+def later_keys_markdown() -> str:
+    from lptrain.config.key_effects import LATER_KEYS
+
+    rows = [f"| `{k}` | {_cell(e.what)} | `{e.test}` |" for k, e in LATER_KEYS.items()]
+    return "\n".join([LATER_DOC_HEADER, *rows]) + "\n"
+
+
 def rules_markdown(rules: list[Rule] | None = None) -> str:
     """The docs/rules.md page, generated from the rule list (and, for the whole catalog, the
-    inert keys of every shipped recipe)."""
+    inert keys of every shipped recipe and the keys that act after the first step)."""
     whole = rules is None
     rules = rules if rules is not None else all_rules()
     out = [RULES_DOC_HEADER.rstrip("\n")]
@@ -156,5 +177,5 @@ def rules_markdown(rules: list[Rule] | None = None) -> str:
         )
     page = "\n".join(out) + "\n"
     if whole:
-        page += "\n" + inert_keys_markdown()
+        page += "\n" + inert_keys_markdown() + "\n" + later_keys_markdown()
     return page

@@ -7,6 +7,10 @@ settings under AdamW. When the condition holds and any of those keys differs fro
 value (the schema default, unless the gate names other values that mean "off"), the rule
 reports exactly the keys that are set. The same gates give :func:`inert_keys`, the list of
 keys a config leaves inert, which ``docs/rules.md`` shows for every shipped recipe.
+
+``tests/unit/config/test_key_effects.py`` checks the other direction for every schema key and
+every recipe: a changed value is either refused by one of these rules or changes something
+observable (model, buffer layout, optimizer, resolved settings, first steps).
 """
 
 from __future__ import annotations
