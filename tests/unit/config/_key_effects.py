@@ -26,7 +26,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 import torch
 
@@ -214,8 +215,8 @@ class Fingerprint:
         for child in e.optimizer.children:
             for opt in getattr(child, "optimizers", []):
                 groups = tuple(
-                    tuple(sorted((k, _value(v)) for k, v in g.items() if k not in ("params", "lr")))
-                    + (("params", tuple(tuple(p.shape) for p in g["params"])),)
+                    (*sorted((k, _value(v)) for k, v in g.items() if k not in ("params", "lr")),
+                     ("params", tuple(tuple(p.shape) for p in g["params"])))
                     for g in opt.param_groups
                 )
                 optimizers.append((type(child).__name__, child.label, type(opt).__name__, groups))

@@ -31,15 +31,15 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _key_candidates import CANDIDATES  # noqa: E402
-from _key_effects import SHRINK, Fingerprint, fields_of, set_key, shrunk  # noqa: E402
+from _key_candidates import CANDIDATES
+from _key_effects import SHRINK, Fingerprint, fields_of, set_key, shrunk
 
-from lptrain.config import World, check, derive, load  # noqa: E402
-from lptrain.config.compose import repo_root  # noqa: E402
-from lptrain.config.key_effects import LATER_KEYS  # noqa: E402
-from lptrain.config.rules import get_key  # noqa: E402
-from lptrain.config.rulesets.inert import INERT_RULE_IDS, inert_keys  # noqa: E402
-from lptrain.config.schema import LPTrainConfig  # noqa: E402
+from lptrain.config import World, check, derive, load
+from lptrain.config.compose import repo_root
+from lptrain.config.key_effects import LATER_KEYS
+from lptrain.config.rules import get_key
+from lptrain.config.rulesets.inert import INERT_RULE_IDS, inert_keys
+from lptrain.config.schema import LPTrainConfig
 
 RECIPES = sorted((repo_root() / "recipes").glob("*.yaml"))
 KEYS = fields_of(LPTrainConfig())
