@@ -105,6 +105,14 @@ def test_sqrtsoftplus_scores_probs_and_aux_loss_hand_computed() -> None:
     assert out.aux_loss.item() == pytest.approx(aux, rel=1e-6)
 
 
+def test_router_score_functions_are_the_rule_catalog_s() -> None:
+    from lptrain.config import rules
+    from lptrain.model.moe import router
+
+    assert router.SCORE_FUNCTIONS == rules.SCORE_FUNCTIONS
+    assert tuple(router.INDEPENDENT_SCORES) == rules.INDEPENDENT_SCORE_FUNCTIONS
+
+
 def test_sqrtsoftplus_expert_bias_changes_selection_not_probs() -> None:
     """With sqrtsoftplus the aux-loss-free bias works as with sigmoid: it picks the experts,
     the probabilities stay the unbiased scores (Megatron pairs the bias with both)."""
