@@ -29,6 +29,11 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("cache")
 
 
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> None:
+    torch.set_num_threads(1)  # the tiny model's GEMMs gain nothing from a second thread
+
 def _cfg(cache: Path, *overrides: str):
     return compose("tiny_cpu.yaml", [f"data.cache_dir={cache}", *SMALL, *overrides])
 

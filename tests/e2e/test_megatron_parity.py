@@ -17,6 +17,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from lptrain.cli import app
@@ -72,6 +73,11 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("cache")
 
 
+@pytest.fixture
+def one_thread() -> None:
+    torch.set_num_threads(1)  # the tiny model's GEMMs gain nothing from a second thread
+
+
 MUON = "optimizer.name=muon"
 VALUES = {
     "sqrtsoftplus+bias": ("tiny_cpu.yaml", ["model.moe.num_experts=4", "model.moe.ffn_hidden_size=64",
@@ -85,7 +91,7 @@ VALUES = {
 
 
 @pytest.mark.parametrize("name", list(VALUES))
-def test_megatron_value_trains(name: str, tmp_path: Path, cache_dir: Path) -> None:
+def test_megatron_value_trains(name: str, tmp_path: Path, cache_dir: Path, one_thread: None) -> None:
     recipe, overrides = VALUES[name]
     code, report = _validate(recipe, overrides, 1)
     assert code == 0 and report["violations"] == [], report

@@ -12,6 +12,10 @@ from lptrain.optim.lion import Lion, scalar_optimizer, scalar_optimizer_name
 from lptrain.optim.muon import MuonWithAdamW
 
 
+@pytest.fixture(autouse=True)
+def _one_thread() -> None:
+    torch.set_num_threads(1)  # the tiny model's GEMMs gain nothing from a second thread
+
 def _paper_lion(p: list[float], grads: list[list[float]], lr: float, beta1: float, beta2: float,
                 wd: float) -> list[float]:
     """Lion as written in Chen et al., "Symbolic Discovery of Optimization Algorithms"
