@@ -51,6 +51,8 @@ def derive(cfg: LPTrainConfig, world: World) -> LPTrainConfig:
         model.ffn_hidden_size = 4 * model.hidden_size
     if model.num_query_groups is None:
         model.num_query_groups = model.num_attention_heads
-    if model.moe.ffn_hidden_size is None:
+    # Experts default to the dense width; a dense model keeps null (MOE-FFN-NEEDS-EXPERTS
+    # refuses an expert width on a model without experts).
+    if model.moe.ffn_hidden_size is None and model.moe.num_experts > 0:
         model.moe.ffn_hidden_size = model.ffn_hidden_size
     return out

@@ -95,8 +95,70 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
+INERT_DOC_HEADER = """\
+## Keys each shipped recipe leaves without effect
+
+A setting that is accepted is honoured. In each recipe below, the listed keys would do nothing
+(the rule says why), so changing one from its default is refused by that rule. Every other key
+of every recipe changes something observable -- the model, the buffer layout, the optimizer,
+the resolved settings or the first optimizer step -- or acts later and is listed in the next
+section (`tests/unit/config/test_key_effects.py` checks both, for every key and recipe).
+Checked at each recipe's `meta.target` (cluster recipes at dp 8).
+"""
+
+LATER_DOC_HEADER = """\
+## Keys that take effect after the first step
+
+Their effect comes at intervals, on signals, through paths, in the data pipeline, at more than
+one rank or on another backend, so no first step shows it; each is proved by the test named
+(`lptrain/config/key_effects.py`).
+
+| key | effect | proved by |
+|---|---|---|"""
+
+
+def _recipe_worlds() -> list[tuple[str, Any, Any]]:
+    """(name, composed config, world) of every shipped recipe, at its declared target."""
+    from lptrain.config.compose import load, repo_root
+    from lptrain.config.world import World
+
+    out = []
+    for path in sorted((repo_root() / "recipes").glob("*.yaml")):
+        composed = load(path)
+        target = composed.meta.target or "cpu"
+        world = World.detect(dp=1 if target == "cpu" else 8, target=target)
+        out.append((path.stem, composed.cfg, world))
+    return out
+
+
+def inert_keys_markdown() -> str:
+    """Per shipped recipe, the keys it leaves without effect, grouped by the rule."""
+    from lptrain.config.rulesets.inert import inert_keys
+
+    out = [INERT_DOC_HEADER.rstrip("\n")]
+    for name, cfg, world in _recipe_worlds():
+        by_rule: dict[str, tuple[list[str], str]] = {}
+        for item in inert_keys(cfg, world):
+            by_rule.setdefault(item.rule, ([], item.because))[0].append(item.key)
+        out.append(f"\n### {name} ({world.target}, dp {world.dp})\n")
+        out.append("| rule | keys | why they would have no effect |")
+        out.append("|---|---|---|")
+        for rule, (keys, because) in by_rule.items():
+            out.append(f"| {rule} | {', '.join(f'`{k}`' for k in keys)} | {_cell(because)} |")
+    return "\n".join(out) + "\n"
+
+
+def later_keys_markdown() -> str:
+    from lptrain.config.key_effects import LATER_KEYS
+
+    rows = [f"| `{k}` | {_cell(e.what)} | `{e.test}` |" for k, e in LATER_KEYS.items()]
+    return "\n".join([LATER_DOC_HEADER, *rows]) + "\n"
+
+
 def rules_markdown(rules: list[Rule] | None = None) -> str:
-    """The docs/rules.md page, generated from the rule list."""
+    """The docs/rules.md page, generated from the rule list (and, for the whole catalog, the
+    inert keys of every shipped recipe and the keys that act after the first step)."""
+    whole = rules is None
     rules = rules if rules is not None else all_rules()
     out = [RULES_DOC_HEADER.rstrip("\n")]
     section = None
@@ -113,4 +175,7 @@ def rules_markdown(rules: list[Rule] | None = None) -> str:
             f"| {r.id} | {r.severity} | {keys} | {_cell(r.condition)} | {_cell(r.why)} | "
             f"{_cell(fix)} |"
         )
-    return "\n".join(out) + "\n"
+    page = "\n".join(out) + "\n"
+    if whole:
+        page += "\n" + inert_keys_markdown() + "\n" + later_keys_markdown()
+    return page

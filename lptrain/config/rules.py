@@ -34,11 +34,14 @@ AMAX_ALGOS = ("most_recent", "max")
 OPTIMIZERS = ("adamw", "muon")
 LAYER_WISE_LAYOUTS = ("compact", "padded")
 LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
-SCALAR_OPTIMIZERS = ("adamw",)
+SCALAR_OPTIMIZERS = ("adamw", "lion")
 MUON_COEFFICIENTS = tuple(COEFFICIENT_SETS)  # one source: the optimizer's own table
 MUON_SCALE_MODES = ("shape_scaling", "spectral", "unit_rms_norm")
 LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "none")
-SCORE_FUNCTIONS = ("softmax", "sigmoid")
+SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
+# Score functions that score each expert on its own: the ones the expert bias pairs with
+# (Megatron's TransformerConfig check), and the ones whose top-1 probability is not always 1.
+INDEPENDENT_SCORE_FUNCTIONS = ("sigmoid", "sqrtsoftplus")
 SHARDING_TYPES = ("dp_reshardable", "fully_reshardable", "fully_sharded_model_space")
 DEVICES = ("auto", "cpu", "cuda")
 WANDB_MODES = ("online", "offline", "disabled")
@@ -146,6 +149,16 @@ def param_gather(c: LPTrainConfig) -> bool:
     return c.precision.fp8_param_gather or c.precision.fp4_param_gather
 
 
+def is_moe(c: LPTrainConfig) -> bool:
+    return c.model.moe.num_experts > 0
+
+
+def decay_end(c: LPTrainConfig) -> int:
+    """The step the LR decay ends at: ``optimizer.decay_iters``, else ``train.train_iters``."""
+    o = c.optimizer
+    return o.decay_iters if o.decay_iters is not None else c.train.train_iters
+
+
 def bad_choices(c: LPTrainConfig, table: Sequence[tuple[str, Sequence[Any]]]) -> dict[str, Any]:
     """For a choices rule: the keys whose values are outside their known sets."""
     bad = []
@@ -172,6 +185,7 @@ def all_rules() -> list[Rule]:
         data,
         ddp,
         ep,
+        inert,
         loop,
         model,
         moe,
@@ -181,7 +195,7 @@ def all_rules() -> list[Rule]:
     )
 
     return [*precision.RULES, *ddp.RULES, *muon.RULES, *moe.RULES, *ep.RULES, *model.RULES, *choices.RULES,
-            *ranges.RULES, *data.RULES, *loop.RULES]
+            *ranges.RULES, *data.RULES, *loop.RULES, *inert.RULES]
 
 
 def rule_ids() -> list[str]:

@@ -50,9 +50,13 @@ class MoEConfig:
     load_balancing_type: str = opt("aux_loss", "Load balancing: aux_loss, seq_aux_loss or none.")
     aux_loss_coeff: float = opt(0.0, "Coefficient of the load-balancing auxiliary loss.")
     z_loss_coeff: float = opt(0.0, "Coefficient of the router z-loss (0 = off).")
-    score_function: str = opt("softmax", "Router score function: softmax or sigmoid.")
+    score_function: str = opt(
+        "softmax", "Router score function: softmax, sigmoid or sqrtsoftplus (sqrt(softplus(logit)))."
+    )
     enable_expert_bias: bool = opt(
-        False, "Aux-loss-free balancing: a per-expert bias updated from token counts (sigmoid)."
+        False,
+        "Aux-loss-free balancing: a per-expert bias updated from token counts (sigmoid or "
+        "sqrtsoftplus scores).",
     )
     bias_update_rate: float = opt(1e-3, "Step size of the aux-loss-free expert bias update.")
     expert_model_parallel_size: int = opt(1, "Expert-parallel group size (experts split across ranks).")
@@ -139,10 +143,12 @@ class MuonConfig:
     momentum: float = opt(0.95, "Momentum coefficient, in [0, 1).")
     nesterov: bool = opt(True, "Use Nesterov momentum.")
     ns_steps: int = opt(
-        5, "Newton-Schulz iterations: simple >= 1, quintic a multiple of 5, polar_express >= 8."
+        5,
+        "Newton-Schulz iterations: simple >= 1, quintic a multiple of 5, polar_express >= 8, "
+        "aol a multiple of 4.",
     )
     coefficients: str = opt(
-        "quintic", "Newton-Schulz coefficients: simple, quintic or polar_express."
+        "quintic", "Newton-Schulz coefficients: simple, quintic, polar_express or aol."
     )
     scale_mode: str = opt(
         "spectral",
@@ -151,7 +157,11 @@ class MuonConfig:
     )
     extra_scale_factor: float = opt(1.0, "Extra multiplier on the orthogonalized update.")
     split_qkv: bool = opt(True, "Orthogonalize Q, K and V separately.")
-    scalar_optimizer: str = opt("adamw", "Optimizer for non-matrix params (embeddings, norms): adamw.")
+    scalar_optimizer: str = opt(
+        "adamw",
+        "Optimizer for the params Muon does not take (embeddings, output head, norms): adamw or "
+        "lion (at optimizer.lr, with optimizer.lion_beta1/lion_beta2).",
+    )
 
 
 @dataclass
@@ -165,6 +175,10 @@ class OptimizerConfig:
     adam_beta1: float = opt(0.9, "AdamW beta1.")
     adam_beta2: float = opt(0.95, "AdamW beta2.")
     adam_eps: float = opt(1e-8, "AdamW epsilon.")
+    lion_beta1: float = opt(
+        0.95, "Lion beta1: weight of the momentum in the signed update (scalar_optimizer=lion)."
+    )
+    lion_beta2: float = opt(0.98, "Lion beta2: decay of Lion's momentum (scalar_optimizer=lion).")
     clip_grad: float = opt(1.0, "Global gradient-norm clip (0 = off).")
     lr_schedule: str = opt("cosine", "LR decay: cosine, linear, constant or wsd.")
     warmup_iters: int = opt(10, "Linear warmup iterations.")

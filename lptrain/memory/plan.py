@@ -16,7 +16,7 @@ Categories (bytes on one rank; ``ranks`` holds every rank, ``worst`` the largest
   (``precision.fp8_param_gather`` / ``fp4_param_gather``);
 * ``grads``: the grad buffers' parameter elements (``main_grad`` views);
 * ``masters``: fp32 master copies this rank updates (its shard; whole matrices it owns);
-* ``optimizer_states``: AdamW ``exp_avg``/``exp_avg_sq``/``step``, Muon ``momentum_buffer``;
+* ``optimizer_states``: AdamW ``exp_avg``/``exp_avg_sq``/``step`` (Lion: ``exp_avg``), Muon ``momentum_buffer``;
 * ``padding``: alignment and bucket padding of the grad and param buffers;
 * ``param_gather_staging``: the high-precision staging area of quantized buffers for the
   param all-gather (zero when ``ddp.reuse_grad_buf_for_mxfp8_param_ag`` reuses the grad
@@ -326,8 +326,15 @@ def _persistent(
                     adam_elems += n
                     adam_pieces += 1
     out["masters"] = masters * 4
-    # AdamW: exp_avg + exp_avg_sq (fp32) and a 4-byte step per piece; Muon: fp32 momentum.
-    out["optimizer_states"] = adam_elems * 8 + adam_pieces * 4 + muon_elems * 4
+    # AdamW: exp_avg + exp_avg_sq (fp32) and a 4-byte step per piece; Lion (Muon's
+    # scalar_optimizer=lion): one fp32 exp_avg; Muon: fp32 momentum.
+    from lptrain.optim.lion import scalar_optimizer_name
+
+    if scalar_optimizer_name(cfg.optimizer) == "lion":
+        scalar_bytes = adam_elems * 4
+    else:
+        scalar_bytes = adam_elems * 8 + adam_pieces * 4
+    out["optimizer_states"] = scalar_bytes + muon_elems * 4
     return out
 
 

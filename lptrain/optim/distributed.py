@@ -107,20 +107,12 @@ class ShardedMasterOptimizer:
         muon = [pc for pc in self.pieces if pc.buffer.key.is_muon]
         self.optimizers: list[torch.optim.Optimizer] = []
         if adam:
+            from lptrain.optim.lion import scalar_optimizer
+
             decay = [pc.master for pc in adam if pc.param.dim() >= 2]
             no_decay = [pc.master for pc in adam if pc.param.dim() < 2]
-            self.optimizers.append(
-                torch.optim.AdamW(
-                    [
-                        {"params": decay, "weight_decay": cfg.weight_decay, "name": "adamw_decay"},
-                        {"params": no_decay, "weight_decay": 0.0, "name": "adamw_no_decay"},
-                    ],
-                    lr=cfg.lr,
-                    betas=(cfg.adam_beta1, cfg.adam_beta2),
-                    eps=cfg.adam_eps,
-                    foreach=True,
-                )
-            )
+            # AdamW, or Lion for Muon's non-matrix params (optimizer.muon.scalar_optimizer)
+            self.optimizers.append(scalar_optimizer(decay, no_decay, cfg))
         if muon:
             from lptrain.optim.muon import Muon
 

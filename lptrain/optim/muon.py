@@ -36,6 +36,7 @@ from typing import Any, Optional, Union
 import torch
 
 from lptrain.config.schema import OptimizerConfig
+from lptrain.optim.lion import lion_group_step
 from lptrain.optim.named_state import NamedStateMixin
 from lptrain.optim.newton_schulz import NS_EPS, CoefficientsArg, newton_schulz, resolve_coefficients
 from lptrain.optim.ns_coefficients import ns_steps_problem
@@ -336,7 +337,12 @@ def _adamw_group_step(group: dict[str, Any], state: Any) -> None:
 
 
 ParamArg = Union[torch.Tensor, tuple[str, torch.Tensor]]
-GROUP_NAMES = ("muon", "adamw_decay", "adamw_no_decay")
+GROUP_NAMES = ("muon", "adamw_decay", "adamw_no_decay")  # with scalar_optimizer=adamw
+# The optimizers of the non-Muon groups (optimizer.muon.scalar_optimizer), by name.
+_SCALAR_KINDS: dict[str, Callable[[dict[str, Any], Any], None]] = {
+    "adamw": _adamw_group_step,
+    "lion": lion_group_step,
+}
 
 
 def _names_and_tensors(
@@ -356,7 +362,8 @@ def _names_and_tensors(
 
 
 class MuonWithAdamW(_UpdateRMS, NamedStateMixin, torch.optim.Optimizer):
-    """Muon for ``muon_params`` and AdamW for ``adamw_params``: one ``torch.optim.Optimizer``.
+    """Muon for ``muon_params`` and AdamW (or Lion) for ``adamw_params``: one
+    ``torch.optim.Optimizer``.
 
     Three param groups, always present (possibly empty) and always in this order, each tagged
     ``group["name"]`` and ``group["optimizer"]``:
@@ -364,6 +371,10 @@ class MuonWithAdamW(_UpdateRMS, NamedStateMixin, torch.optim.Optimizer):
     * ``muon`` (``optimizer="muon"``): Muon with ``optimizer_cfg.muon``'s settings;
     * ``adamw_decay`` (``"adamw"``): params with ``ndim >= 2`` (embeddings, head), decayed;
     * ``adamw_no_decay`` (``"adamw"``): 1-D params (norms, biases), ``weight_decay=0``.
+
+    With ``optimizer.muon.scalar_optimizer=lion`` the last two are ``lion_decay`` and
+    ``lion_no_decay`` (``"lion"``, :mod:`lptrain.optim.lion`, betas
+    ``optimizer.lion_beta1/lion_beta2``).
 
     All take ``optimizer_cfg.lr``; ``for g in opt.param_groups: g["lr"] = lr`` and any
     ``torch.optim.lr_scheduler`` drive them, and :meth:`lr_by_group` reads them back for
@@ -385,11 +396,12 @@ class MuonWithAdamW(_UpdateRMS, NamedStateMixin, torch.optim.Optimizer):
         optimizer_cfg: OptimizerConfig,
     ) -> None:
         o, m = optimizer_cfg, optimizer_cfg.muon
-        if m.scalar_optimizer != "adamw":
+        if m.scalar_optimizer not in _SCALAR_KINDS:
             raise ValueError(
-                f"optimizer.muon.scalar_optimizer={m.scalar_optimizer!r} is not supported "
-                "(only adamw)"
+                f"optimizer.muon.scalar_optimizer={m.scalar_optimizer!r} is not one of "
+                f"{', '.join(_SCALAR_KINDS)}"
             )
+        scalar = m.scalar_optimizer
         muon_names, muon_tensors = _names_and_tensors(muon_params)
         adamw_names, adamw_tensors = _names_and_tensors(adamw_params)
         all_names = muon_names + adamw_names
@@ -414,34 +426,36 @@ class MuonWithAdamW(_UpdateRMS, NamedStateMixin, torch.optim.Optimizer):
                 eps=o.adam_eps, amsgrad=False, maximize=False, foreach=None, capturable=False,
                 differentiable=False, fused=None,
             ),
+            "lion": dict(lr=o.lr, weight_decay=o.weight_decay, betas=(o.lion_beta1, o.lion_beta2)),
         }
         adamw = list(zip(adamw_names, adamw_tensors, strict=True))
+        names = ("muon", f"{scalar}_decay", f"{scalar}_no_decay")
         members = {
-            "muon": list(zip(muon_names, muon_tensors, strict=True)),
-            "adamw_decay": [(n, p) for n, p in adamw if p.dim() >= 2],
-            "adamw_no_decay": [(n, p) for n, p in adamw if p.dim() < 2],
+            names[0]: list(zip(muon_names, muon_tensors, strict=True)),
+            names[1]: [(n, p) for n, p in adamw if p.dim() >= 2],
+            names[2]: [(n, p) for n, p in adamw if p.dim() < 2],
         }
         groups: list[dict[str, Any]] = []
-        for name in GROUP_NAMES:
+        for name in names:
             g: dict[str, Any] = {
                 "name": name,
-                "optimizer": "muon" if name == "muon" else "adamw",
+                "optimizer": "muon" if name == "muon" else scalar,
                 "params": [p for _, p in members[name]],
             }
             if named:
                 g["param_names"] = [n for n, _ in members[name]]
-            if name == "adamw_no_decay":
+            if name == names[2]:
                 g["weight_decay"] = 0.0
             groups.append(g)
         super().__init__(groups, {"lr": o.lr, "weight_decay": o.weight_decay})
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group; ``param_group["optimizer"]`` (``muon`` or ``adamw``) picks the algorithm
-        and its defaults (from the config this optimizer was built with)."""
+        """Add a group; ``param_group["optimizer"]`` (``muon``, ``adamw`` or ``lion``) picks the
+        algorithm and its defaults (from the config this optimizer was built with)."""
         kind = param_group.get("optimizer")
         if kind not in self._kind_defaults:
             raise ValueError(
-                f"MuonWithAdamW param group needs optimizer='muon' or 'adamw', got {kind!r}"
+                f"MuonWithAdamW param group needs optimizer='muon', 'adamw' or 'lion', got {kind!r}"
             )
         for key, value in self._kind_defaults[kind].items():
             param_group.setdefault(key, value)
@@ -472,6 +486,6 @@ class MuonWithAdamW(_UpdateRMS, NamedStateMixin, torch.optim.Optimizer):
                     sq.append(s)
                     count += n
             else:
-                _adamw_group_step(group, self.state)
+                _SCALAR_KINDS[group["optimizer"]](group, self.state)
         self._record_rms(sq, count)
         return loss

@@ -218,7 +218,8 @@ def test_cli_two_ranks(tmp_path: Path, runs: dict[str, Any]) -> None:
     cache = str(runs["root"] / "cache")
     proc = subprocess.run(
         [sys.executable, "-m", "lptrain", "pretrain", "--recipe", "tiny_cpu.yaml", "--output-dir",
-         str(out), "--nproc-per-node", "2", *_overrides(cache, out), "train.train_iters=3"],
+         str(out), "--nproc-per-node", "2", *_overrides(cache, out), "train.train_iters=3",
+         "optimizer.warmup_iters=1"],
         capture_output=True, text=True, timeout=240,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]

@@ -216,7 +216,7 @@ def test_cli_output_dir_policy_and_plot(tmp_path: Path, cache_dir: Path) -> None
 
     out = tmp_path / "run"
     args = ["pretrain", "--recipe", "tiny_cpu.yaml", "--output-dir", str(out),
-            *_overrides(cache_dir, out), "train.train_iters=1"]
+            *_overrides(cache_dir, out), "train.train_iters=1", "optimizer.warmup_iters=0"]
     runner = CliRunner()
     r = runner.invoke(app, args)
     assert r.exit_code == 0, r.output

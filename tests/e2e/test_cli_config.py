@@ -60,7 +60,9 @@ def test_json_report_shape() -> None:
 
 
 def test_warnings_only_exit_zero() -> None:
-    r = run("validate-config", "--target", "cpu", "optimizer.warmup_iters=1000", "--json")
+    # warmup past this job's train_iters but before the decay ends: a warning, not an error
+    r = run("validate-config", "--target", "cpu", "optimizer.warmup_iters=1000",
+            "optimizer.decay_iters=2000", "--json")
     report = json.loads(r.stdout)
     assert r.exit_code == 0 and report["valid"] is True
     assert [v["rule"] for v in report["violations"]] == ["SCHED-WARMUP"]
@@ -160,7 +162,8 @@ def test_pretrain_writes_resolved_config_then_trains(
     calls: list[tuple[object, Path]] = []
     monkeypatch.setattr("lptrain.train.pretrain", lambda cfg, out: calls.append((cfg, out)))
     out = tmp_path / "run"
-    r = run("pretrain", "--recipe", "tiny_cpu.yaml", "--output-dir", str(out), "train.train_iters=3")
+    r = run("pretrain", "--recipe", "tiny_cpu.yaml", "--output-dir", str(out), "train.train_iters=3",
+            "optimizer.warmup_iters=1")
     assert r.exit_code == 0, r.output
     written = yaml.safe_load((out / "resolved_config.yaml").read_text())
     assert written["run"]["output_dir"] == str(out) and written["train"]["train_iters"] == 3

@@ -22,7 +22,8 @@ def _pretrain(tmp_path: Path, name: str, recipe: str, nproc: int, *overrides: st
     out = tmp_path / name
     proc = subprocess.run(
         [sys.executable, "-m", "lptrain", "pretrain", "--recipe", recipe, "--output-dir", str(out),
-         "--nproc-per-node", str(nproc), "train.train_iters=4", "train.eval_iters=1",
+         "--nproc-per-node", str(nproc), "train.train_iters=4", "optimizer.warmup_iters=1",
+         "train.eval_iters=1",
          "train.eval_interval=2", "logging.progress=false", "checkpoint.save=null",
          "data.builtin_max_mb=1", *overrides],
         capture_output=True, text=True, timeout=300,

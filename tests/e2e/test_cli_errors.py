@@ -71,7 +71,8 @@ def ds_copy(dataset: Path, tmp_path: Path) -> Path:
 
 def pretrain(prefix: Path, tmp_path: Path, *extra: str):
     return run("pretrain", "--output-dir", str(tmp_path / "run"), f"data.source={prefix}",
-               "train.train_iters=1", "logging.progress=false", "logging.plots=false", *extra)
+               "train.train_iters=1", "optimizer.warmup_iters=0", "logging.progress=false",
+               "logging.plots=false", *extra)
 
 
 def _rewrite_header(prefix: Path, **changes: object) -> None:

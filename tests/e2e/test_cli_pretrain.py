@@ -13,7 +13,8 @@ def test_pretrain_tiny_cpu_runs(tmp_path: Path) -> None:
     out = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "lptrain", "pretrain", "--recipe", "tiny_cpu.yaml",
-         "--output-dir", str(out), "train.train_iters=3", "train.eval_iters=1",
+         "--output-dir", str(out), "train.train_iters=3", "optimizer.warmup_iters=1",
+         "train.eval_iters=1",
          f"data.cache_dir={tmp_path / 'cache'}", "logging.progress=false"],
         capture_output=True, text=True, timeout=240,
     )

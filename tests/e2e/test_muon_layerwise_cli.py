@@ -30,7 +30,8 @@ def _run(tmp: Path, nproc: int) -> list[dict]:
     cmd = [
         sys.executable, "-m", "lptrain", "pretrain", "--recipe", "mxfp8_muon_cpu.yaml",
         "--nproc-per-node", str(nproc), "--output-dir", str(out),
-        f"train.train_iters={STEPS}", "train.log_interval=1", "train.eval_iters=1",
+        f"train.train_iters={STEPS}", "optimizer.warmup_iters=1", "train.log_interval=1",
+        "train.eval_iters=1",
         "logging.progress=false", "logging.plots=false", "data.builtin_max_mb=1",
         f"data.cache_dir={tmp / 'cache'}",
     ]

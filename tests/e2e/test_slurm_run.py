@@ -45,7 +45,8 @@ exit 0
 
 def _render(tmp_path: Path, out: Path) -> Path:
     overrides = [
-        "train.train_iters=4", "checkpoint.save_interval=2", "train.exit_interval=2",
+        "train.train_iters=4", "optimizer.warmup_iters=1", "checkpoint.save_interval=2",
+        "train.exit_interval=2",
         "train.global_batch_size=4", "train.micro_batch_size=2", "model.seq_length=32",
         "train.eval_iters=1", "train.log_interval=1", "logging.progress=false",
         "logging.plots=false", "data.builtin_max_mb=1", f"data.cache_dir={tmp_path / 'cache'}",

@@ -67,3 +67,15 @@ def test_named_test_files_exist() -> None:
     assert len(named) >= 10  # numerics.md backs its guarantees with tests
     missing = sorted(t for t in named if not (ROOT / t).is_file())
     assert not missing, f"docs name test files that do not exist: {missing}"
+
+
+def test_readme_rule_count_is_current() -> None:
+    from lptrain.config.rules import all_rules
+
+    rules = all_rules()
+    count = {s: sum(r.severity == s for r in rules) for s in ("error", "warning", "derived")}
+    text = (ROOT / "README.md").read_text()
+    want = (f"catalog of {len(rules)} rules\n({count['error']} errors, {count['warning']} "
+            f"warnings, {count['derived']} derived value")
+    assert want in text, f"README.md: update the rule count to: {want!r}"
+

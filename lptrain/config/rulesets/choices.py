@@ -64,7 +64,8 @@ def _opt_values_bad(c: LPTrainConfig, w: World) -> dict[str, Any]:
         bad.append(("optimizer.lr", f"lr={o.lr} must be > 0"))
     if not 0 <= o.min_lr <= max(o.lr, 0):
         bad.append(("optimizer.min_lr", f"min_lr={o.min_lr} must be in [0, lr]"))
-    for key, value in (("optimizer.adam_beta1", o.adam_beta1), ("optimizer.adam_beta2", o.adam_beta2)):
+    for key, value in (("optimizer.adam_beta1", o.adam_beta1), ("optimizer.adam_beta2", o.adam_beta2),
+                       ("optimizer.lion_beta1", o.lion_beta1), ("optimizer.lion_beta2", o.lion_beta2)):
         if not 0 <= value < 1:
             bad.append((key, f"{key.split('.')[-1]}={value} must be in [0, 1)"))
     if not o.adam_eps > 0:
@@ -104,14 +105,15 @@ RULES = [
     Rule(
         "OPT-VALUES", "error",
         ("optimizer.lr", "optimizer.min_lr", "optimizer.adam_beta1", "optimizer.adam_beta2",
+         "optimizer.lion_beta1", "optimizer.lion_beta2",
          "optimizer.adam_eps", "optimizer.weight_decay", "optimizer.clip_grad",
          "optimizer.warmup_iters", "optimizer.decay_iters"),
         _opt_values_bad,
         "invalid optimizer hyperparameters: {detail}",
         "use lr > 0, 0 <= min_lr <= lr, betas in [0, 1), adam_eps > 0, non-negative "
         "weight_decay/clip_grad/warmup_iters",
-        "lr > 0, 0 <= min_lr <= lr, adam betas in [0, 1), adam_eps > 0, weight_decay, clip_grad "
-        "and warmup_iters >= 0, decay_iters > 0 when set", "", S),
+        "lr > 0, 0 <= min_lr <= lr, adam and lion betas in [0, 1), adam_eps > 0, weight_decay, "
+        "clip_grad and warmup_iters >= 0, decay_iters > 0 when set", "", S),
     Rule(
         "OPT-LAYERWISE-NEEDS-MUON", "error",
         ("optimizer.use_layer_wise_optimizer", "optimizer.name", "ddp.use_distributed_optimizer"),

@@ -6,10 +6,10 @@ own micro-batches), the expert-parallel groups are ``EP`` consecutive ranks insi
 the expert-data-parallel group (ranks holding the same experts) has ``world / EP`` ranks
 (``lptrain.distributed.groups``).
 
-A one-rank world (``dp`` 1, what ``validate-config`` assumes without ``--dp`` or
-``$WORLD_SIZE``) is not checked against EP: a cluster recipe is checked from one machine
-that way. A run actually started on one rank with ``EP > 1`` is refused when the engine
-builds its process groups (one line naming the key and this rule).
+Every world is checked, a one-rank one included (``dp`` 1, what ``validate-config`` assumes
+without ``--dp`` or ``$WORLD_SIZE``): a laptop check of a cluster recipe says what launching it
+on that many ranks would say. Check a cluster recipe for the world it is written for
+(``--dp 8`` for EP 8).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def _ep(c: LPTrainConfig) -> int:
 
 def _ep_does_not_divide_world(c: LPTrainConfig, w: World) -> bool:
     ep = _ep(c)
-    return ep > 1 and w.dp > 1 and w.dp % ep != 0
+    return ep > 1 and w.dp % ep != 0
 
 
 def _instances_split_ep_groups(c: LPTrainConfig, w: World) -> Any:
@@ -46,11 +46,12 @@ RULES = [
         _ep_does_not_divide_world,
         "expert_model_parallel_size={cfg.model.moe.expert_model_parallel_size} must divide the "
         "world size {world.dp}: expert-parallel groups are that many consecutive ranks",
-        "set model.moe.expert_model_parallel_size to a divisor of {world.dp}, or run on a "
-        "multiple of {cfg.model.moe.expert_model_parallel_size} ranks",
-        "world % expert_model_parallel_size == 0 (MoE, world > 1)",
-        "every rank is in exactly one expert-parallel group; a one-rank world is how recipes "
-        "are checked from a laptop (the engine refuses a one-rank EP run)", S),
+        "set model.moe.expert_model_parallel_size to a divisor of {world.dp}, or run on (check "
+        "with --dp) a multiple of {cfg.model.moe.expert_model_parallel_size} ranks",
+        "world % expert_model_parallel_size == 0 (MoE; every world size, 1 included)",
+        "every rank is in exactly one expert-parallel group (Megatron-LM's parallel_state "
+        "refuses the same); judged at the world being validated, so --dp 1 reports what a "
+        "one-rank launch would", S),
     Rule(
         "EP-INSTANCES-DIVIDE-WORLD", "error",
         ("model.moe.expert_model_parallel_size", "ddp.num_distributed_optimizer_instances"),

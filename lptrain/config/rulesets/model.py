@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lptrain.config.rules import SHARDING_TYPES, Rule
+from lptrain.config.rules import SHARDING_TYPES, Rule, decay_end
 from lptrain.config.schema import LPTrainConfig
 from lptrain.config.world import World
 
@@ -19,6 +19,10 @@ def _heads_bad(c: LPTrainConfig, w: World) -> dict[str, Any]:
     if heads < 1 or m.hidden_size % heads != 0:
         bad.append(("model.num_attention_heads",
                     f"hidden_size={m.hidden_size} is not divisible by num_attention_heads={heads}"))
+    elif (m.hidden_size // heads) % 2:
+        bad.append(("model.num_attention_heads",
+                    f"head_dim = hidden_size / num_attention_heads = {m.hidden_size // heads} is "
+                    "odd; rotary embeddings rotate pairs of channels"))
     if groups < 1 or (heads >= 1 and heads % groups != 0):
         bad.append(("model.num_query_groups",
                     f"num_attention_heads={heads} is not divisible by num_query_groups={groups}"))
@@ -52,16 +56,32 @@ def _intervals_bad(c: LPTrainConfig, w: World) -> dict[str, Any]:
     return {"keys": tuple(k for k, _ in bad), "detail": "; ".join(d for _, d in bad)}
 
 
+def _warmup_not_before_decay(c: LPTrainConfig, w: World) -> dict[str, Any]:
+    o = c.optimizer
+    end = decay_end(c)
+    if o.warmup_iters <= 0 or end <= 0 or o.warmup_iters < end:
+        return {}  # negative or zero lengths are OPT-VALUES / TRAIN-INTERVALS findings
+    explicit = o.decay_iters is not None
+    effect = ("the lr would fall from its peak to min_lr in one step" if explicit
+              and o.warmup_iters < c.train.train_iters else "the lr never gets past its warmup")
+    return {
+        "keys": ("optimizer.warmup_iters", "optimizer.decay_iters" if explicit else "train.train_iters"),
+        "end": end, "end_key": "optimizer.decay_iters" if explicit else "train.train_iters",
+        "effect": effect, "suggest": max(0, end // 10),
+    }
+
+
 RULES = [
     Rule(
         "MODEL-HEADS", "error",
         ("model.hidden_size", "model.num_attention_heads", "model.num_query_groups"),
         _heads_bad,
         "attention heads do not tile the model: {detail}",
-        "choose model.num_attention_heads dividing model.hidden_size and model.num_query_groups "
-        "dividing model.num_attention_heads",
-        "hidden_size % num_attention_heads == 0; num_attention_heads % num_query_groups == 0",
-        "", S),
+        "choose model.num_attention_heads dividing model.hidden_size into an even head_dim, and "
+        "model.num_query_groups dividing model.num_attention_heads",
+        "hidden_size % num_attention_heads == 0 with an even head_dim (RoPE); "
+        "num_attention_heads % num_query_groups == 0",
+        "the attention and rotary-embedding constructors refuse these shapes", S),
     Rule(
         "BATCH-DIVISIBLE", "error",
         ("train.global_batch_size", "train.micro_batch_size"),
@@ -89,11 +109,24 @@ RULES = [
         "checkpoint.save_interval=null",
         "save_interval set -> checkpoint.save set", "", S),
     Rule(
+        "SCHED-WARMUP-DECAY", "error",
+        ("optimizer.warmup_iters", "optimizer.decay_iters", "train.train_iters"),
+        _warmup_not_before_decay,
+        "warmup_iters={cfg.optimizer.warmup_iters} is not shorter than the decay, which ends "
+        "at step {end} ({end_key}): {effect}",
+        "set optimizer.warmup_iters below {end} (e.g. {suggest}), or lengthen the decay "
+        "(optimizer.decay_iters, train.train_iters)",
+        "warmup_iters < decay_iters (decay_iters null: train_iters)",
+        "Megatron-LM's OptimizerParamScheduler asserts lr_warmup_steps < lr_decay_steps; "
+        "otherwise the lr never reaches its peak, or drops from peak to min_lr in one step",
+        S, supersedes=("SCHED-WARMUP",)),
+    Rule(
         "SCHED-WARMUP", "warning", ("optimizer.warmup_iters", "train.train_iters"),
         lambda c, w: c.optimizer.warmup_iters > c.train.train_iters,
         "warmup_iters={cfg.optimizer.warmup_iters} exceeds train_iters={cfg.train.train_iters}: "
-        "the learning rate never reaches its peak",
-        "set optimizer.warmup_iters <= train.train_iters",
+        "the learning rate never reaches its peak in this job",
+        "set optimizer.warmup_iters <= train.train_iters (fine when a later job continues the "
+        "run with more train_iters)",
         "warmup_iters <= train_iters", "", S),
     Rule(
         "CKPT-SHARDING-TYPE", "error", ("checkpoint.sharding_type",),

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from lptrain.config.rules import Rule, fp4_on, fp8_on, is_mxfp8, sharded_optimizer
+from lptrain.config.rules import (
+    INDEPENDENT_SCORE_FUNCTIONS,
+    Rule,
+    fp4_on,
+    fp8_on,
+    is_moe,
+    is_mxfp8,
+    sharded_optimizer,
+)
 from lptrain.config.schema import LPTrainConfig
 
 S = "MoE"
@@ -58,6 +66,30 @@ RULES = [
         "{cfg.model.moe.num_experts}]",
         "set model.moe.router_topk between 1 and model.moe.num_experts",
         "1 <= router_topk <= num_experts (MoE models)", "", S),
+    Rule(
+        "MOE-EXPERT-BIAS-SCORE", "error", ("model.moe.enable_expert_bias", "model.moe.score_function"),
+        lambda c, w: is_moe(c) and c.model.moe.enable_expert_bias
+        and c.model.moe.score_function not in INDEPENDENT_SCORE_FUNCTIONS,
+        "enable_expert_bias=true needs independent per-expert scores, but "
+        "score_function={cfg.model.moe.score_function}: the aux-loss-free bias is added to "
+        "each expert's own score to pick the top-k, which a softmax over experts does not have",
+        "set model.moe.score_function=sigmoid (or sqrtsoftplus), or "
+        "model.moe.enable_expert_bias=false",
+        "enable_expert_bias (MoE) -> score_function in {" + ", ".join(INDEPENDENT_SCORE_FUNCTIONS)
+        + "}",
+        "Megatron-LM's TransformerConfig refuses it; the router would raise at model build", S),
+    Rule(
+        "MOE-TOPK1-SOFTMAX", "error", ("model.moe.router_topk", "model.moe.score_function"),
+        lambda c, w: is_moe(c) and c.model.moe.router_topk == 1
+        and c.model.moe.score_function == "softmax",
+        "router_topk=1 with score_function=softmax: the softmax over the one chosen logit is "
+        "always 1.0, so the language-model loss gives the router no gradient (only the "
+        "balancing and z-losses would train it)",
+        "set model.moe.score_function=sigmoid (or sqrtsoftplus: the chosen expert's own score "
+        "scales its output), or model.moe.router_topk >= 2",
+        "router_topk == 1 (MoE) -> score_function != softmax",
+        "Megatron-LM's TransformerConfig refuses top-1 with post-top-k softmax (lptrain's "
+        "softmax routing); measured here: the router weight's gradient is exactly zero", S),
     Rule(
         "MOE-EP-DIVIDES", "error", ("model.moe.num_experts", "model.moe.expert_model_parallel_size"),
         lambda c, w: c.model.moe.num_experts > 0 and (

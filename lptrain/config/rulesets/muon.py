@@ -13,7 +13,7 @@ from lptrain.config.rules import (
 )
 from lptrain.config.schema import LPTrainConfig
 from lptrain.config.world import World
-from lptrain.optim.ns_coefficients import STEP_RULES, ns_steps_problem
+from lptrain.optim.ns_coefficients import STEP_RULES, ns_steps_problem, step_rule_text
 from lptrain.optim.scaling import update_rms
 
 S = "Muon and the layer-wise distributed optimizer"
@@ -66,10 +66,7 @@ def _bad_hparams(c: LPTrainConfig, w: World) -> dict[str, Any]:
 
 
 def _step_rules_text() -> str:
-    parts = []
-    for name, (kind, n) in STEP_RULES.items():
-        parts.append(f"{name}: a multiple of {n}" if kind == "multiple" else f"{name}: >= {n}")
-    return "; ".join(parts)
+    return "; ".join(f"{name}: {step_rule_text(name)}" for name in STEP_RULES)
 
 
 def muon_lr(c: LPTrainConfig) -> float:
@@ -187,7 +184,8 @@ RULES = [
         "sets, ns_steps allowed for the coefficient set (" + _step_rules_text() + "), lr > 0",
         "upstream accepted some invalid values and failed at the first step; the step-count "
         "rules are upstream's (quintic's 5 tuples are tuned as one sequence; polar_express's 8 "
-        "tuples must all run before its last one repeats)", S),
+        "tuples must all run before its last one repeats); aol's 4 tuples run once: its first "
+        "tuple maps a singular value of 1 to -0.585, so a second cycle flips the update", S),
     Rule(
         "MUON-LR-SCALE", "warning",
         ("optimizer.lr", "optimizer.muon.lr", "optimizer.muon.scale_mode", "optimizer.muon.extra_scale_factor"),

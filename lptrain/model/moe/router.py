@@ -5,9 +5,11 @@ Follows Megatron's ``TopKRouter`` / ``topk_routing_with_score_function`` default
 * ``softmax``: top-k on the logits, then softmax over the k chosen logits (Megatron's
   ``moe_router_pre_softmax=False``), so the k probabilities sum to 1. This equals softmax over
   all experts, top-k, renormalise.
-* ``sigmoid``: scores ``sigmoid(logits)``; with ``enable_expert_bias`` the selection uses
+* ``sigmoid`` and ``sqrtsoftplus`` (independent per-expert scores ``sigmoid(logits)`` or
+  ``sqrt(softplus(logits))``, as Megatron): with ``enable_expert_bias`` the selection uses
   ``scores + expert_bias`` (aux-loss-free balancing) but the probabilities use the unbiased
-  scores, renormalised over the top-k when ``k > 1``.
+  scores, renormalised over the top-k when ``k > 1`` (with ``k = 1`` the one score is the
+  probability, so the router still gets a gradient; softmax over one logit would not).
 
 The gating weight ``[num_experts, hidden]`` is a plain high-precision parameter (stored in
 ``params_dtype``, never quantized, not built by the layer factory); the GEMM runs in fp32.
@@ -16,14 +18,35 @@ Like upstream, it is a 2-D matrix and therefore goes to Muon (``use_muon`` stays
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lptrain.config.schema import MoEConfig
 from lptrain.model.init import InitMethod
+
+
+def _sqrt_softplus(logits: torch.Tensor) -> torch.Tensor:
+    return F.softplus(logits).sqrt()
+
+
+# Score functions that score each expert on its own (the ones the expert bias pairs with).
+INDEPENDENT_SCORES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "sigmoid": torch.sigmoid,
+    "sqrtsoftplus": _sqrt_softplus,
+}
+SCORE_FUNCTIONS = ("softmax", *INDEPENDENT_SCORES)
+
+
+def _independent_scores(logits: torch.Tensor, score_function: str) -> torch.Tensor:
+    try:
+        return INDEPENDENT_SCORES[score_function](logits)
+    except KeyError:
+        raise ValueError(f"unknown score_function {score_function!r}") from None
 
 
 def topk_routing(
@@ -35,27 +58,26 @@ def topk_routing(
     """``(probs [T, k] fp32, indices [T, k] int64)`` from fp32 ``logits [T, E]``."""
     if score_function == "softmax":
         if expert_bias is not None:
-            raise ValueError("the expert bias needs score_function=sigmoid")
+            raise ValueError("the expert bias needs score_function=sigmoid or sqrtsoftplus")
         _, indices = torch.topk(logits, topk, dim=-1)
         probs = torch.softmax(logits.gather(1, indices), dim=-1)
         return probs, indices
-    if score_function == "sigmoid":
-        scores = torch.sigmoid(logits)
-        select = scores + expert_bias if expert_bias is not None else scores
-        _, indices = torch.topk(select, topk, dim=-1)
-        probs = scores.gather(1, indices)
-        if topk > 1:
-            probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
-        return probs, indices
-    raise ValueError(f"unknown score_function {score_function!r}")
+    scores = _independent_scores(logits, score_function)
+    select = scores + expert_bias if expert_bias is not None else scores
+    _, indices = torch.topk(select, topk, dim=-1)
+    probs = scores.gather(1, indices)
+    if topk > 1:
+        probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
+    return probs, indices
 
 
 def scores_for_aux_loss(logits: torch.Tensor, score_function: str) -> torch.Tensor:
     """Dense per-expert scores the balancing loss is taken over (Megatron's
-    ``compute_routing_scores_for_aux_loss``): softmax, or sigmoid normalised over experts."""
+    ``compute_routing_scores_for_aux_loss``): softmax, or the independent scores normalised
+    over experts."""
     if score_function == "softmax":
         return torch.softmax(logits, dim=-1)
-    scores = torch.sigmoid(logits)
+    scores = _independent_scores(logits, score_function)
     return scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
 
 
@@ -124,8 +146,8 @@ class TopKRouter(nn.Module):
         init_method(self.weight.data)
         self.enable_expert_bias = moe.enable_expert_bias
         if self.enable_expert_bias:
-            if self.score_function != "sigmoid":
-                raise ValueError("enable_expert_bias needs score_function=sigmoid")
+            if self.score_function not in INDEPENDENT_SCORES:
+                raise ValueError("enable_expert_bias needs score_function=sigmoid or sqrtsoftplus")
             # fp32 buffers: the bias is checkpointed; the counts are per-step scratch.
             self.register_buffer("expert_bias", torch.zeros(self.num_experts))
             self.register_buffer("local_tokens_per_expert", torch.zeros(self.num_experts), persistent=False)

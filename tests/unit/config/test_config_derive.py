@@ -15,8 +15,10 @@ def test_defaults_filled() -> None:
     assert cfg.optimizer.use_layer_wise_optimizer is False
     assert cfg.model.ffn_hidden_size == 4 * 96
     assert cfg.model.num_query_groups == cfg.model.num_attention_heads
-    assert cfg.model.moe.ffn_hidden_size == 4 * 96
+    assert cfg.model.moe.ffn_hidden_size is None  # dense: no expert width (MOE-FFN-NEEDS-EXPERTS)
     assert cfg.precision.backend == "emulated"  # auto without CUDA
+    moe = derive(compose(None, ["model.hidden_size=96", "model.moe.num_experts=4"]), World())
+    assert moe.model.moe.ffn_hidden_size == 4 * 96  # experts default to the dense width
 
 
 def test_fp32_params_reduce_in_param_dtype_unless_set() -> None:
@@ -47,7 +49,8 @@ def test_muon_layerwise_derived(overrides: list[str], expected: bool) -> None:
 
 def test_explicit_values_kept_and_idempotent() -> None:
     cfg = compose(None, ["model.ffn_hidden_size=160", "model.num_query_groups=2",
-                         "model.moe.ffn_hidden_size=32", "precision.backend=te"])
+                         "model.moe.num_experts=4", "model.moe.ffn_hidden_size=32",
+                         "precision.backend=te"])
     world = World(dp=4, target="sm100", te_version="2.14", cuda=True)
     once = derive(cfg, world)
     assert (once.model.ffn_hidden_size, once.model.num_query_groups,

@@ -26,10 +26,15 @@ def test_recipe_validates_for_declared_target(path: Path) -> None:
     target = composed.meta.target
     assert target in KNOWN_TARGETS, f"{path.name} declares no meta.target"
     assert composed.meta.description
-    # dp=1 (one node) and dp=8 for cluster recipes: both must be clean.
+    # dp=1 (one node) and dp=8 for cluster recipes: both must be clean, except where expert
+    # parallelism needs more ranks than that (checked below: refused with the reason).
+    ep = composed.cfg.model.moe.expert_model_parallel_size if composed.cfg.model.moe.num_experts else 1
     for dp in (1, 8) if target != "cpu" else (1,):
         world = World.detect(dp=dp, target=target)
         found = check(composed.cfg, world)
+        if dp % ep:
+            assert [v.rule for v in found] == ["LAUNCH-EP-DIVIDES-WORLD"], [v.to_dict() for v in found]
+            continue
         assert found == [], [v.to_dict() for v in found]
     cfg = derive(composed.cfg, World.detect(target=target))
     assert cfg.precision.backend == ("emulated" if target == "cpu" else "te")
@@ -61,3 +66,13 @@ def test_tiny_cpu_is_small_and_quantizable() -> None:
         assert found == [], recipe
     found = check(load("tiny_cpu.yaml", ["precision.fp4_format=e2m1"]).cfg, World())
     assert found == []
+
+
+def test_cluster_moe_recipe_checked_at_one_rank_says_what_launch_would() -> None:
+    """moe_mxfp8 has expert parallelism 8: a laptop check at --dp 1 reports the refusal a
+    one-rank launch meets, with the world sizes that work."""
+    composed = load("moe_mxfp8.yaml")
+    (v,) = check(composed.cfg, World.detect(dp=1, target="sm100"))
+    assert v.rule == "LAUNCH-EP-DIVIDES-WORLD" and "multiple of 8 ranks" in v.fix
+    assert check(composed.cfg, World.detect(dp=16, target="sm100")) == []
+

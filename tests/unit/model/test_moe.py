@@ -80,6 +80,67 @@ def test_sigmoid_expert_bias_changes_selection_not_probs() -> None:
     torch.testing.assert_close(probs.sum(-1), torch.ones(3), rtol=1e-6, atol=0)
 
 
+def _sqrt_softplus(v: float) -> float:
+    return math.sqrt(math.log1p(math.exp(v)))
+
+
+def test_sqrtsoftplus_scores_probs_and_aux_loss_hand_computed() -> None:
+    """``sqrtsoftplus`` scores each expert with sqrt(log(1 + e^logit)) and renormalises the
+    chosen k (Megatron-LM ``moe_utils.py`` ``topk_routing_with_score_function``; the balancing
+    loss uses the scores normalised over all experts, as its
+    ``compute_routing_scores_for_aux_loss``). Checked against float64 math on the logits;
+    fp32 routing agrees to 1e-6 relative (a few fp32 roundings per value)."""
+    r = _router(score_function="sqrtsoftplus", aux_loss_coeff=0.1)
+    out = r(torch.tensor(LOGITS))
+    scores = [[_sqrt_softplus(v) for v in row] for row in LOGITS]
+    want_idx = [sorted(range(4), key=lambda e, row=row: -row[e])[:2] for row in scores]
+    assert out.indices.tolist() == want_idx
+    want = [[row[e] / (row[i] + row[j]) for e in (i, j)] for row, (i, j) in zip(scores, want_idx, strict=True)]
+    torch.testing.assert_close(out.probs, torch.tensor(want), rtol=1e-6, atol=0)
+    counts = [sum(e in t for t in want_idx) for e in range(4)]
+    assert out.tokens_per_expert.tolist() == counts
+    p = [[v / sum(row) for v in row] for row in scores]
+    agg = [sum(p[x][e] for x in range(3)) for e in range(4)]
+    aux = 4 * 0.1 / (2 * 3 * 3) * sum(a * n for a, n in zip(agg, counts, strict=True))
+    assert out.aux_loss.item() == pytest.approx(aux, rel=1e-6)
+
+
+def test_router_score_functions_are_the_rule_catalog_s() -> None:
+    from lptrain.config import rules
+    from lptrain.model.moe import router
+
+    assert router.SCORE_FUNCTIONS == rules.SCORE_FUNCTIONS
+    assert tuple(router.INDEPENDENT_SCORES) == rules.INDEPENDENT_SCORE_FUNCTIONS
+
+
+def test_sqrtsoftplus_expert_bias_changes_selection_not_probs() -> None:
+    """With sqrtsoftplus the aux-loss-free bias works as with sigmoid: it picks the experts,
+    the probabilities stay the unbiased scores (Megatron pairs the bias with both)."""
+    logits = torch.tensor(LOGITS)
+    bias = torch.tensor([0.0, 0.0, 0.0, 10.0])
+    probs, idx = topk_routing(logits, 2, "sqrtsoftplus", bias)
+    assert (idx == 3).any(dim=1).all()
+    s = torch.tensor([[_sqrt_softplus(v) for v in row] for row in LOGITS]).gather(1, idx)
+    torch.testing.assert_close(probs, s / s.sum(-1, keepdim=True), rtol=1e-6, atol=0)
+    r = _router(score_function="sqrtsoftplus", enable_expert_bias=True)
+    assert r.expert_bias.shape == (4,)
+
+
+@pytest.mark.parametrize(("score", "router_grad_zero"),
+                         [("softmax", True), ("sigmoid", False), ("sqrtsoftplus", False)])
+def test_top1_router_gradient(score: str, router_grad_zero: bool) -> None:
+    """Why MOE-TOPK1-SOFTMAX refuses top-1 softmax routing: the softmax over one chosen logit
+    is exactly 1, so the LM loss sends the router weight an exactly-zero gradient; sigmoid and
+    sqrtsoftplus scale the expert output by its own score and do train the router."""
+    cfg = tiny_cfg(**moe_overrides(router_topk=1, score_function=score))
+    model = hp_model(cfg)
+    loss, _ = model(tokens(), tokens(seed=1))
+    loss.backward()
+    grads = [r.weight.grad for r in model.routers()]
+    assert grads and all(g is not None for g in grads)
+    assert all(torch.equal(g, torch.zeros_like(g)) for g in grads) is router_grad_zero
+
+
 def test_expert_bias_update_from_counts() -> None:
     r = _router(score_function="sigmoid", enable_expert_bias=True, bias_update_rate=0.5)
     r.train()

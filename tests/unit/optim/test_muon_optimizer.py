@@ -219,7 +219,7 @@ def test_muon_with_adamw_errors() -> None:
     p = torch.zeros(4, 4)
     with pytest.raises(ValueError, match="passed twice"):
         MuonWithAdamW([p], [p], cfg)
-    cfg.muon.scalar_optimizer = "lion"
+    cfg.muon.scalar_optimizer = "sgd"  # adamw and lion are the choices
     with pytest.raises(ValueError, match=r"optimizer\.muon\.scalar_optimizer"):
         MuonWithAdamW([p], [], cfg)
     # Every group exists even when empty, so state dicts line up across ranks and configs.

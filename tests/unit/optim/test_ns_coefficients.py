@@ -72,7 +72,8 @@ def test_step_schedules() -> None:
     [("simple", 1, True), ("simple", 7, True), ("quintic", 5, True), ("quintic", 10, True),
      ("quintic", 6, False), ("quintic", 4, False), ("polar_express", 8, True),
      ("polar_express", 12, True), ("polar_express", 7, False), ("polar_express", 5, False),
-     ("simple", 0, False)],
+     ("simple", 0, False), ("aol", 4, True), ("aol", 5, False), ("aol", 8, False),
+     ("aol", 3, False)],
 )
 def test_step_rules(name: str, steps: int, ok: bool) -> None:
     assert (ns_steps_problem(name, steps) is None) == ok
@@ -85,8 +86,8 @@ def test_step_rules(name: str, steps: int, ok: bool) -> None:
 
 @pytest.mark.parametrize("name", list(SINGULAR_VALUE_BANDS))
 def test_promised_band_scalar_map(name: str) -> None:
-    steps, ell, lo, hi = SINGULAR_VALUE_BANDS[name]
-    s = torch.logspace(math.log10(ell), 0.0, 20001, dtype=torch.float64)
+    steps, ell, top, lo, hi = SINGULAR_VALUE_BANDS[name]
+    s = torch.logspace(math.log10(ell), math.log10(top), 20001, dtype=torch.float64)
     y = _scalar_map(name, steps, s)
     assert lo <= y.min().item() and y.max().item() <= hi, (y.min().item(), y.max().item())
     # The band needs ell: a tenth of it is not lifted into the band by these steps.
@@ -97,9 +98,10 @@ def test_promised_band_scalar_map(name: str) -> None:
 @pytest.mark.parametrize("name", list(SINGULAR_VALUE_BANDS))
 @pytest.mark.parametrize("shape", SHAPES)
 def test_promised_band_matrices(name: str, shape: tuple[int, int]) -> None:
-    steps, ell, lo, hi = SINGULAR_VALUE_BANDS[name]
+    steps, ell, top, lo, hi = SINGULAR_VALUE_BANDS[name]
     u, s, v = _conditioned(*shape, seed=sum(shape))
-    assert (s.min() / s.norm()).item() >= ell  # the input meets the band's premise
+    # The input meets the band's premise.
+    assert (s.min() / s.norm()).item() >= ell and (s.max() / s.norm()).item() <= top
     out = newton_schulz(((u * s) @ v.T).float(), steps, name)
     sv = torch.linalg.svdvals(out.double())
     # fp32 GEMM rounding over the steps moves singular values by < 5e-7 (measured 3e-7 for
@@ -157,3 +159,39 @@ def test_quintic_update_rms_within_band() -> None:
     rms = upd.double().square().mean().sqrt().item()
     assert 0.977 <= rms <= 1.032
     assert muon_scale(64, 128, "spectral") == math.sqrt(128)
+
+
+def test_aol_table_is_the_published_one() -> None:
+    """The ``aol`` set is the 4-tuple sequence published with AOL-rescaled Newton-Schulz
+    (Boissin et al., "Turbocharging Newton-Schulz with AOL rescaling", hal-05390446; the
+    flash-newton-schulz repository's ``newton_schulz_triton_aol``), as Megatron-LM selects it
+    with ``--muon-coefficient-type aol`` (Emerging-Optimizers ``muon_utils.py``
+    ``_COEFFICIENT_SETS["aol"]``, cycled over the steps)."""
+    assert COEFFICIENT_SETS["aol"] == (
+        (4.0098, -7.0585, 2.4635),
+        (3.4585, -5.5479, 2.5959),
+        (2.7573, -3.2939, 1.4254),
+        (2.7215, -3.0494, 1.3169),
+    )
+    assert coefficients_per_step("aol", 4) == COEFFICIENT_SETS["aol"]
+    # Why exactly 4 steps: the first tuple sends a singular value of 1 to a + b + c = -0.585.
+    a, b, c = COEFFICIENT_SETS["aol"][0]
+    assert a + b + c == pytest.approx(-0.5852, abs=1e-12)
+
+
+def test_aol_second_cycle_flips_the_update() -> None:
+    """Four steps give (nearly) the polar factor; a second pass over the tuples -- what a
+    cycled 8-step run (upstream's behaviour for ``aol``) does -- maps the ~1 singular values
+    through p(1) < 0 and points the update away from ``U V^T``. Checked against the SVD
+    polar factor (an independent computation)."""
+    u, s, v = _conditioned(48, 96, seed=3)
+    x = ((u * s) @ v.T).float()
+    polar = u @ v.T
+    k = s.numel()
+    four = newton_schulz(x, 4, "aol").double()
+    # <NS(X), U V^T> / k is the mean of the mapped singular values: inside the 4-step band.
+    *_, lo, hi = SINGULAR_VALUE_BANDS["aol"]
+    assert lo - 1e-5 <= float((four * polar).sum()) / k <= hi + 1e-5
+    eight = newton_schulz(x, 8, [*COEFFICIENT_SETS["aol"]] * 2).double()
+    assert float((eight * polar).sum()) / k < 0
+

@@ -58,9 +58,14 @@ def _reference(overrides: list[str], steps: int) -> tuple[list[float], dict[str,
     return losses, {names[id(p)]: m.detach() for p, m in zip(opt.params, opt.masters, strict=True)}
 
 
-@pytest.mark.parametrize(("dtype", "rtol"), [("fp32", 1e-6), ("bf16", 1e-3)])
-def test_engine_dp1_matches_the_single_process_trainer(dtype: str, rtol: float) -> None:
-    ov = [*BASE, f"precision.params_dtype={dtype}"]
+@pytest.mark.parametrize(("dtype", "rtol", "extra"), [
+    ("fp32", 1e-6, []), ("bf16", 1e-3, []),
+    # Muon with Lion for the non-matrix params: the engine's sharded-master path against
+    # MuonWithAdamW's Lion groups.
+    ("fp32", 1e-6, ["optimizer.name=muon", "optimizer.muon.scalar_optimizer=lion"]),
+], ids=["fp32", "bf16", "fp32-muon-lion"])
+def test_engine_dp1_matches_the_single_process_trainer(dtype: str, rtol: float, extra: list[str]) -> None:
+    ov = [*BASE, f"precision.params_dtype={dtype}", *extra]
     ref_losses, ref_masters = _reference(ov, 3)
     got = train_steps("tiny_cpu.yaml", ov, steps=3)
     assert got["losses"] == pytest.approx(ref_losses, rel=rtol)

@@ -1,0 +1,109 @@
+"""Keys whose effect comes later than a built model or a first optimizer step can show.
+
+``tests/unit/config/test_key_effects.py`` proves for every schema key and every shipped
+recipe that a changed value is either refused (a rule in ``rulesets/inert.py`` names why it
+would have no effect there) or changes something observable: the built model, the buffer
+layout, the optimizer's groups and hyper-parameters, the resolved settings, or the first
+optimizer steps. Some keys act later than that -- at intervals, on signals, through paths and
+files, in the data pipeline, at world sizes above one, or on another backend -- so no first
+step can show them. They are listed here, each with what it does and the test that proves
+it; ``docs/rules.md`` shows this table. (Where such a key would have no effect in a config,
+an inert-key rule still refuses it: ``checkpoint.keep_latest`` without ``checkpoint.save``.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class LaterEffect:
+    what: str
+    test: str  # pytest node id, relative to the repository root
+    # What the test's module must mention (default: the key's last part); "" when the test
+    # proves the property the value promises rather than setting the key.
+    mentions: Optional[str] = None
+
+
+_LATER = "tests/e2e/test_key_effects_later.py"
+
+LATER_KEYS: dict[str, LaterEffect] = {
+    "run.name": LaterEffect("names the run: the default run folder (`runs/${run.name}`) and the W&B run",
+                            "tests/unit/config/test_config_compose.py::test_interpolation"),
+    "run.output_dir": LaterEffect("the run folder that pretrain writes",
+                                  "tests/e2e/test_cli_config.py::test_pretrain_writes_resolved_config_then_trains"),
+    "run.device": LaterEffect("where the model lives (auto, cpu, cuda)",
+                              "tests/unit/precision/test_device_and_backend.py::test_resolve_device"),
+    "precision.backend": LaterEffect(
+        "which implementation runs the quantized GEMMs (Transformer Engine or the bit-faithful "
+        "emulation: the same numbers by design)",
+        "tests/unit/precision/test_factory.py::test_te_backend_dispatches_to_te_adapter"),
+    "precision.fp8_amax_history_len": LaterEffect(
+        "delayed scaling: how many steps of amax the scale looks back over (from the third step on)",
+        "tests/unit/precision/test_delayed.py::test_history_roll_and_max_vs_most_recent",
+        "amax_history_len"),
+    "precision.fp8_amax_compute_algo": LaterEffect(
+        "delayed scaling: max over the history or the most recent amax (from the third step on)",
+        "tests/unit/precision/test_delayed.py::test_history_roll_and_max_vs_most_recent",
+        "amax_compute_algo"),
+    "ddp.average_in_collective": LaterEffect(
+        "at dp > 1: average after the reduction instead of scaling before it",
+        f"{_LATER}::test_average_in_collective_moves_the_scaling"),
+    "ddp.check_for_nan_in_grad": LaterEffect(
+        "on a non-finite gradient: name the rank and parameter before the reduction",
+        f"{_LATER}::test_check_for_nan_in_grad_names_the_parameter"),
+    "data.source": LaterEffect("the dataset read",
+                               "tests/unit/data/test_loader.py::test_batches_shapes_and_shifted_labels"),
+    "data.paths": LaterEffect("the datasets of a blend", "tests/unit/data/test_loader.py::test_blend_of_two_datasets"),
+    "data.weights": LaterEffect("the blend's weights", "tests/unit/data/test_sampling.py::test_blend_follows_weights"),
+    "data.cache_dir": LaterEffect("where a built-in corpus is prepared",
+                                  "tests/unit/data/test_builtin_and_cli.py::test_cache_dir_env"),
+    "data.builtin_max_mb": LaterEffect("the size of a built-in corpus",
+                                       "tests/unit/data/test_builtin_and_cli.py::test_loader_builds_builtin_into_env_cache"),
+    "data.tokenizer": LaterEffect("the tokenizer the data must have been prepared with",
+                                  "tests/unit/data/test_bad_input.py::test_tokenizer_mismatch"),
+    "data.split_valid_fraction": LaterEffect("the held-out documents",
+                                             "tests/unit/data/test_loader.py::test_no_validation_split"),
+    "data.seed": LaterEffect("the document split and the sample order",
+                             "tests/unit/data/test_loader.py::test_same_seed_same_batches_other_seed_differs"),
+    "data.num_workers": LaterEffect("DataLoader worker processes reading the batches",
+                                    f"{_LATER}::test_num_workers_reads_in_worker_processes"),
+    "train.eval_interval": LaterEffect("when validation runs",
+                                       "tests/e2e/test_checkpoint_resume.py::test_exit_interval_then_resume_is_bitwise"),
+    "train.eval_iters": LaterEffect("batches per validation (0: none)",
+                                    "tests/e2e/test_train_loop.py::test_eval_disabled_cleanly"),
+    "train.log_interval": LaterEffect("when a console line is printed",
+                                      "tests/e2e/test_train_loop.py::test_loss_decreases_and_outputs_written"),
+    "train.exit_interval": LaterEffect("stop (and save) after that many steps of this job",
+                                       "tests/e2e/test_checkpoint_resume.py::test_exit_interval_then_resume_is_bitwise"),
+    "train.exit_duration_mins": LaterEffect("stop (and save) after that many minutes of this job",
+                                            f"{_LATER}::test_exit_duration_stops_the_run"),
+    "train.on_nonfinite": LaterEffect("stop or skip a step with a NaN/Inf loss or gradient",
+                                      "tests/e2e/test_train_loop.py::test_nan_loss_skipped_with_on_nonfinite_skip"),
+    "checkpoint.save": LaterEffect("where checkpoints are written",
+                                   "tests/e2e/test_checkpoint_resume.py::test_exit_interval_then_resume_is_bitwise"),
+    "checkpoint.load": LaterEffect("where a run resumes from",
+                                   "tests/e2e/test_checkpoint_resume.py::test_cli_output_dir_policy_and_plot"),
+    "checkpoint.init_from_hf": LaterEffect(
+        "the Hugging Face folder a fresh run starts its weights from",
+        "tests/e2e/test_hf_import.py::test_llama_import_first_step_matches_transformers_then_trains"),
+    "checkpoint.save_interval": LaterEffect("how often checkpoints are written",
+                                            "tests/e2e/test_checkpoint_resume.py::test_crash_inside_writer_keeps_previous_checkpoint"),
+    "checkpoint.keep_latest": LaterEffect("how many checkpoints are kept",
+                                          "tests/unit/checkpoint/test_store.py::test_keep_latest_prunes_old_and_stale_folders"),
+    "checkpoint.sharding_type": LaterEffect(
+        "dp_reshardable and fully_reshardable both ask for a checkpoint that loads at another DP "
+        "size; lptrain's one format is that (fully_sharded_model_space is refused)",
+        "tests/dist/test_checkpoint_dist.py::test_resume_at_other_dp_size_reads_every_sample_once",
+        ""),
+    "checkpoint.save_on_interrupt": LaterEffect("also save on Ctrl-C (SIGINT)",
+                                                f"{_LATER}::test_save_on_interrupt_saves_on_sigint"),
+    "logging.wandb": LaterEffect("log to a W&B run",
+                                 "tests/e2e/test_train_loop.py::test_wandb_offline_run_records_metrics"),
+    "logging.wandb_project": LaterEffect("the W&B project", f"{_LATER}::test_wandb_project_and_mode_reach_wandb"),
+    "logging.wandb_mode": LaterEffect("W&B online, offline or disabled",
+                                      f"{_LATER}::test_wandb_project_and_mode_reach_wandb"),
+    "logging.plots": LaterEffect("PNG plots in the run folder", f"{_LATER}::test_plots_switch"),
+    "logging.progress": LaterEffect("a progress bar on a terminal", f"{_LATER}::test_progress_bar_on_a_terminal"),
+}

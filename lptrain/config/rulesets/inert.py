@@ -1,0 +1,329 @@
+"""Keys that would have no effect: a setting that is accepted is honoured, so a value that
+changes nothing in its context is refused, naming what makes it inert and how to fix it.
+
+Each rule here is a *gate*: some keys (``keys``) do nothing while a condition (``idle``) holds
+-- MoE settings on a dense model, delayed-scaling settings without delayed scaling, Muon
+settings under AdamW. When the condition holds and any of those keys differs from its neutral
+value (the schema default, unless the gate names other values that mean "off"), the rule
+reports exactly the keys that are set. The same gates give :func:`inert_keys`, the list of
+keys a config leaves inert, which ``docs/rules.md`` shows for every shipped recipe.
+
+``tests/unit/config/test_key_effects.py`` checks the other direction for every schema key and
+every recipe: a changed value is either refused by one of these rules or changes something
+observable (model, buffer layout, optimizer, resolved settings, first steps).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import cache
+from typing import Any
+
+from lptrain.config.rules import Rule, get_key, is_moe, layer_wise, quant_recipe
+from lptrain.config.schema import LPTrainConfig
+from lptrain.config.world import World
+
+S = "Keys that would have no effect"
+
+Idle = Callable[[LPTrainConfig, World], bool]
+
+
+@cache
+def schema_default(key: str) -> Any:
+    return get_key(LPTrainConfig(), key)
+
+
+@dataclass(frozen=True)
+class Gate:
+    """``keys`` have no effect while ``idle(cfg, world)``; ``because`` says why (formatted
+    with ``cfg``), ``fix`` how to get rid of the setting or give it an effect."""
+
+    rule_id: str
+    keys: tuple[str, ...]
+    context: tuple[str, ...]  # the keys that make them inert
+    idle: Idle
+    condition: str  # for the catalog: "<context> -> <keys> at their defaults"
+    because: str
+    fix: str
+    # Values besides the schema default that also leave a key without effect here.
+    also_neutral: dict[str, tuple[Any, ...]] = field(default_factory=dict)
+    # A neutral value computed from the config (replaces the schema default), for derived keys.
+    neutral_of: dict[str, Callable[[LPTrainConfig], Any]] = field(default_factory=dict)
+
+    def neutral(self, cfg: LPTrainConfig, key: str) -> tuple[Any, ...]:
+        base = self.neutral_of[key](cfg) if key in self.neutral_of else schema_default(key)
+        return (base, *self.also_neutral.get(key, ()))
+
+    def set_keys(self, cfg: LPTrainConfig) -> list[str]:
+        """The gated keys whose values differ from every neutral value."""
+        return [k for k in self.keys if get_key(cfg, k) not in self.neutral(cfg, k)]
+
+    def when(self, cfg: LPTrainConfig, world: World) -> dict[str, Any]:
+        if not self.idle(cfg, world):
+            return {}
+        bad = self.set_keys(cfg)
+        if not bad:
+            return {}
+        shown = ", ".join(f"{k}={_show(get_key(cfg, k))}" for k in bad)
+        defaults = ", ".join(f"{k}={_show(self.neutral(cfg, k)[0])}" for k in bad)
+        return {"keys": tuple(bad), "settings": shown, "defaults": defaults,
+                "recipe": quant_recipe(cfg) or "none"}
+
+    def rule(self) -> Rule:
+        return Rule(
+            self.rule_id, "error", (*self.keys, *self.context), self.when,
+            "{settings} would have no effect: " + self.because,
+            "remove the setting (back to {defaults}), or " + self.fix,
+            self.condition,
+            "a setting that is accepted must be honoured: refused instead of silently ignored",
+            S,
+        )
+
+
+def _show(value: Any) -> str:
+    return "null" if value is None else str(value)
+
+
+def _dense(c: LPTrainConfig, w: World) -> bool:
+    return not is_moe(c)
+
+
+def _all_layers_moe(c: LPTrainConfig) -> bool:
+    m = c.model
+    freq = max(1, m.moe.moe_layer_freq)
+    return is_moe(c) and all(i % freq == 0 for i in range(m.num_layers))
+
+
+def _dense_ffn_unused(c: LPTrainConfig, w: World) -> bool:
+    # Every layer is an MoE layer and the experts have their own width: no MLP reads
+    # model.ffn_hidden_size (experts default to it only when moe.ffn_hidden_size is null).
+    m = c.model
+    return _all_layers_moe(c) and m.moe.ffn_hidden_size not in (None, m.ffn_hidden_size)
+
+
+def _not_delayed(c: LPTrainConfig, w: World) -> bool:
+    return quant_recipe(c) != "delayed" or c.precision.fp8_format is None
+
+
+def scalar_optimizer(c: LPTrainConfig) -> str:
+    """What optimizes the non-Muon params (``lptrain.optim.lion.scalar_optimizer_name``)."""
+    return c.optimizer.muon.scalar_optimizer if c.optimizer.name == "muon" else "adamw"
+
+
+def _builtin_unused(c: LPTrainConfig, w: World) -> bool:
+    return bool(c.data.paths) or not str(c.data.source).startswith("builtin:")
+
+
+MOE_ROUTING_KEYS = (
+    "model.moe.router_topk", "model.moe.moe_layer_freq", "model.moe.grouped_gemm",
+    "model.moe.single_grouped_weight", "model.moe.load_balancing_type",
+    "model.moe.aux_loss_coeff", "model.moe.z_loss_coeff", "model.moe.score_function",
+    "model.moe.enable_expert_bias", "model.moe.bias_update_rate",
+)
+MUON_KEYS = (
+    "optimizer.muon.lr", "optimizer.muon.momentum", "optimizer.muon.nesterov",
+    "optimizer.muon.ns_steps", "optimizer.muon.coefficients", "optimizer.muon.scale_mode",
+    "optimizer.muon.extra_scale_factor", "optimizer.muon.split_qkv",
+    "optimizer.muon.scalar_optimizer",
+)
+DELAYED_KEYS = (
+    "precision.fp8_margin", "precision.fp8_amax_history_len", "precision.fp8_amax_compute_algo",
+)
+NVFP4_KEYS = (
+    "precision.nvfp4_rht", "precision.nvfp4_stochastic_rounding", "precision.nvfp4_2d_weights",
+)
+BF16_LAYER_COUNTS = ("precision.num_layers_at_start_in_bf16", "precision.num_layers_at_end_in_bf16")
+
+GATES: tuple[Gate, ...] = (
+    Gate(
+        "MOE-EP-NEEDS-EXPERTS", ("model.moe.expert_model_parallel_size",), ("model.moe.num_experts",),
+        _dense, "num_experts == 0 -> expert_model_parallel_size == 1",
+        "the model has no experts (model.moe.num_experts=0), so expert parallelism would "
+        "silently stay 1 (Megatron-LM refuses expert parallelism without experts)",
+        "set model.moe.num_experts to a multiple of model.moe.expert_model_parallel_size"),
+    Gate(
+        "MOE-FFN-NEEDS-EXPERTS", ("model.moe.ffn_hidden_size",), ("model.moe.num_experts",),
+        _dense, "num_experts == 0 -> moe.ffn_hidden_size null",
+        "the model has no experts (model.moe.num_experts=0); every MLP is dense and "
+        "model.ffn_hidden_size sets its width (Megatron-LM refuses moe_ffn_hidden_size without "
+        "experts)",
+        "set model.moe.num_experts > 0, or size the dense MLP with model.ffn_hidden_size"),
+    Gate(
+        "INERT-MOE-DENSE", MOE_ROUTING_KEYS, ("model.moe.num_experts",), _dense,
+        "num_experts == 0 -> router and expert settings at their defaults",
+        "the model has no experts (model.moe.num_experts=0), so there is no router and no "
+        "expert layer",
+        "set model.moe.num_experts > 0 to build MoE layers"),
+    Gate(
+        "INERT-MOE-LB-TYPE", ("model.moe.load_balancing_type",), ("model.moe.aux_loss_coeff",),
+        lambda c, w: is_moe(c) and c.model.moe.aux_loss_coeff == 0,
+        "MoE with aux_loss_coeff == 0 -> load_balancing_type aux_loss or none",
+        "model.moe.aux_loss_coeff=0 turns the load-balancing loss off",
+        "set model.moe.aux_loss_coeff > 0", also_neutral={"model.moe.load_balancing_type": ("none",)}),
+    Gate(
+        "INERT-MOE-AUX-COEFF", ("model.moe.aux_loss_coeff",), ("model.moe.load_balancing_type",),
+        lambda c, w: is_moe(c) and c.model.moe.load_balancing_type == "none",
+        "MoE with load_balancing_type=none -> aux_loss_coeff == 0",
+        "model.moe.load_balancing_type=none computes no load-balancing loss to weight",
+        "set model.moe.load_balancing_type=aux_loss (or seq_aux_loss)"),
+    Gate(
+        "INERT-MOE-BIAS-RATE", ("model.moe.bias_update_rate",), ("model.moe.enable_expert_bias",),
+        lambda c, w: is_moe(c) and not c.model.moe.enable_expert_bias,
+        "MoE without enable_expert_bias -> bias_update_rate at its default",
+        "there is no expert bias to update (model.moe.enable_expert_bias=false)",
+        "set model.moe.enable_expert_bias=true (with score_function sigmoid or sqrtsoftplus)"),
+    Gate(
+        "INERT-DENSE-FFN", ("model.ffn_hidden_size",),
+        ("model.moe.num_experts", "model.moe.moe_layer_freq", "model.moe.ffn_hidden_size"),
+        _dense_ffn_unused,
+        "every layer MoE (moe_layer_freq=1) with its own moe.ffn_hidden_size -> ffn_hidden_size "
+        "at its default (4 * hidden_size)",
+        "every layer is an MoE layer (model.moe.moe_layer_freq={cfg.model.moe.moe_layer_freq}) "
+        "and the experts' width is model.moe.ffn_hidden_size={cfg.model.moe.ffn_hidden_size}, so "
+        "no MLP reads model.ffn_hidden_size",
+        "set model.moe.moe_layer_freq > 1 to keep dense layers, or size the experts with "
+        "model.moe.ffn_hidden_size only",
+        neutral_of={"model.ffn_hidden_size": lambda c: 4 * c.model.hidden_size}),
+    Gate(
+        "INERT-FP8-RECIPE", ("precision.fp8_recipe",), ("precision.fp8_format",),
+        lambda c, w: c.precision.fp8_format is None,
+        "fp8_format null -> fp8_recipe at its default",
+        "precision.fp8_format is null, so no GEMM runs in FP8",
+        "set precision.fp8_format=e4m3 (or hybrid)"),
+    Gate(
+        "INERT-DELAYED-SCALING", DELAYED_KEYS, ("precision.fp8_format", "precision.fp8_recipe"),
+        _not_delayed, "not (fp8_format set and fp8_recipe=delayed) -> margin and amax history "
+        "settings at their defaults",
+        "only delayed scaling (an fp8_format with fp8_recipe=delayed) keeps an amax history "
+        "and a margin; the quantized recipe here is {recipe}",
+        "use precision.fp8_recipe=delayed with an fp8_format"),
+    Gate(
+        "INERT-AMAX-EPSILON", ("precision.amax_epsilon",),
+        ("precision.fp8_format", "precision.fp8_recipe", "precision.fp4_format"),
+        lambda c, w: quant_recipe(c) not in ("tensorwise", "blockwise"),
+        "quantized recipe not tensorwise/blockwise -> amax_epsilon == 0",
+        "only tensorwise and blockwise FP8 divide by a current amax; the quantized recipe "
+        "here is {recipe}",
+        "use precision.fp8_recipe=tensorwise or blockwise"),
+    Gate(
+        "INERT-NVFP4-KEYS", NVFP4_KEYS, ("precision.fp4_format",),
+        lambda c, w: c.precision.fp4_format is None,
+        "fp4_format null -> nvfp4_* switches at their defaults",
+        "precision.fp4_format is null, so nothing is quantized to NVFP4",
+        "set precision.fp4_format=e2m1"),
+    Gate(
+        "INERT-BF16-LAYERS", ("precision.first_last_layers_bf16", *BF16_LAYER_COUNTS),
+        ("precision.fp8_format", "precision.fp4_format"),
+        lambda c, w: quant_recipe(c) is None,
+        "no quantized recipe -> first_last_layers_bf16 and the bf16 layer counts at their "
+        "defaults",
+        "no GEMM is quantized (fp8_format and fp4_format are null), so every layer already runs "
+        "in bf16",
+        "set precision.fp8_format or precision.fp4_format"),
+    Gate(
+        "INERT-BF16-LAYER-COUNTS", BF16_LAYER_COUNTS, ("precision.first_last_layers_bf16",),
+        lambda c, w: quant_recipe(c) is not None and not c.precision.first_last_layers_bf16,
+        "first_last_layers_bf16=false -> the bf16 layer counts at their defaults",
+        "precision.first_last_layers_bf16=false keeps every layer quantized",
+        "set precision.first_last_layers_bf16=true"),
+    Gate(
+        "INERT-LAYERWISE-LAYOUT", ("optimizer.layer_wise_param_layout",),
+        ("optimizer.name", "ddp.use_distributed_optimizer"),
+        lambda c, w: not layer_wise(c),
+        "no layer-wise optimizer -> layer_wise_param_layout at its default",
+        "the layer-wise distributed optimizer is not in use (it is Muon with "
+        "ddp.use_distributed_optimizer=true)",
+        "set optimizer.name=muon and ddp.use_distributed_optimizer=true"),
+    Gate(
+        "INERT-MUON-KEYS", MUON_KEYS, ("optimizer.name",),
+        lambda c, w: c.optimizer.name != "muon",
+        "optimizer.name != muon -> optimizer.muon.* at their defaults",
+        "optimizer.name={cfg.optimizer.name} does not use Muon",
+        "set optimizer.name=muon"),
+    Gate(
+        "INERT-ADAMW-KEYS", ("optimizer.adam_beta1", "optimizer.adam_beta2", "optimizer.adam_eps"),
+        ("optimizer.name", "optimizer.muon.scalar_optimizer"),
+        lambda c, w: scalar_optimizer(c) != "adamw",
+        "Muon with scalar_optimizer=lion -> adam_* at their defaults",
+        "no param is optimized by AdamW (Muon takes the matrices, Lion the rest: "
+        "optimizer.muon.scalar_optimizer=lion)",
+        "set optimizer.muon.scalar_optimizer=adamw"),
+    Gate(
+        "INERT-LION-KEYS", ("optimizer.lion_beta1", "optimizer.lion_beta2"),
+        ("optimizer.name", "optimizer.muon.scalar_optimizer"),
+        lambda c, w: scalar_optimizer(c) != "lion",
+        "not (optimizer.name=muon and muon.scalar_optimizer=lion) -> lion_* at their defaults",
+        "no param is optimized by Lion (it is Muon's optimizer for non-matrix params: "
+        "optimizer.name=muon with optimizer.muon.scalar_optimizer=lion)",
+        "set optimizer.name=muon and optimizer.muon.scalar_optimizer=lion"),
+    Gate(
+        "INERT-CONSTANT-LR", ("optimizer.min_lr", "optimizer.decay_iters"),
+        ("optimizer.lr_schedule",),
+        lambda c, w: c.optimizer.lr_schedule == "constant",
+        "lr_schedule=constant -> min_lr and decay_iters at their defaults",
+        "optimizer.lr_schedule=constant never decays the lr",
+        "set optimizer.lr_schedule to cosine, linear or wsd"),
+    Gate(
+        "INERT-BUILTIN-DATA", ("data.builtin_max_mb", "data.cache_dir"),
+        ("data.source", "data.paths"), _builtin_unused,
+        "no built-in corpus in use -> builtin_max_mb and cache_dir at their defaults",
+        "they size and place a built-in corpus, and none is read (data.source="
+        "{cfg.data.source}, data.paths={cfg.data.paths})",
+        "use data.source=builtin:python-stdlib without data.paths"),
+    Gate(
+        "INERT-DATA-SOURCE", ("data.source",), ("data.paths",),
+        lambda c, w: bool(c.data.paths),
+        "data.paths set -> data.source at its default",
+        "data.paths wins over data.source",
+        "put every dataset into data.paths"),
+    Gate(
+        "INERT-DATA-WEIGHTS", ("data.weights",), ("data.paths",),
+        lambda c, w: len(c.data.paths) < 2,
+        "fewer than 2 data.paths -> data.weights empty",
+        "there is no blend to weight (one dataset)",
+        "list two or more datasets in data.paths"),
+    Gate(
+        "INERT-CKPT-NO-SAVE", ("checkpoint.keep_latest", "checkpoint.save_on_interrupt"),
+        ("checkpoint.save",),
+        lambda c, w: not c.checkpoint.save,
+        "checkpoint.save null -> keep_latest and save_on_interrupt at their defaults",
+        "checkpoint.save is null, so no checkpoint is written",
+        "set checkpoint.save=<folder>"),
+    Gate(
+        "INERT-WANDB-KEYS", ("logging.wandb_project", "logging.wandb_mode"), ("logging.wandb",),
+        lambda c, w: not c.logging.wandb,
+        "logging.wandb=false -> wandb_project and wandb_mode at their defaults",
+        "logging.wandb=false starts no W&B run",
+        "set logging.wandb=true"),
+)
+
+
+RULES = [g.rule() for g in GATES]
+INERT_RULE_IDS = frozenset(g.rule_id for g in GATES)
+
+
+@dataclass(frozen=True)
+class InertKey:
+    """A key that has no effect in a config, and the rule that refuses changing it."""
+
+    key: str
+    rule: str
+    because: str
+
+
+def inert_keys(cfg: LPTrainConfig, world: World, keys: Sequence[str] | None = None) -> list[InertKey]:
+    """Every key (of ``keys``, default all gated ones) that ``cfg`` leaves without effect:
+    changing it from its neutral value would be refused. ``cfg`` is derived first."""
+    from lptrain.config.derive import derive
+
+    cfg = derive(cfg, world)
+    out: dict[str, InertKey] = {}
+    for gate in GATES:
+        if not gate.idle(cfg, world):
+            continue
+        because = gate.because.format(cfg=cfg, world=world, recipe=quant_recipe(cfg) or "none")
+        for k in gate.keys:
+            if (keys is None or k in keys) and k not in out:
+                out[k] = InertKey(k, gate.rule_id, because)
+    return list(out.values())
