@@ -160,7 +160,7 @@ def test_a_folder_of_another_shape_is_refused_in_one_line(cache: Path, tmp_path:
     save_random("llama", tmp_path / "hf")
     runner = CliRunner()
     common = ["pretrain", "--recipe", "tiny_cpu.yaml", *BASE, *SHAPE, f"data.cache_dir={cache}",
-              "train.train_iters=1"]
+              "train.train_iters=1", "optimizer.warmup_iters=0"]
     cases = [
         (["model.hidden_size=32", f"checkpoint.init_from_hf={tmp_path / 'hf'}"],
          "config.json hidden_size=64 but the recipe has model.hidden_size=32"),
