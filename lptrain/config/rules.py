@@ -16,9 +16,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from lptrain.catalog.ns_coefficients import COEFFICIENT_SETS
 from lptrain.config.schema import LPTrainConfig
 from lptrain.config.world import World
-from lptrain.optim.ns_coefficients import COEFFICIENT_SETS
 
 Severity = Literal["error", "warning", "derived"]
 When = Callable[[LPTrainConfig, World], Any]

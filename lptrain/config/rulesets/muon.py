@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from lptrain.catalog.muon_scaling import update_rms
+from lptrain.catalog.ns_coefficients import STEP_RULES, ns_steps_problem, step_rule_text
 from lptrain.config.rules import (
     MUON_COEFFICIENTS,
     MUON_SCALE_MODES,
@@ -13,8 +15,6 @@ from lptrain.config.rules import (
 )
 from lptrain.config.schema import LPTrainConfig
 from lptrain.config.world import World
-from lptrain.optim.ns_coefficients import STEP_RULES, ns_steps_problem, step_rule_text
-from lptrain.optim.scaling import update_rms
 
 S = "Muon and the layer-wise distributed optimizer"
 

@@ -1,0 +1,12 @@
+"""Facts that configuration and execution share, as plain torch-free data (a leaf package).
+
+Both :mod:`lptrain.config` (schema choices, rules, the ``docs/rules.md`` page) and the
+packages that run a config (:mod:`lptrain.optim`) read these modules, so validation and
+execution cannot disagree and neither imports the other for them:
+
+* :mod:`lptrain.catalog.ns_coefficients`: Muon's Newton-Schulz coefficient sets and their
+  step-count rules;
+* :mod:`lptrain.catalog.muon_scaling`: Muon's update scale modes and the update RMS they give.
+
+Nothing here imports torch or any other lptrain package.
+"""
