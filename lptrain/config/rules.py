@@ -1,13 +1,14 @@
 """Configuration rules as data, and the facts they share.
 
-A :class:`Rule` is ``(id, severity, keys, when, message, fix)`` plus the documentation
-columns of the catalog (``condition``, ``why``). ``when(cfg, world)`` runs on a *derived*
-config and returns something falsy when the config is fine; otherwise ``True`` or a dict of
-extra fields used to format ``message``/``fix`` (``str.format`` with ``cfg``, ``world`` and
-those fields); a ``"keys"`` entry in the dict narrows the reported keys to the ones at
-fault. Rule definitions live in :mod:`lptrain.config.rulesets`, one module per catalog
-section; :func:`all_rules` is the single list that the checker, ``lptrain rules``, the
-``docs/rules.md`` page and the tests all read.
+A :class:`Rule` is built with keyword arguments: ``id``, ``severity``, ``keys``, ``when``,
+``message`` and ``fix``, plus the documentation columns of the catalog (``condition``, ``why``,
+``section``). ``when(cfg, world)`` runs on a *derived* config and returns something falsy
+when the config is fine; otherwise ``True`` or a dict of extra fields used to format
+``message``/``fix`` (``str.format`` with ``cfg``, ``world`` and those fields); a ``"keys"``
+entry in the dict narrows the reported keys to the ones at fault. Rule definitions live in
+:mod:`lptrain.config.rulesets`, one module per catalog section; :func:`all_rules` is the
+single list that the checker, ``lptrain rules``, the ``docs/rules.md`` page and the tests all
+read.
 """
 
 from __future__ import annotations
@@ -73,9 +74,10 @@ MXFP8_FIRST_UNSUPPORTED_SM = 120
 BLOCKWISE_MIN_CUDA = "12.9"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Rule:
-    """One catalog rule. ``severity="derived"`` rules are applied by ``derive()``, not reported."""
+    """One catalog rule (keyword arguments only: nine strings in a row do not say which is
+    which). ``severity="derived"`` rules are applied by ``derive()``, not reported."""
 
     id: str
     severity: Severity

@@ -89,11 +89,10 @@ def _choices_rule(rule_id: str, table: Any, what: str) -> Rule:
         for k, vals in table
     )
     return Rule(
-        rule_id, "error", keys,
-        lambda c, w: bad_choices(c, table),
-        f"unknown {what} setting: {{bad}}",
-        "use one of the listed values (see `lptrain show-config --explain`)",
-        sets, "a typo would otherwise silently switch the feature off", S,
+        id=rule_id, severity="error", keys=keys, when=lambda c, w: bad_choices(c, table),
+        message=f"unknown {what} setting: {{bad}}",
+        fix="use one of the listed values (see `lptrain show-config --explain`)", condition=sets,
+        why="a typo would otherwise silently switch the feature off", section=S,
     )
 
 
@@ -103,27 +102,31 @@ RULES = [
     _choices_rule("MOE-CHOICES", MOE_CHOICES, "MoE"),
     _choices_rule("RUN-CHOICES", RUN_CHOICES, "run/logging"),
     Rule(
-        "OPT-VALUES", "error",
-        ("optimizer.lr", "optimizer.min_lr", "optimizer.adam_beta1", "optimizer.adam_beta2",
-         "optimizer.lion_beta1", "optimizer.lion_beta2",
-         "optimizer.adam_eps", "optimizer.weight_decay", "optimizer.clip_grad",
-         "optimizer.warmup_iters", "optimizer.decay_iters"),
-        _opt_values_bad,
-        "invalid optimizer hyperparameters: {detail}",
-        "use lr > 0, 0 <= min_lr <= lr, betas in [0, 1), adam_eps > 0, non-negative "
-        "weight_decay/clip_grad/warmup_iters",
-        "lr > 0, 0 <= min_lr <= lr, adam and lion betas in [0, 1), adam_eps > 0, weight_decay, "
-        "clip_grad and warmup_iters >= 0, decay_iters > 0 when set", "", S),
+        id="OPT-VALUES", severity="error",
+        keys=("optimizer.lr", "optimizer.min_lr", "optimizer.adam_beta1", "optimizer.adam_beta2",
+              "optimizer.lion_beta1", "optimizer.lion_beta2",
+              "optimizer.adam_eps", "optimizer.weight_decay", "optimizer.clip_grad",
+              "optimizer.warmup_iters", "optimizer.decay_iters"),
+        when=_opt_values_bad, message="invalid optimizer hyperparameters: {detail}",
+        fix="use lr > 0, 0 <= min_lr <= lr, betas in [0, 1), adam_eps > 0, non-negative "
+            "weight_decay/clip_grad/warmup_iters",
+        condition="lr > 0, 0 <= min_lr <= lr, adam and lion betas in [0, 1), adam_eps > 0, "
+                  "weight_decay, clip_grad and warmup_iters >= 0, decay_iters > 0 when set",
+        section=S,
+    ),
     Rule(
-        "OPT-LAYERWISE-NEEDS-MUON", "error",
-        ("optimizer.use_layer_wise_optimizer", "optimizer.name", "ddp.use_distributed_optimizer"),
-        lambda c, w: bool(c.optimizer.use_layer_wise_optimizer)
-        and not (c.optimizer.name == "muon" and c.ddp.use_distributed_optimizer),
-        "use_layer_wise_optimizer=true is the Muon + distributed-optimizer path "
-        "(optimizer.name={cfg.optimizer.name}, "
-        "use_distributed_optimizer={cfg.ddp.use_distributed_optimizer})",
-        "leave optimizer.use_layer_wise_optimizer=null (derived), or set optimizer.name=muon "
-        "and ddp.use_distributed_optimizer=true",
-        "use_layer_wise_optimizer set explicitly -> optimizer.name=muon and "
-        "use_distributed_optimizer", "", S),
+        id="OPT-LAYERWISE-NEEDS-MUON", severity="error",
+        keys=("optimizer.use_layer_wise_optimizer", "optimizer.name",
+              "ddp.use_distributed_optimizer"),
+        when=lambda c, w: bool(c.optimizer.use_layer_wise_optimizer)
+             and not (c.optimizer.name == "muon" and c.ddp.use_distributed_optimizer),
+        message="use_layer_wise_optimizer=true is the Muon + distributed-optimizer path "
+                "(optimizer.name={cfg.optimizer.name}, "
+                "use_distributed_optimizer={cfg.ddp.use_distributed_optimizer})",
+        fix="leave optimizer.use_layer_wise_optimizer=null (derived), or set optimizer.name=muon "
+            "and ddp.use_distributed_optimizer=true",
+        condition="use_layer_wise_optimizer set explicitly -> optimizer.name=muon and "
+                  "use_distributed_optimizer",
+        section=S,
+    ),
 ]
