@@ -1,60 +1,36 @@
 """Value-set rules: every string-valued choice is one of its known values.
 
-Not in the upstream catalog as separate rows (it says "from the known sets"); without them a
-typo such as ``precision.fp8_recipe=mxfp88`` would silently disable the rules keyed on it.
+The allowed values are the schema's declaration (:func:`lptrain.config.schema.choice`; the
+recipe names come from the recipe catalog). Without these rules a typo such as
+``precision.fp8_recipe=mxfp88`` would silently disable the rules keyed on it.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from lptrain.config.rules import (
-    AMAX_ALGOS,
-    BACKENDS,
-    DEVICES,
-    FP4_FORMATS,
-    FP4_RECIPES,
-    FP8_FORMATS,
-    FP8_RECIPES,
-    LAYER_WISE_LAYOUTS,
-    LOAD_BALANCING,
-    LR_SCHEDULES,
-    OPTIMIZERS,
-    PARAMS_DTYPES,
-    SCALAR_OPTIMIZERS,
-    SCORE_FUNCTIONS,
-    WANDB_MODES,
-    Rule,
-    bad_choices,
-)
-from lptrain.config.schema import LPTrainConfig
+from lptrain.config.rules import Rule, bad_choices
+from lptrain.config.schema import LPTrainConfig, choices_of, show_value
 from lptrain.config.world import World
 
 S = "Known value sets"
 
-PRECISION_CHOICES = (
-    ("precision.params_dtype", PARAMS_DTYPES),
-    ("precision.backend", BACKENDS),
-    ("precision.fp8_format", FP8_FORMATS),
-    ("precision.fp8_recipe", FP8_RECIPES),
-    ("precision.fp4_format", FP4_FORMATS),
-    ("precision.fp4_recipe", FP4_RECIPES),
-    ("precision.fp8_amax_compute_algo", AMAX_ALGOS),
+
+def choice_table(*keys: str) -> tuple[tuple[str, tuple[Any, ...]], ...]:
+    """``(key, allowed values)`` of choice keys, the values as the schema declares them."""
+    return tuple((k, choices_of(k)) for k in keys)
+
+
+PRECISION_CHOICES = choice_table(
+    "precision.params_dtype", "precision.backend", "precision.fp8_format", "precision.fp8_recipe",
+    "precision.fp4_format", "precision.fp4_recipe", "precision.fp8_amax_compute_algo",
 )
-OPTIMIZER_CHOICES = (
-    ("optimizer.name", OPTIMIZERS),
-    ("optimizer.layer_wise_param_layout", LAYER_WISE_LAYOUTS),
-    ("optimizer.lr_schedule", LR_SCHEDULES),
-    ("optimizer.muon.scalar_optimizer", SCALAR_OPTIMIZERS),
+OPTIMIZER_CHOICES = choice_table(
+    "optimizer.name", "optimizer.layer_wise_param_layout", "optimizer.lr_schedule",
+    "optimizer.muon.scalar_optimizer",
 )
-MOE_CHOICES = (
-    ("model.moe.load_balancing_type", LOAD_BALANCING),
-    ("model.moe.score_function", SCORE_FUNCTIONS),
-)
-RUN_CHOICES = (
-    ("run.device", DEVICES),
-    ("logging.wandb_mode", WANDB_MODES),
-)
+MOE_CHOICES = choice_table("model.moe.load_balancing_type", "model.moe.score_function")
+RUN_CHOICES = choice_table("run.device", "logging.wandb_mode")
 
 
 def _opt_values_bad(c: LPTrainConfig, w: World) -> dict[str, Any]:
@@ -85,7 +61,7 @@ def _opt_values_bad(c: LPTrainConfig, w: World) -> dict[str, Any]:
 def _choices_rule(rule_id: str, table: Any, what: str) -> Rule:
     keys = tuple(k for k, _ in table)
     sets = "; ".join(
-        f"{k.split('.', 1)[1]} in {{{', '.join('null' if v is None else v for v in vals)}}}"
+        f"{k.split('.', 1)[1]} in {{{', '.join(show_value(v) for v in vals)}}}"
         for k, vals in table
     )
     return Rule(

@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
-from lptrain.config.rules import Rule, get_key, is_moe, layer_wise, quant_recipe
-from lptrain.config.schema import LPTrainConfig
+from lptrain.catalog import recipes as catalog_recipes
+from lptrain.config.rules import Rule, get_key, is_moe, layer_wise, quant_recipe, quant_spec, runs
+from lptrain.config.schema import LPTrainConfig, one_of, show_value
 from lptrain.config.world import World
 
 S = "Keys that would have no effect"
@@ -65,8 +66,8 @@ class Gate:
         bad = self.set_keys(cfg)
         if not bad:
             return {}
-        shown = ", ".join(f"{k}={_show(get_key(cfg, k))}" for k in bad)
-        defaults = ", ".join(f"{k}={_show(self.neutral(cfg, k)[0])}" for k in bad)
+        shown = ", ".join(f"{k}={show_value(get_key(cfg, k))}" for k in bad)
+        defaults = ", ".join(f"{k}={show_value(self.neutral(cfg, k)[0])}" for k in bad)
         return {"keys": tuple(bad), "settings": shown, "defaults": defaults,
                 "recipe": quant_recipe(cfg) or "none"}
 
@@ -78,10 +79,6 @@ class Gate:
             why="a setting that is accepted must be honoured: refused instead of silently ignored",
             section=S,
         )
-
-
-def _show(value: Any) -> str:
-    return "null" if value is None else str(value)
 
 
 def _dense(c: LPTrainConfig, w: World) -> bool:
@@ -101,8 +98,19 @@ def _dense_ffn_unused(c: LPTrainConfig, w: World) -> bool:
     return _all_layers_moe(c) and m.moe.ffn_hidden_size not in (None, m.ffn_hidden_size)
 
 
+# The recipes that read the delayed-scaling keys, and those that read amax_epsilon.
+DELAYED = [s.name for s in catalog_recipes.RECIPES if s.amax_history]
+CURRENT_AMAX = [s.name for s in catalog_recipes.RECIPES if s.current_amax]
+
+
 def _not_delayed(c: LPTrainConfig, w: World) -> bool:
-    return quant_recipe(c) != "delayed" or c.precision.fp8_format is None
+    spec = quant_spec(c)
+    return not (runs(c, spec) and spec is not None and spec.amax_history)
+
+
+def _no_current_amax(c: LPTrainConfig, w: World) -> bool:
+    spec = quant_spec(c)
+    return spec is None or not spec.current_amax
 
 
 def scalar_optimizer(c: LPTrainConfig) -> str:
@@ -208,20 +216,20 @@ GATES: tuple[Gate, ...] = (
     Gate(
         rule_id="INERT-DELAYED-SCALING", keys=DELAYED_KEYS,
         context=("precision.fp8_format", "precision.fp8_recipe"), idle=_not_delayed,
-        condition="not (fp8_format set and fp8_recipe=delayed) -> margin and amax history settings "
-                  "at their defaults",
-        because="only delayed scaling (an fp8_format with fp8_recipe=delayed) keeps an amax "
-                "history and a margin; the quantized recipe here is {recipe}",
-        fix="use precision.fp8_recipe=delayed with an fp8_format",
+        condition=f"not (fp8_format set and fp8_recipe={'/'.join(DELAYED)}) -> margin and amax "
+                  "history settings at their defaults",
+        because=f"only delayed scaling (an fp8_format with fp8_recipe={'/'.join(DELAYED)}) keeps "
+                "an amax history and a margin; the quantized recipe here is {recipe}",
+        fix=f"use precision.fp8_recipe={one_of(DELAYED)} with an fp8_format",
     ),
     Gate(
         rule_id="INERT-AMAX-EPSILON", keys=("precision.amax_epsilon",),
         context=("precision.fp8_format", "precision.fp8_recipe", "precision.fp4_format"),
-        idle=lambda c, w: quant_recipe(c) not in ("tensorwise", "blockwise"),
-        condition="quantized recipe not tensorwise/blockwise -> amax_epsilon == 0",
-        because="only tensorwise and blockwise FP8 divide by a current amax; the quantized recipe "
-                "here is {recipe}",
-        fix="use precision.fp8_recipe=tensorwise or blockwise",
+        idle=_no_current_amax,
+        condition=f"quantized recipe not {'/'.join(CURRENT_AMAX)} -> amax_epsilon == 0",
+        because=f"only {one_of(CURRENT_AMAX, last='and')} FP8 divide by a current amax; the "
+                "quantized recipe here is {recipe}",
+        fix=f"use precision.fp8_recipe={one_of(CURRENT_AMAX)}",
     ),
     Gate(
         rule_id="INERT-NVFP4-KEYS", keys=NVFP4_KEYS, context=("precision.fp4_format",),

@@ -3,20 +3,19 @@ lptrain.checkpoint). ``checkpoint.keep_latest >= 2`` is a range rule (rulesets/r
 
 from __future__ import annotations
 
-from lptrain.config.rules import Rule
-from lptrain.config.rulesets.muon import _compact
+from lptrain.config.rules import Rule, compact_layout
+from lptrain.config.schema import ON_NONFINITE
 
 S = "Loop, checkpoints, signals"
-
-ON_NONFINITE = ("stop", "skip")
 
 RULES = [
     Rule(
         id="TRAIN-ON-NONFINITE", severity="error", keys=("train.on_nonfinite",),
         when=lambda c, w: c.train.on_nonfinite not in ON_NONFINITE,
-        message="train.on_nonfinite={cfg.train.on_nonfinite!r} is not one of stop, skip",
+        message="train.on_nonfinite={cfg.train.on_nonfinite!r} is not one of "
+                + ", ".join(ON_NONFINITE),
         fix="set train.on_nonfinite=stop (raise, naming the step and tensor) or skip",
-        condition="on_nonfinite in (stop, skip)", section=S,
+        condition=f"on_nonfinite in ({', '.join(ON_NONFINITE)})", section=S,
     ),
     Rule(
         id="TRAIN-EXIT-DURATION", severity="error", keys=("train.exit_duration_mins",),
@@ -37,7 +36,7 @@ RULES = [
         id="CKPT-MODEL-SPACE", severity="error", keys=("checkpoint.sharding_type",),
         # (the compact layer-wise Muon layout has its own, more specific rule)
         when=lambda c, w: c.checkpoint.sharding_type == "fully_sharded_model_space"
-             and not _compact(c),
+             and not compact_layout(c),
         message="checkpoint.sharding_type=fully_sharded_model_space is not implemented: lptrain "
                 "checkpoints hold each tensor whole under its canonical name (fp32 masters, "
                 "optimizer state gathered from the shards), which reshards across DP and EP "

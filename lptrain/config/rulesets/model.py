@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from lptrain.config.rules import SHARDING_TYPES, Rule, decay_end
-from lptrain.config.schema import LPTrainConfig
+from lptrain.config.rules import Rule, decay_end
+from lptrain.config.schema import SHARDING_TYPES, LPTrainConfig
 from lptrain.config.world import World
 
 S = "Model, batch, schedule, checkpoint"

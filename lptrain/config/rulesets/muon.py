@@ -6,14 +6,8 @@ from typing import Any
 
 from lptrain.catalog.muon_scaling import update_rms
 from lptrain.catalog.ns_coefficients import STEP_RULES, ns_steps_problem, step_rule_text
-from lptrain.config.rules import (
-    MUON_COEFFICIENTS,
-    MUON_SCALE_MODES,
-    Rule,
-    fp8_on,
-    layer_wise,
-)
-from lptrain.config.schema import LPTrainConfig
+from lptrain.config.rules import Rule, compact_layout, fp8_on, layer_wise, padded_layout
+from lptrain.config.schema import MUON_COEFFICIENTS, MUON_SCALE_MODES, LPTrainConfig
 from lptrain.config.world import World
 
 S = "Muon and the layer-wise distributed optimizer"
@@ -30,14 +24,6 @@ S = "Muon and the layer-wise distributed optimizer"
 # AdamW's 2.345), and an AdamW lr like 1e-3 with shape_scaling at hidden 4096 is 1.6e-5.
 MUON_STEP_RANGE = (8e-5, 2e-3)
 MUON_STEP_FACTOR = 3.0
-
-
-def _compact(c: LPTrainConfig) -> bool:
-    return layer_wise(c) and c.optimizer.layer_wise_param_layout == "compact"
-
-
-def _padded(c: LPTrainConfig) -> bool:
-    return layer_wise(c) and c.optimizer.layer_wise_param_layout == "padded"
 
 
 def _bad_hparams(c: LPTrainConfig, w: World) -> dict[str, Any]:
@@ -131,7 +117,7 @@ RULES = [
     Rule(
         id="MUON-COMPACT-NO-FP4PG", severity="error",
         keys=("optimizer.layer_wise_param_layout", "precision.fp4_param_gather"),
-        when=lambda c, w: _compact(c) and c.precision.fp4_param_gather,
+        when=lambda c, w: compact_layout(c) and c.precision.fp4_param_gather,
         message="the compact layer-wise layout does not support fp4_param_gather: NVFP4 params "
                 "would silently take the raw flatten path",
         fix="set precision.fp4_param_gather=false",
@@ -142,7 +128,7 @@ RULES = [
         id="MUON-COMPACT-FP8PG-RECIPE", severity="error",
         keys=("optimizer.layer_wise_param_layout", "precision.fp8_param_gather",
               "precision.fp8_recipe"),
-        when=lambda c, w: _compact(c) and c.precision.fp8_param_gather and fp8_on(c)
+        when=lambda c, w: compact_layout(c) and c.precision.fp8_param_gather and fp8_on(c)
              and c.precision.fp8_recipe not in ("mxfp8", "blockwise"),
         message="the compact layer-wise layout gathers FP8 params via bf16 staging + requantize, "
                 "which is defined only for mxfp8 and blockwise "
@@ -155,7 +141,7 @@ RULES = [
         id="MUON-PADDED-NO-PG", severity="error",
         keys=("optimizer.layer_wise_param_layout", "precision.fp8_param_gather",
               "precision.fp4_param_gather"),
-        when=lambda c, w: _padded(c) and (c.precision.fp8_param_gather or c.precision.fp4_param_gather),
+        when=lambda c, w: padded_layout(c) and (c.precision.fp8_param_gather or c.precision.fp4_param_gather),
         message="the padded layer-wise layout does not support quantized param gather",
         fix="set optimizer.layer_wise_param_layout=compact, or precision.fp8_param_gather=false "
             "and precision.fp4_param_gather=false",
@@ -164,7 +150,7 @@ RULES = [
     Rule(
         id="MUON-COMPACT-NO-MODEL-SPACE", severity="error",
         keys=("optimizer.layer_wise_param_layout", "checkpoint.sharding_type"),
-        when=lambda c, w: _compact(c) and c.checkpoint.sharding_type == "fully_sharded_model_space",
+        when=lambda c, w: compact_layout(c) and c.checkpoint.sharding_type == "fully_sharded_model_space",
         message="checkpoint.sharding_type=fully_sharded_model_space cannot describe the compact "
                 "layer-wise layout",
         fix="set checkpoint.sharding_type=dp_reshardable (or fully_reshardable)",
@@ -177,7 +163,7 @@ RULES = [
         id="MUON-GROUPED-FP8PG", severity="error",
         keys=("optimizer.layer_wise_param_layout", "precision.fp8_param_gather",
               "model.moe.single_grouped_weight"),
-        when=lambda c, w: _compact(c) and c.precision.fp8_param_gather
+        when=lambda c, w: compact_layout(c) and c.precision.fp8_param_gather
              and c.model.moe.single_grouped_weight,
         message="the compact layer-wise FP8 copy-back handles plain quantized tensors only, not a "
                 "single grouped expert weight",

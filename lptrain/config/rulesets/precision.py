@@ -4,21 +4,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from lptrain.config.rules import (
-    BLOCKWISE_BLACKWELL_MIN_TE,
-    BLOCKWISE_MIN_CUDA,
+from lptrain.catalog import recipes as catalog_recipes
+from lptrain.catalog.recipes import (
     GROUPED_AMAX_EPSILON_MIN_TE,
-    MXFP8_FIRST_UNSUPPORTED_SM,
-    RECIPE_ALIGNMENT,
-    RECIPE_MIN_SM,
-    RECIPE_MIN_TE,
     SINGLE_GROUPED_WEIGHT_MIN_TE,
     TE_MIN_VERSION,
+)
+from lptrain.config.rules import (
     Rule,
     fp4_on,
     fp8_on,
     is_mxfp8,
     quant_recipe,
+    quant_spec,
+    recipe_key,
+    runs,
     sharded_optimizer,
 )
 from lptrain.config.schema import LPTrainConfig
@@ -29,10 +29,10 @@ S = "Precision"
 
 def _gemm_misaligned(c: LPTrainConfig, w: World) -> dict[str, Any]:
     """Every quantized GEMM dimension that is not a multiple of the recipe's block size."""
-    recipe = quant_recipe(c)
-    align = RECIPE_ALIGNMENT.get(recipe or "")
-    if align is None:
+    spec = quant_spec(c)
+    if spec is None:
         return {}
+    recipe, align = spec.name, spec.alignment
     m = c.model
     dims: list[tuple[str, tuple[str, ...], str, int]] = [
         ("hidden (input of qkv and fc1, output of proj and fc2)", ("model.hidden_size",),
@@ -65,35 +65,41 @@ def _gemm_misaligned(c: LPTrainConfig, w: World) -> dict[str, Any]:
     return {"keys": keys, "align": align, "recipe": recipe, "detail": detail}
 
 
-def _recipe_key(c: LPTrainConfig) -> str:
-    return "precision.fp8_recipe" if fp8_on(c) else "precision.fp4_recipe"
-
-
 # Each ``_te_*`` check below answers "would Transformer Engine refuse this config in this
 # world?" regardless of precision.backend; the rules apply them to backend=te, and
 # :func:`auto_backend` uses the same checks to pick TE for backend=auto only when none fires.
 
 
 def _te_sm_too_old(c: LPTrainConfig, w: World) -> dict[str, Any]:
-    recipe = quant_recipe(c)
-    need = RECIPE_MIN_SM.get(recipe or "")
-    if not w.cuda or need is None or w.sm >= need:
+    spec = quant_spec(c)
+    if not w.cuda or spec is None or w.sm >= spec.min_sm:
         return {}
-    return {"keys": ("precision.backend", _recipe_key(c)), "recipe": recipe, "need": f"sm{need}"}
+    return {"keys": ("precision.backend", recipe_key(c)), "recipe": spec.name,
+            "need": f"sm{spec.min_sm}"}
+
+
+def _te_sm_excluded(c: LPTrainConfig, w: World) -> dict[str, Any]:
+    """The recipe in use is one TE refuses from some compute capability on, and ``w`` has it."""
+    spec = quant_spec(c)
+    if spec is None or not runs(c, spec) or spec.unsupported_from_sm is None:
+        return {}
+    if not (w.cuda and w.sm >= spec.unsupported_from_sm):
+        return {}
+    return {"keys": ("precision.backend", spec.keys.recipe_key)}
 
 
 def _te_mxfp8_sm120(c: LPTrainConfig, w: World) -> dict[str, Any]:
-    if not (w.cuda and is_mxfp8(c) and w.sm >= MXFP8_FIRST_UNSUPPORTED_SM):
-        return {}
-    return {"keys": ("precision.backend", "precision.fp8_recipe")}
+    return _te_sm_excluded(c, w) if is_mxfp8(c) else {}
 
 
-def _te_blockwise_cuda(c: LPTrainConfig, w: World) -> dict[str, Any]:
-    if not (w.cuda and fp8_on(c) and c.precision.fp8_recipe == "blockwise" and w.cuda_version):
+def _te_cuda_too_old(c: LPTrainConfig, w: World) -> dict[str, Any]:
+    spec = quant_spec(c)
+    if spec is None or not runs(c, spec) or spec.min_cuda is None:
         return {}
-    if parse_version(w.cuda_version) >= parse_version(BLOCKWISE_MIN_CUDA):
+    if not (w.cuda and w.cuda_version) or parse_version(w.cuda_version) >= parse_version(spec.min_cuda):
         return {}
-    return {"keys": ("precision.backend", "precision.fp8_recipe"), "need": BLOCKWISE_MIN_CUDA}
+    return {"keys": ("precision.backend", spec.keys.recipe_key), "need": spec.min_cuda,
+            "recipe": spec.name, "family": spec.family.upper()}
 
 
 def _te_version_needs(c: LPTrainConfig, w: World) -> list[tuple[str, str, str]]:
@@ -108,14 +114,15 @@ def _te_version_needs(c: LPTrainConfig, w: World) -> list[tuple[str, str, str]]:
             needs.append((key, f"{what} needs TE >= {version}", version))
 
     need("precision.backend", "lptrain's TE backend", TE_MIN_VERSION)
-    recipe = quant_recipe(c)
-    if recipe in RECIPE_MIN_TE:
-        need(_recipe_key(c), recipe, RECIPE_MIN_TE[recipe])
-    if recipe == "blockwise" and w.sm >= 100:
-        need("precision.fp8_recipe", f"blockwise on {w.target}", BLOCKWISE_BLACKWELL_MIN_TE)
+    spec = quant_spec(c)
+    if spec is not None:
+        need(recipe_key(c), spec.name, spec.min_te)
+        for sm, version in spec.min_te_from_sm:
+            if w.sm >= sm:
+                need(spec.keys.recipe_key, f"{spec.name} on {w.target}", version)
     moe = c.model.moe
-    if (recipe in ("tensorwise", "blockwise") and c.precision.amax_epsilon > 0 and moe.num_experts > 0
-            and (moe.grouped_gemm or moe.single_grouped_weight)):
+    if (spec is not None and spec.current_amax and c.precision.amax_epsilon > 0
+            and moe.num_experts > 0 and (moe.grouped_gemm or moe.single_grouped_weight)):
         need("precision.amax_epsilon", "amax_epsilon in grouped expert GEMMs",
              GROUPED_AMAX_EPSILON_MIN_TE)
     if moe.single_grouped_weight:
@@ -140,10 +147,11 @@ def te_refusals(c: LPTrainConfig, w: World) -> list[str]:
         out.append("Transformer Engine is not installed")
     if _te_device_cpu(c, w):
         out.append("run.device=cpu")
-    if _te_sm_too_old(c, w) or _te_mxfp8_sm120(c, w):
+    if _te_sm_too_old(c, w) or _te_sm_excluded(c, w):
         out.append(f"{quant_recipe(c)} is not supported on {w.target}")
-    if _te_blockwise_cuda(c, w):
-        out.append(f"blockwise needs CUDA >= {BLOCKWISE_MIN_CUDA}")
+    cuda = _te_cuda_too_old(c, w)
+    if cuda:
+        out.append(f"{cuda['recipe']} needs CUDA >= {cuda['need']}")
     out.extend(n[1] for n in _te_version_needs(c, w))
     if _te_rht_needs_bf16(c, w):
         out.append("NVFP4 RHT needs bf16 activations")
@@ -189,8 +197,55 @@ def _backend_missing(c: LPTrainConfig, w: World) -> dict[str, Any]:
     return {}
 
 
+def _delayed_in_use(c: LPTrainConfig) -> bool:
+    spec = quant_spec(c)
+    return runs(c, spec) and spec is not None and spec.amax_history
+
+
 def _cuda_device_missing(c: LPTrainConfig, w: World) -> bool:
     return c.run.device == "cuda" and not w.cuda
+
+
+# Catalog texts for the rule documentation (``lptrain rules``, docs/rules.md).
+
+
+def _selects(specs: list[catalog_recipes.RecipeSpec]) -> str:
+    """``fp8_recipe=a/b``: the config values selecting ``specs`` (one family)."""
+    return f"{specs[0].keys.recipe_key.split('.', 1)[1]}={'/'.join(s.name for s in specs)}"
+
+
+def _grouped(attr: str) -> dict[Any, list[str]]:
+    out: dict[Any, list[str]] = {}
+    for spec in catalog_recipes.RECIPES:
+        out.setdefault(getattr(spec, attr), []).append(spec.name)
+    return out
+
+
+def _alignments_text() -> str:
+    return ", ".join(f"{a} ({', '.join(names)})" for a, names in _grouped("alignment").items())
+
+
+def _min_sm_text() -> str:
+    return ", ".join(f"{'/'.join(names)}{' need' if i == 0 else ''} sm{sm}+"
+                     for i, (sm, names) in enumerate(_grouped("min_sm").items()))
+
+
+def _min_te_text() -> str:
+    parts = [f"any recipe {TE_MIN_VERSION}"]
+    parts += [f"{s.name} {s.min_te}" for s in catalog_recipes.RECIPES if s.min_te != TE_MIN_VERSION]
+    parts += [f"{s.name} on sm{sm}+ {v}" for s in catalog_recipes.RECIPES for sm, v in s.min_te_from_sm]
+    parts += [f"amax_epsilon in grouped expert GEMMs {GROUPED_AMAX_EPSILON_MIN_TE}",
+              f"single grouped weight {SINGLE_GROUPED_WEIGHT_MIN_TE}"]
+    return ", ".join(parts)
+
+
+def _min_cuda_text() -> str:
+    return " or ".join(f"{_selects([s])} with CUDA < {s.min_cuda}"
+                       for s in catalog_recipes.RECIPES if s.min_cuda is not None)
+
+
+_DELAYED = [s for s in catalog_recipes.RECIPES if s.amax_history]
+_MXFP8 = next(s for s in catalog_recipes.RECIPES if s.name == "mxfp8")
 
 
 def _bf16_layers_out_of_range(c: LPTrainConfig, w: World) -> bool:
@@ -300,13 +355,12 @@ RULES = [
     Rule(
         id="PREC-DELAYED-FIRST-LAST", severity="error",
         keys=("precision.first_last_layers_bf16", "precision.fp8_recipe"),
-        when=lambda c, w: c.precision.first_last_layers_bf16 and fp8_on(c)
-             and c.precision.fp8_recipe == "delayed",
+        when=lambda c, w: c.precision.first_last_layers_bf16 and _delayed_in_use(c),
         message="first_last_layers_bf16 with delayed scaling: entering/leaving FP8 autocast per "
                 "layer breaks the delayed-scaling amax reduction",
         fix="set precision.fp8_recipe=tensorwise (or mxfp8/blockwise), or "
             "precision.first_last_layers_bf16=false",
-        condition="first_last_layers_bf16 and fp8_recipe=delayed",
+        condition=f"first_last_layers_bf16 and {_selects(_DELAYED)}",
         why="per-layer autocast enter/exit breaks delayed-scaling amax reduction", section=S,
     ),
     Rule(
@@ -334,8 +388,8 @@ RULES = [
         fix="make each listed dimension a multiple of {align} (e.g. round model sizes up; tokens "
             "per micro-batch = train.micro_batch_size * model.seq_length)",
         condition="every quantized GEMM dimension (hidden, ffn, qkv and output projections, expert "
-                  "dims) and the tokens per micro-batch are multiples of the recipe alignment: 16 "
-                  "(delayed, tensorwise, blockwise), 32 (mxfp8, nvfp4)",
+                  "dims) and the tokens per micro-batch are multiples of the recipe alignment: "
+                  + _alignments_text(),
         why="block quantizers need whole blocks; small debug models trip this silently otherwise",
         section=S,
     ),
@@ -346,8 +400,7 @@ RULES = [
                 "{world.target}",
         fix="check for a newer target (--target {need}), pick a recipe this GPU supports, or set "
             "precision.backend=emulated (runs every recipe anywhere, slowly)",
-        condition="backend=te: delayed/tensorwise need sm89+, blockwise sm90+, mxfp8 and nvfp4 "
-                  "sm100+; the emulated backend runs every recipe anywhere",
+        condition=f"backend=te: {_min_sm_text()}; the emulated backend runs every recipe anywhere",
         section=S,
     ),
     Rule(
@@ -357,19 +410,19 @@ RULES = [
                 "on compute capability 12.0+",
         fix="use precision.fp8_recipe=tensorwise (TE's default recipe there) or blockwise, or "
             "precision.backend=emulated",
-        condition=f"backend=te and fp8_recipe=mxfp8 on sm{MXFP8_FIRST_UNSUPPORTED_SM}+",
+        condition=f"backend=te and {_selects([_MXFP8])} on sm{_MXFP8.unsupported_from_sm}+",
         why="TE's check_mxfp8_support: 'MXFP8 (for all gemm layouts) is not supported on 12.0+ "
             "architectures yet'",
         section=S,
     ),
     Rule(
         id="PREC-BLOCKWISE-CUDA", severity="error",
-        keys=("precision.backend", "precision.fp8_recipe"), when=_te_only(_te_blockwise_cuda),
-        message="blockwise FP8 on Transformer Engine needs a CUDA >= {need} build; torch here is "
-                "built with CUDA {world.cuda_version}",
+        keys=("precision.backend", "precision.fp8_recipe"), when=_te_only(_te_cuda_too_old),
+        message="{recipe} {family} on Transformer Engine needs a CUDA >= {need} build; torch here "
+                "is built with CUDA {world.cuda_version}",
         fix="install a torch/Transformer Engine built for CUDA >= {need}, use "
             "precision.fp8_recipe=tensorwise, or precision.backend=emulated",
-        condition=f"backend=te and fp8_recipe=blockwise with CUDA < {BLOCKWISE_MIN_CUDA}",
+        condition=f"backend=te and {_min_cuda_text()}",
         why="TE's block-scaling check: 'FP8 block scaled GEMM requires ... CUDA >= 12.9'",
         section=S,
     ),
@@ -380,11 +433,7 @@ RULES = [
         when=_te_too_old, message="Transformer Engine {world.te_version} is too old: {detail}",
         fix="upgrade Transformer Engine to >= {need} (pip install -U "
             "'transformer_engine[pytorch]')",
-        condition=f"backend=te: minimum Transformer Engine versions: any recipe {TE_MIN_VERSION}, "
-                  + ", ".join(f"{k} {v}" for k, v in RECIPE_MIN_TE.items() if v != TE_MIN_VERSION)
-                  + f", blockwise on sm100+ {BLOCKWISE_BLACKWELL_MIN_TE}, amax_epsilon in grouped expert "
-                  f"GEMMs {GROUPED_AMAX_EPSILON_MIN_TE}, single grouped weight "
-                  f"{SINGLE_GROUPED_WEIGHT_MIN_TE}",
+        condition=f"backend=te: minimum Transformer Engine versions: {_min_te_text()}",
         why="first TE releases with Float8CurrentScaling (2.2), Float8BlockScaling (2.3), "
             "NVFP4BlockScaling (2.8), blockwise on Blackwell (2.9), GroupedLinear QParams (2.3) "
             "and single_grouped_weight (2.14; lptrain sets NVTE_GROUPED_LINEAR_SINGLE_PARAM for "
