@@ -125,10 +125,6 @@ def sharded_optimizer(c: LPTrainConfig) -> bool:
     return c.ddp.use_distributed_optimizer or layer_wise(c)
 
 
-def param_gather(c: LPTrainConfig) -> bool:
-    return c.precision.fp8_param_gather or c.precision.fp4_param_gather
-
-
 def compact_layout(c: LPTrainConfig) -> bool:
     """The layer-wise optimizer with its compact parameter layout."""
     return layer_wise(c) and c.optimizer.layer_wise_param_layout == "compact"

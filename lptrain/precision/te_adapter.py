@@ -81,13 +81,6 @@ def te_version() -> Optional[tuple[int, ...]]:
     return parse_version(text) if text else None
 
 
-def _te_at_least(version: str) -> bool:
-    from lptrain.config.world import parse_version
-
-    have = te_version()
-    return have is not None and have >= parse_version(version)
-
-
 def resolve_backend(backend: str) -> str:
     """Check that ``backend`` (``te`` or ``emulated``) can run here and return it.
 
@@ -359,31 +352,3 @@ def te_grouped_linear(
             "model.moe.single_grouped_weight=false"
         )
     return module
-
-
-def te_layernorm_linear(
-    in_features: int,
-    out_features: int,
-    *,
-    eps: float = 1e-5,
-    normalization: str = "RMSNorm",
-    params_dtype: torch.dtype = torch.bfloat16,
-    init_method: Optional[Callable[[torch.Tensor], None]] = None,
-    fuse_wgrad_accumulation: bool = False,
-    name: str = "",
-) -> nn.Module:
-    """A ``te.pytorch.LayerNormLinear`` (norm fused into the GEMM's input cast)."""
-    import transformer_engine.pytorch as te
-
-    return _te_module(
-        te.LayerNormLinear,
-        in_features,
-        out_features,
-        eps=eps,
-        bias=False,
-        normalization=normalization,
-        params_dtype=params_dtype,
-        init_method=init_method,
-        fuse_wgrad_accumulation=fuse_wgrad_accumulation,
-        name=name,
-    )
