@@ -282,6 +282,13 @@ def _te_grouped_linear_cls() -> type:
     return TEGroupedLinear
 
 
+def forget_te_classes() -> None:
+    """Drop the classes built on the imported TE's modules (the GroupedLinear subclass), so
+    the next use builds them on whatever ``transformer_engine`` imports then (the stand-in TE
+    swaps versions this way)."""
+    _te_grouped_linear_cls.cache_clear()
+
+
 @contextlib.contextmanager
 def _single_param_env(enabled: bool) -> Iterator[None]:
     """Set ``NVTE_GROUPED_LINEAR_SINGLE_PARAM=1`` while a GroupedLinear is constructed.
