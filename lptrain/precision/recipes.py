@@ -24,7 +24,7 @@ import torch
 
 from lptrain.catalog import recipes as catalog_recipes
 from lptrain.catalog.recipes import RecipeSpec
-from lptrain.config.schema import one_of
+from lptrain.config.schema import AMAX_ALGOS, one_of
 
 from . import scaling as _scaling
 from .formats import FLT_MAX, Format, FP8Format
@@ -174,9 +174,10 @@ class DelayedScaling(Recipe):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.amax_compute_algo not in ("max", "most_recent"):
+        if self.amax_compute_algo not in AMAX_ALGOS:
             raise ValueError(
-                f"amax_compute_algo must be 'max' or 'most_recent', got {self.amax_compute_algo!r}"
+                f"amax_compute_algo must be {one_of([repr(a) for a in AMAX_ALGOS])}, got "
+                f"{self.amax_compute_algo!r}"
             )
 
     @classmethod

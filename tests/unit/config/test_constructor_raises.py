@@ -280,7 +280,7 @@ SITES: dict[str, ByRule | NotConfig] = {
         ByRule("PREC-CHOICES", (*E4M3, "precision.fp8_recipe=mxfp88"), build=_recipe),
     "lptrain/precision/recipes.py::selected_recipe::ValueError: precision.fp4_format/fp4_recipe: only {} is":
         ByRule("PREC-CHOICES", ("precision.fp4_format=e3m0",), build=_recipe),
-    "lptrain/precision/recipes.py::DelayedScaling.__post_init__::ValueError: amax_compute_algo must be 'max' or 'most_r":
+    "lptrain/precision/recipes.py::DelayedScaling.__post_init__::ValueError: amax_compute_algo must be {}, got {}":
         ByRule("PREC-CHOICES", (*E4M3, "precision.fp8_amax_compute_algo=mean"), build=_recipe),
     "lptrain/precision/recipes.py::DelayedScalingState.__post_init__::ValueError: amax_history_len must be >= 1":
         ByRule("RANGE-PRECISION", (*E4M3, "precision.fp8_amax_history_len=0"),
