@@ -1,10 +1,18 @@
 """Typed configuration schema: one dataclass per section.
 
 Every field carries a one-line help text in its metadata (``field(metadata={"help": ...})``);
-that text is the documentation shown by ``--help`` and ``show-config --explain``. Canonical
-key names and defaults follow ``flag-rules.md``. Values that other settings determine
-(``ddp.grad_reduce_in_fp32``, ``ddp.bucket_size``, ...) default to ``None`` here and are
-filled in by :func:`lptrain.config.derive.derive`, never computed ad hoc deeper in the code.
+that text is the documentation shown by ``--help`` and ``show-config --explain``; the rule
+catalog (``docs/rules.md``) names the keys by these dotted names. Values that other settings
+determine (``ddp.grad_reduce_in_fp32``, ``ddp.bucket_size``, ...) default to ``None`` here and
+are filled in by :func:`lptrain.config.derive.derive`, never computed ad hoc deeper in the code.
+
+The allowed values of every choice key are declared once, here, with :func:`choice` (the
+recipe, coefficient-set and scale-mode names come from :mod:`lptrain.catalog`): the value-set
+rules (``rulesets/choices.py``), the help texts and the rule messages all read them through
+:func:`choices_of`. They are tuples in the field metadata rather than ``Literal`` annotations
+on purpose: OmegaConf validates a ``Literal`` field while merging, so an unknown value would
+stop composition with OmegaConf's own error (exit 2) instead of the value-set rule that lists
+every allowed value and the fix next to the config's other violations (exit 1).
 """
 
 # opt_factory() is a dataclasses.field(default_factory=...) wrapper, not a shared default.
@@ -12,8 +20,12 @@ filled in by :func:`lptrain.config.derive.derive`, never computed ad hoc deeper 
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Optional
+
+from lptrain.catalog import muon_scaling, ns_coefficients
+from lptrain.catalog import recipes as catalog_recipes
 
 
 def opt(default: Any, help: str) -> Any:
@@ -26,13 +38,56 @@ def opt_factory(factory: Any, help: str) -> Any:
     return field(default_factory=factory, metadata={"help": help})
 
 
+def show_value(value: Any) -> str:
+    """A config value as a user writes it (``None`` is ``null``)."""
+    return "null" if value is None else str(value)
+
+
+def one_of(values: Sequence[Any], notes: Mapping[Any, str] | None = None, last: str = "or") -> str:
+    """``a, b or c`` (each value followed by its note in parentheses, when it has one)."""
+    notes = notes or {}
+    shown = [show_value(v) + (f" ({notes[v]})" if notes.get(v) else "") for v in values]
+    return shown[0] if len(shown) == 1 else f"{', '.join(shown[:-1])} {last} {shown[-1]}"
+
+
+def choice(default: Any, values: Sequence[Any], help: str,
+           notes: Mapping[Any, str] | None = None) -> Any:
+    """A field that takes one of ``values``: the one declaration of them. ``help`` names the
+    place of the list as ``{choices}``; ``notes`` explain single values there."""
+    return field(default=default, metadata={
+        "help": help.format(choices=one_of(values, notes)), "choices": tuple(values)})
+
+
+# Allowed values of the choice keys (see the module docstring), read through choices_of().
+DEVICES = ("auto", "cpu", "cuda")
+LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "none")
+SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
+PARAMS_DTYPES = ("bf16", "fp32")
+BACKENDS = ("auto", "te", "emulated")
+FP8_FORMATS = (None, *catalog_recipes.family_formats("fp8"))
+FP8_RECIPES = catalog_recipes.recipe_names("fp8")
+FP4_FORMATS = (None, *catalog_recipes.family_formats("fp4"))
+FP4_RECIPES = catalog_recipes.recipe_names("fp4")
+AMAX_ALGOS = ("most_recent", "max")
+MUON_COEFFICIENTS = tuple(ns_coefficients.COEFFICIENT_SETS)
+MUON_SCALE_MODES = muon_scaling.SCALE_MODES
+SCALAR_OPTIMIZERS = ("adamw", "lion")
+OPTIMIZERS = ("adamw", "muon")
+LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
+LAYER_WISE_LAYOUTS = ("compact", "padded")
+ON_NONFINITE = ("stop", "skip")
+SHARDING_TYPES = ("dp_reshardable", "fully_reshardable", "fully_sharded_model_space")
+WANDB_MODES = ("online", "offline", "disabled")
+
+
 @dataclass
 class RunConfig:
     """Identity and placement of one run."""
 
     name: str = opt("lptrain", "Run name, used for the output folder and the W&B run.")
     output_dir: str = opt("runs/${run.name}", "Folder for resolved config, logs, plots and metrics.")
-    device: str = opt("auto", "Compute device: auto (cuda when available, else cpu), cpu or cuda.")
+    device: str = choice("auto", DEVICES, "Compute device: {choices}.",
+                         {"auto": "cuda when available, else cpu"})
 
 
 @dataclass
@@ -47,12 +102,11 @@ class MoEConfig:
     single_grouped_weight: bool = opt(
         False, "Store all experts' fc1 (and fc2) as one contiguous grouped parameter."
     )
-    load_balancing_type: str = opt("aux_loss", "Load balancing: aux_loss, seq_aux_loss or none.")
+    load_balancing_type: str = choice("aux_loss", LOAD_BALANCING, "Load balancing: {choices}.")
     aux_loss_coeff: float = opt(0.0, "Coefficient of the load-balancing auxiliary loss.")
     z_loss_coeff: float = opt(0.0, "Coefficient of the router z-loss (0 = off).")
-    score_function: str = opt(
-        "softmax", "Router score function: softmax, sigmoid or sqrtsoftplus (sqrt(softplus(logit)))."
-    )
+    score_function: str = choice("softmax", SCORE_FUNCTIONS, "Router score function: {choices}.",
+                                 {"sqrtsoftplus": "sqrt(softplus(logit))"})
     enable_expert_bias: bool = opt(
         False,
         "Aux-loss-free balancing: a per-expert bias updated from token counts (sigmoid or "
@@ -90,17 +144,18 @@ class ModelConfig:
 class PrecisionConfig:
     """Compute/storage precision and the quantized-GEMM recipe."""
 
-    params_dtype: str = opt("bf16", "Model parameter dtype: bf16 or fp32.")
-    backend: str = opt("auto", "auto (te with CUDA+TE, else emulated), te or emulated.")
-    fp8_format: Optional[str] = opt(None, "FP8 format: null (off), e4m3 or hybrid (E4M3 fwd, E5M2 bwd).")
-    fp8_recipe: str = opt("delayed", "FP8 recipe: delayed, tensorwise, blockwise or mxfp8.")
-    fp4_format: Optional[str] = opt(None, "FP4 format: null (off) or e2m1.")
-    fp4_recipe: str = opt("nvfp4", "FP4 recipe: nvfp4.")
+    params_dtype: str = choice("bf16", PARAMS_DTYPES, "Model parameter dtype: {choices}.")
+    backend: str = choice("auto", BACKENDS, "{choices}.", {"auto": "te with CUDA+TE, else emulated"})
+    fp8_format: Optional[str] = choice(None, FP8_FORMATS, "FP8 format: {choices}.",
+                                       {None: "off", "hybrid": "E4M3 fwd, E5M2 bwd"})
+    fp8_recipe: str = choice("delayed", FP8_RECIPES, "FP8 recipe: {choices}.")
+    fp4_format: Optional[str] = choice(None, FP4_FORMATS, "FP4 format: {choices}.", {None: "off"})
+    fp4_recipe: str = choice("nvfp4", FP4_RECIPES, "FP4 recipe: {choices}.")
     fp8_param_gather: bool = opt(False, "Keep primary weights in FP8 and all-gather them in FP8.")
     fp4_param_gather: bool = opt(False, "Keep primary weights in FP4 and all-gather them in FP4.")
     fp8_margin: int = opt(0, "Delayed scaling: scale margin (powers of two of headroom).")
     fp8_amax_history_len: int = opt(1, "Delayed scaling: length of the amax history window.")
-    fp8_amax_compute_algo: str = opt("most_recent", "Delayed scaling: most_recent or max.")
+    fp8_amax_compute_algo: str = choice("most_recent", AMAX_ALGOS, "Delayed scaling: {choices}.")
     first_last_layers_bf16: bool = opt(False, "Run the first/last layers without quantized GEMMs.")
     num_layers_at_start_in_bf16: int = opt(1, "Layers at the start kept in bf16.")
     num_layers_at_end_in_bf16: int = opt(1, "Layers at the end kept in bf16.")
@@ -147,20 +202,19 @@ class MuonConfig:
         "Newton-Schulz iterations: simple >= 1, quintic a multiple of 5, polar_express >= 8, "
         "aol a multiple of 4.",
     )
-    coefficients: str = opt(
-        "quintic", "Newton-Schulz coefficients: simple, quintic, polar_express or aol."
-    )
-    scale_mode: str = opt(
-        "spectral",
-        "Update scaling: spectral (update RMS 1: takes AdamW's lr), shape_scaling or "
-        "unit_rms_norm (RMS 1/sqrt(fan_in): Keller-style lr ~0.02).",
+    coefficients: str = choice("quintic", MUON_COEFFICIENTS, "Newton-Schulz coefficients: {choices}.")
+    scale_mode: str = choice(
+        "spectral", MUON_SCALE_MODES, "Update scaling: {choices}.",
+        {"shape_scaling": "RMS 1/sqrt(fan_in): Keller-style lr ~0.02",
+         "spectral": "update RMS 1: takes AdamW's lr",
+         "unit_rms_norm": "as shape_scaling when fan_out >= fan_in"},
     )
     extra_scale_factor: float = opt(1.0, "Extra multiplier on the orthogonalized update.")
     split_qkv: bool = opt(True, "Orthogonalize Q, K and V separately.")
-    scalar_optimizer: str = opt(
-        "adamw",
-        "Optimizer for the params Muon does not take (embeddings, output head, norms): adamw or "
-        "lion (at optimizer.lr, with optimizer.lion_beta1/lion_beta2).",
+    scalar_optimizer: str = choice(
+        "adamw", SCALAR_OPTIMIZERS,
+        "Optimizer for the params Muon does not take (embeddings, output head, norms): {choices}.",
+        {"lion": "at optimizer.lr, with optimizer.lion_beta1/lion_beta2"},
     )
 
 
@@ -168,7 +222,7 @@ class MuonConfig:
 class OptimizerConfig:
     """Optimizer and learning-rate schedule."""
 
-    name: str = opt("adamw", "Optimizer: adamw or muon.")
+    name: str = choice("adamw", OPTIMIZERS, "Optimizer: {choices}.")
     lr: float = opt(3e-4, "Peak learning rate.")
     min_lr: float = opt(3e-5, "Final learning rate of the decay.")
     weight_decay: float = opt(0.1, "Decoupled weight decay.")
@@ -180,10 +234,11 @@ class OptimizerConfig:
     )
     lion_beta2: float = opt(0.98, "Lion beta2: decay of Lion's momentum (scalar_optimizer=lion).")
     clip_grad: float = opt(1.0, "Global gradient-norm clip (0 = off).")
-    lr_schedule: str = opt("cosine", "LR decay: cosine, linear, constant or wsd.")
+    lr_schedule: str = choice("cosine", LR_SCHEDULES, "LR decay: {choices}.")
     warmup_iters: int = opt(10, "Linear warmup iterations.")
     decay_iters: Optional[int] = opt(None, "Decay length; null = train.train_iters.")
-    layer_wise_param_layout: str = opt("compact", "Layer-wise optimizer layout: compact or padded.")
+    layer_wise_param_layout: str = choice("compact", LAYER_WISE_LAYOUTS,
+                                          "Layer-wise optimizer layout: {choices}.")
     use_layer_wise_optimizer: Optional[bool] = opt(
         None, "Derived: Muon + distributed optimizer use the layer-wise distributed optimizer."
     )
@@ -220,8 +275,9 @@ class TrainConfig:
     exit_duration_mins: Optional[float] = opt(
         None, "Save (when checkpoint.save is set) and stop after N minutes of this job."
     )
-    on_nonfinite: str = opt(
-        "stop", "NaN/Inf loss or grad norm: stop (raise, naming step and tensor) or skip the step."
+    on_nonfinite: str = choice(
+        "stop", ON_NONFINITE, "NaN/Inf loss or grad norm: {choices}.",
+        {"stop": "raise, naming step and tensor", "skip": "no optimizer update that step"},
     )
     gradient_accumulation_fusion: bool = opt(
         True, "Quantized linears accumulate wgrad straight into main_grad."
@@ -242,9 +298,7 @@ class CheckpointConfig:
     )
     save_interval: Optional[int] = opt(None, "Save every N steps.")
     keep_latest: int = opt(2, "Checkpoints kept (at least 2, the newest may be half-written).")
-    sharding_type: str = opt(
-        "dp_reshardable", "dp_reshardable, fully_reshardable or fully_sharded_model_space."
-    )
+    sharding_type: str = choice("dp_reshardable", SHARDING_TYPES, "{choices}.")
     async_save: bool = opt(False, "Save in the background.")
     save_on_interrupt: bool = opt(
         False, "Also save on SIGINT (Ctrl-C); SIGTERM/SIGUSR1 always save when save is set."
@@ -257,7 +311,7 @@ class LoggingConfig:
 
     wandb: bool = opt(False, "Log to Weights & Biases.")
     wandb_project: str = opt("lptrain", "W&B project.")
-    wandb_mode: str = opt("offline", "W&B mode: online, offline or disabled.")
+    wandb_mode: str = choice("offline", WANDB_MODES, "W&B mode: {choices}.")
     plots: bool = opt(True, "Write PNG plots (loss curves, memory) into the run folder.")
     progress: bool = opt(True, "Show a rich progress bar.")
 
@@ -287,4 +341,32 @@ def iter_fields(cls: type = LPTrainConfig, prefix: str = "") -> list[tuple[str, 
             out.extend(iter_fields(type(sub), key + "."))
         else:
             out.append((key, f.type, f.metadata.get("help", "")))
+    return out
+
+
+def choices_of(key: str) -> tuple[Any, ...]:
+    """The allowed values of the choice key ``key`` (dotted), as declared by :func:`choice`."""
+    cls: Any = LPTrainConfig
+    *sections, leaf = key.split(".")
+    for name in sections:
+        cls = type(next(f for f in fields(cls) if f.name == name).default_factory())  # type: ignore[misc]
+    meta = next(f for f in fields(cls) if f.name == leaf).metadata
+    if "choices" not in meta:
+        raise KeyError(f"{key} is not a choice key")
+    return meta["choices"]
+
+
+def choice_keys() -> dict[str, tuple[Any, ...]]:
+    """Every choice key and its allowed values, in schema order."""
+    out: dict[str, tuple[Any, ...]] = {}
+
+    def walk(cls: type, prefix: str) -> None:
+        for f in fields(cls):
+            sub = f.default_factory() if callable(f.default_factory) else None  # type: ignore[misc]
+            if sub is not None and is_dataclass(sub):
+                walk(type(sub), f"{prefix}{f.name}.")
+            elif "choices" in f.metadata:
+                out[prefix + f.name] = f.metadata["choices"]
+
+    walk(LPTrainConfig, "")
     return out

@@ -35,12 +35,12 @@ from typing import Any, Optional, Union
 
 import torch
 
+from lptrain.catalog.muon_scaling import SCALE_MODES, muon_scale
+from lptrain.catalog.ns_coefficients import ns_steps_problem
 from lptrain.config.schema import OptimizerConfig
 from lptrain.optim.lion import lion_group_step
 from lptrain.optim.named_state import NamedStateMixin
 from lptrain.optim.newton_schulz import NS_EPS, CoefficientsArg, newton_schulz, resolve_coefficients
-from lptrain.optim.ns_coefficients import ns_steps_problem
-from lptrain.optim.scaling import SCALE_MODES, muon_scale
 
 __all__ = [
     "GROUP_NAMES",

@@ -10,7 +10,7 @@ values:
   rounding, which is why the EMA (M <- beta*M + (1-beta)*G) and sum (M <- beta*M + G) momentum
   forms, which differ by the factor (1-beta), give the same update;
 * each step ``A = X X^T; X = a*X + (b*A + c*A@A) @ X`` (cost 4*m^2*n + 2*m^3 FLOPs for m <= n);
-* the tuple used at each step follows the set's rule (:mod:`lptrain.optim.ns_coefficients`):
+* the tuple used at each step follows the set's rule (:mod:`lptrain.catalog.ns_coefficients`):
   cycled for ``simple``/``quintic``, last tuple repeated past the end for ``polar_express``.
 
 Precision: lptrain runs the iterations in fp32. Upstream (Keller, torch, Megatron with
@@ -30,7 +30,7 @@ from typing import Union
 
 import torch
 
-from lptrain.optim.ns_coefficients import COEFFICIENT_SETS, Coefficients, coefficient_index
+from lptrain.catalog.ns_coefficients import COEFFICIENT_SETS, Coefficients, coefficient_index
 
 NS_EPS = 1e-7  # Keller / torch.optim.Muon; NVIDIA uses 1e-15.
 

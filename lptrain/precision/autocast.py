@@ -127,11 +127,6 @@ def active_recipe() -> Optional[Any]:
     return frame.recipe if frame.enabled else None
 
 
-def in_autocast() -> bool:
-    """Whether any autocast region (enabled or not) is open."""
-    return bool(_AUTOCAST_STACK)
-
-
 def register_forward(fwd_slots: list[Slot], bwd_slots: list[Slot]) -> Optional[list[Slot]]:
     """Record the delayed-scaling slots a module's forward (and later backward) fills.
 

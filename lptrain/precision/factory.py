@@ -1,8 +1,18 @@
 """Build the run's layer factory and recipe from ``PrecisionConfig``.
 
-``recipe_from_config`` is the single place where config strings become a recipe object;
-``build_factory`` adds the backend choice (emulated or TE), the bf16 first/last layers and
-quantized primary weights. Model code only sees the returned ``LayerFactory``.
+``recipe_from_config`` is the single place where config strings become a recipe object: it
+finds the selected recipe's entry in :mod:`lptrain.catalog.recipes`
+(``recipes.selected_recipe``) and builds the class that entry names with the fields the entry
+says it reads.
+``build_factory`` adds the backend, the bf16 first/last layers and quantized primary weights.
+Model code only sees the returned ``LayerFactory``.
+
+``precision.backend=auto`` is decided by :func:`lptrain.config.derive.derive` and nowhere
+else. A config that went through ``derive`` (everything the CLI and ``pretrain`` build) reaches
+the factory with ``te`` or ``emulated``. A direct caller that passes ``auto`` gets exactly what
+``derive`` decides for this machine (:func:`runtime_backend` derives the config with
+``World.detect()``), or ``emulated`` at once when no CUDA device or no importable Transformer
+Engine makes the answer certain.
 """
 
 from __future__ import annotations
@@ -12,6 +22,7 @@ from typing import Any, Optional
 import torch
 
 from lptrain.precision.layers import LayerFactory
+from lptrain.precision.recipes import RECIPES, config_fields, selected_recipe
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -27,34 +38,34 @@ def params_dtype_of(name: str) -> torch.dtype:
 def recipe_from_config(cfg: Any) -> Optional[Any]:
     """The emulated ``Recipe`` for ``cfg`` (a ``PrecisionConfig``), or ``None`` if unquantized.
 
-    FP4 (``fp4_format``) takes precedence over FP8, as one run has one GEMM recipe.
-    ``amax_epsilon`` applies to the recipes whose scale comes from an amax division
-    (tensorwise, blockwise); delayed scaling uses its history instead.
+    The recipe gets the fields its catalog entry says it reads (``recipes.config_fields``):
+    ``amax_epsilon`` only for the recipes whose scale comes from an amax division (tensorwise,
+    blockwise), the history settings only for delayed scaling.
     """
-    if cfg.fp4_format is None and cfg.fp8_format is None:
+    spec = selected_recipe(cfg)
+    if spec is None:
         return None
-    from lptrain.precision import recipes as R
+    return RECIPES[spec.name](**config_fields(spec, cfg))
 
-    if cfg.fp4_format is not None:
-        if cfg.fp4_format != "e2m1" or cfg.fp4_recipe != "nvfp4":
-            raise ValueError(
-                f"precision.fp4_format/fp4_recipe: only e2m1/nvfp4 is supported, got "
-                f"{cfg.fp4_format!r}/{cfg.fp4_recipe!r}"
-            )
-        return R.NVFP4Scaling(**R.nvfp4_config_kwargs(cfg))
-    fmt = cfg.fp8_format
-    name = cfg.fp8_recipe
-    if name == "delayed":
-        return R.DelayedScaling(fp8_format=fmt, **R.delayed_config_kwargs(cfg))
-    if name == "tensorwise":
-        return R.TensorwiseScaling(fp8_format=fmt, amax_epsilon=cfg.amax_epsilon)
-    if name == "blockwise":
-        return R.BlockwiseScaling(fp8_format=fmt, amax_epsilon=cfg.amax_epsilon)
-    if name == "mxfp8":
-        return R.MXFP8Scaling(fp8_format=fmt)
-    raise ValueError(
-        f"precision.fp8_recipe must be delayed, tensorwise, blockwise or mxfp8, got {name!r}"
-    )
+
+def runtime_backend(precision_cfg: Any, run_cfg: Optional[Any] = None) -> str:
+    """The backend that runs: ``te`` or ``emulated``. ``auto`` (normally already resolved by
+    ``derive``) is resolved by ``derive`` here, on ``run_cfg`` (the whole ``LPTrainConfig``;
+    without it, on ``precision_cfg`` and default model/run settings) and this machine's world.
+    ``te`` without CUDA or TE raises ``BackendUnavailableError`` naming the setting and the
+    install hint."""
+    from lptrain.precision import te_adapter
+
+    backend = precision_cfg.backend
+    if backend == "auto":
+        if not te_adapter.te_available():
+            return "emulated"
+        from lptrain.config import World, derive
+        from lptrain.config.schema import LPTrainConfig
+
+        full = run_cfg if run_cfg is not None else LPTrainConfig(precision=precision_cfg)
+        backend = derive(full, World.detect()).precision.backend
+    return te_adapter.resolve_backend(backend)
 
 
 def build_factory(
@@ -64,19 +75,13 @@ def build_factory(
     fuse_wgrad_accumulation: bool = False,
     run_cfg: Optional[Any] = None,
 ) -> LayerFactory:
-    """The run's ``LayerFactory``: recipe, backend, bf16 first/last layers, primary weights.
-
-    ``precision.backend=te`` without CUDA or TE raises ``BackendUnavailableError`` naming the
-    setting and the install hint. ``auto`` (normally already resolved by ``derive``) picks TE
-    only for a quantized recipe that TE supports on this machine, judged on ``run_cfg`` (the
-    whole ``LPTrainConfig``; without it, on ``precision_cfg`` and default model/run
-    settings), else the emulated backend -- plain PyTorch GEMMs for an unquantized run.
-    """
-    from lptrain.precision.te_adapter import resolve_backend, te_recipe
+    """The run's ``LayerFactory``: recipe, backend (:func:`runtime_backend`), bf16 first/last
+    layers, primary weights."""
+    from lptrain.precision.te_adapter import te_recipe
 
     cfg = precision_cfg
     recipe = recipe_from_config(cfg)
-    backend = resolve_backend(cfg.backend, run_cfg if run_cfg is not None else cfg)
+    backend = runtime_backend(cfg, run_cfg)
     bf16_start = bf16_end = 0
     if cfg.first_last_layers_bf16:
         bf16_start = cfg.num_layers_at_start_in_bf16

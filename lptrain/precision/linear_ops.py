@@ -1,6 +1,6 @@
 """Quantized linear / grouped-linear autograd ops for the emulated backend.
 
-Operand orientation per GEMM (numerics.md section 4, ``module/linear.py``), for
+Operand orientation per GEMM (docs/numerics.md section 4, ``module/linear.py``), for
 y = x W^T with x [M, K], W [N, K], dy [M, N]:
 
 =======  ================  ==================================  ==============
@@ -65,12 +65,11 @@ class QuantState:
     def __init__(self, recipe: Any, num_members: int) -> None:
         self.recipe = recipe
         self.members: list[MemberQuantizers] = []
-        delayed = getattr(recipe, "name", "") == "delayed"
         for _ in range(num_members):
             qs: dict[str, Any] = {}
             states: dict[str, Any] = {}
             for role in ROLES:
-                if delayed:
+                if recipe.has_delayed_state:
                     states[role] = recipe.make_state(role)
                     qs[role] = recipe.make_quantizer(role, True, True, state=states[role])
                 else:

@@ -2,8 +2,11 @@
 
 A recipe is plain configuration; ``make_quantizer(role, rowwise, columnwise)`` hands out the
 quantizer for a tensor role ("input", "weight", "grad"). Dispatch is by recipe class (each
-recipe knows its quantizer family); ``RECIPES`` maps the short names used in configs and in
-``lptrain.precision.quantize`` to the classes.
+recipe knows its quantizer family). The facts about a recipe that configuration shares
+(alignments, whether it keeps delayed-scaling state, which config keys it reads) come from
+its entry in :mod:`lptrain.catalog.recipes`, which names the class here: ``RECIPES`` maps the
+catalog's names (the ones configs and ``lptrain.precision.quantize`` use) to the classes, and
+:func:`config_fields` turns a ``PrecisionConfig`` into a recipe's fields.
 
 Unlike TE, the per-role knobs (``power_2_scale``, ``amax_epsilon``) are real constructor fields,
 so the Megatron-LM #7523 workaround (``amax_epsilon`` on blockwise grads) cannot be silently
@@ -19,7 +22,9 @@ from typing import Any, ClassVar, Optional
 
 import torch
 
-from lptrain.config.rules import RECIPE_ALIGNMENT
+from lptrain.catalog import recipes as catalog_recipes
+from lptrain.catalog.recipes import RecipeSpec
+from lptrain.config.schema import AMAX_ALGOS, one_of
 
 from . import scaling as _scaling
 from .formats import FLT_MAX, Format, FP8Format
@@ -38,15 +43,24 @@ class Recipe(ABC):
     """Base: a recipe name, GEMM/grouped alignment, and quantizers per role."""
 
     name: ClassVar[str]
-    # GEMM dimension alignment (whole quantization blocks). One table serves this class and
-    # the config rule PREC-GEMM-ALIGN (lptrain.config.rules.RECIPE_ALIGNMENT, torch-free), so
-    # validation and execution cannot disagree; filled in per subclass by its name.
+    # Filled in per subclass from its catalog entry (found by ``name``), which the config rules
+    # read too (PREC-GEMM-ALIGN, the inert delayed-scaling keys), so validation and execution
+    # cannot disagree: GEMM dimension alignment (whole quantization blocks), the padding of
+    # each member's tokens in a grouped GEMM, and whether the recipe keeps per-tensor
+    # delayed-scaling state (made by ``make_state``, passed to ``make_quantizer``).
     alignment: ClassVar[int]
-    grouped_alignment: ClassVar[int] = 16
+    grouped_alignment: ClassVar[int]
+    has_delayed_state: ClassVar[bool]
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        cls.alignment = RECIPE_ALIGNMENT[cls.name]
+        spec = catalog_recipes.recipe(cls.name)
+        if spec is None:
+            raise TypeError(f"recipe class {cls.__name__}: lptrain.catalog.recipes has no entry "
+                            f"named {cls.name!r}")
+        cls.alignment = spec.alignment
+        cls.grouped_alignment = spec.grouped_alignment
+        cls.has_delayed_state = spec.amax_history
 
     fp8_format: Any = Format.HYBRID
 
@@ -160,9 +174,10 @@ class DelayedScaling(Recipe):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.amax_compute_algo not in ("max", "most_recent"):
+        if self.amax_compute_algo not in AMAX_ALGOS:
             raise ValueError(
-                f"amax_compute_algo must be 'max' or 'most_recent', got {self.amax_compute_algo!r}"
+                f"amax_compute_algo must be {one_of([repr(a) for a in AMAX_ALGOS])}, got "
+                f"{self.amax_compute_algo!r}"
             )
 
     @classmethod
@@ -294,7 +309,6 @@ class MXFP8Scaling(Recipe):
     """TE ``MXFP8BlockScaling``: E8M0 scale per 32 elements (1x32 rowwise, 32x1 columnwise)."""
 
     name: ClassVar[str] = "mxfp8"
-    grouped_alignment: ClassVar[int] = 32
     margin: float = 0  # unused by every kernel, kept for parity with TE
     fp8_format: Any = Format.E4M3
     enable_2d_quantization: bool = False
@@ -321,7 +335,6 @@ class NVFP4Scaling(Recipe):
     """
 
     name: ClassVar[str] = "nvfp4"
-    grouped_alignment: ClassVar[int] = 128
     fp8_format: Any = Format.E4M3  # the block-scale type; elements are E2M1
     disable_rht: bool = False
     disable_stochastic_rounding: bool = False
@@ -383,10 +396,17 @@ class NVFP4Scaling(Recipe):
         )
 
 
-RECIPES: dict[str, type[Recipe]] = {
-    cls.name: cls
-    for cls in (DelayedScaling, TensorwiseScaling, BlockwiseScaling, MXFP8Scaling, NVFP4Scaling)
-}
+def _catalog_classes() -> dict[str, type[Recipe]]:
+    """Catalog name -> the recipe class its entry names (``emulated_recipe_class``)."""
+    classes = {c.__name__: c for c in Recipe.__subclasses__()}
+    missing = [s.name for s in catalog_recipes.RECIPES if s.emulated_recipe_class not in classes]
+    if missing:
+        raise TypeError(f"lptrain.catalog.recipes entries {missing} name recipe classes that "
+                        "lptrain.precision.recipes does not define")
+    return {s.name: classes[s.emulated_recipe_class] for s in catalog_recipes.RECIPES}
+
+
+RECIPES: dict[str, type[Recipe]] = _catalog_classes()
 
 
 def recipe_from_name(name: str, **fields: Any) -> Recipe:
@@ -399,11 +419,52 @@ def recipe_from_name(name: str, **fields: Any) -> Recipe:
 
 
 # ---------------------------------------------------------------------------------------------
-# PrecisionConfig -> recipe fields shared by the emulated factory and the TE adapter (the TE
-# recipe classes take the same field names for these two recipes).
+# PrecisionConfig -> catalog entry and recipe fields, shared by the emulated factory and the TE
+# adapter (TE's recipe classes take the same names for the fields they share, ``te_fields``).
 
 
-def nvfp4_config_kwargs(cfg: Any) -> dict[str, bool]:
+def selected_recipe(cfg: Any) -> Optional[RecipeSpec]:
+    """The catalog entry of the recipe ``cfg`` (a ``PrecisionConfig``) selects, or ``None``
+    when no GEMM is quantized. FP4 (``fp4_format``) takes precedence over FP8, as one run has
+    one GEMM recipe. A name or format the catalog does not list raises ``ValueError``."""
+    if cfg.fp4_format is not None:
+        spec = catalog_recipes.recipe(cfg.fp4_recipe)
+        if spec is None or spec.family != "fp4" or cfg.fp4_format not in spec.formats:
+            supported = ", ".join(f"{f}/{s.name}" for s in catalog_recipes.recipes_of("fp4")
+                                  for f in s.formats)
+            raise ValueError(
+                f"precision.fp4_format/fp4_recipe: only {supported} is supported, got "
+                f"{cfg.fp4_format!r}/{cfg.fp4_recipe!r}"
+            )
+        return spec
+    if cfg.fp8_format is None:
+        return None
+    spec = catalog_recipes.recipe(cfg.fp8_recipe)
+    if spec is None or spec.family != "fp8":
+        raise ValueError(
+            f"precision.fp8_recipe must be {one_of(catalog_recipes.recipe_names('fp8'))}, "
+            f"got {cfg.fp8_recipe!r}"
+        )
+    return spec
+
+
+def config_fields(spec: RecipeSpec, cfg: Any) -> dict[str, Any]:
+    """The fields of ``spec``'s recipe class that a ``PrecisionConfig`` sets, by what the
+    catalog says the recipe reads: the FP8 element format, the delayed-scaling history
+    settings, ``amax_epsilon`` for current-amax recipes, the NVFP4 switches for FP4."""
+    fields: dict[str, Any] = {}
+    if spec.family == "fp8":
+        fields["fp8_format"] = cfg.fp8_format
+    if spec.amax_history:
+        fields.update(_delayed_fields(cfg))
+    if spec.current_amax:
+        fields["amax_epsilon"] = cfg.amax_epsilon
+    if spec.family == "fp4":
+        fields.update(_nvfp4_fields(cfg))
+    return fields
+
+
+def _nvfp4_fields(cfg: Any) -> dict[str, bool]:
     """NVFP4 recipe fields from a ``PrecisionConfig`` (its switches are positive, TE's negative)."""
     return {
         "disable_rht": not cfg.nvfp4_rht,
@@ -412,7 +473,7 @@ def nvfp4_config_kwargs(cfg: Any) -> dict[str, bool]:
     }
 
 
-def delayed_config_kwargs(cfg: Any) -> dict[str, Any]:
+def _delayed_fields(cfg: Any) -> dict[str, Any]:
     """Delayed-scaling recipe fields from a ``PrecisionConfig`` (format passed separately)."""
     return {
         "margin": cfg.fp8_margin,

@@ -182,15 +182,6 @@ class NVFP4BlockScaler:
         return sdec_bits, enc.reciprocal_().clamp_(max=FLT_MAX)
 
 
-def nvfp4_block_scales(
-    block_amax: torch.Tensor, s_enc: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-block E4M3 decode scale bytes and fp32 encode multipliers (see
-    :class:`NVFP4BlockScaler`). Returns (scale bytes uint8, enc_b fp32), shaped like
-    ``block_amax``."""
-    return NVFP4BlockScaler(s_enc)(block_amax)
-
-
 def nvfp4_dequant_block_scale(scale_bits: torch.Tensor, global_amax: torch.Tensor) -> torch.Tensor:
     """fp32(fp32(float(sdec_b) * amax) * fl32(1/2688)), TE's ``dequantize_nvfp4`` block factor."""
     sdec = scale_bits.view(torch.float8_e4m3fn).float()

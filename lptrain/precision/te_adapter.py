@@ -2,15 +2,18 @@
 
 Everything here imports ``transformer_engine`` lazily, inside functions, so ``import lptrain``
 and every emulated path work on machines without TE or CUDA. The factory calls
-:func:`resolve_backend` once; only when it answers ``"te"`` does any other function here run.
+:func:`resolve_backend` once, with ``te`` or ``emulated`` (``auto`` is decided by
+``lptrain.config.derive``, see ``lptrain.precision.factory``); only when it answers ``"te"``
+does any other function here run.
 
-Recipe construction follows numerics.md 2.3: some TE recipes declare their ``QParams``
+Recipe construction follows docs/numerics.md 2.3: some TE recipes declare their ``QParams``
 (``fp8_quant_fwd_inp`` / ``_fwd_weight`` / ``_bwd_grad``) as un-annotated class attributes,
 so constructor arguments do not set them; ``amax_epsilon`` (and the blockwise pow2 choice)
 is applied by assigning the attributes after construction.
 
-Version differences handled here (TE 2.2 to 2.19; the minima per feature are the rule
-catalog's, ``lptrain.config.rules``): ``Float8CurrentScaling.use_power_2_scales`` only
+Which TE class a recipe uses, the fields it takes and the minimum TE releases are the recipe
+catalog's (``lptrain.catalog.recipes``), which the config rules read too. Version differences
+handled here (TE 2.2 to 2.19): ``Float8CurrentScaling.use_power_2_scales`` only
 exists from 2.8 (earlier releases keep the choice in the QParams); ``NVFP4BlockScaling``
 from 2.8; ``GroupedLinear(single_grouped_weight=True)`` from 2.14, honoured from 2.15 only
 with ``NVTE_GROUPED_LINEAR_SINGLE_PARAM=1`` at construction and from 2.19 only with
@@ -30,6 +33,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from lptrain.catalog.recipes import SINGLE_GROUPED_WEIGHT_MIN_TE, RecipeSpec
+from lptrain.config.schema import BACKENDS, one_of
 from lptrain.errors import DeviceError
 
 INSTALL_HINT = (
@@ -76,31 +81,15 @@ def te_version() -> Optional[tuple[int, ...]]:
     return parse_version(text) if text else None
 
 
-def _te_at_least(version: str) -> bool:
-    from lptrain.config.world import parse_version
+def resolve_backend(backend: str) -> str:
+    """Check that ``backend`` (``te`` or ``emulated``) can run here and return it.
 
-    have = te_version()
-    return have is not None and have >= parse_version(version)
-
-
-def resolve_backend(backend: str, cfg: Any = None) -> str:
-    """Map ``precision.backend`` (auto | te | emulated) to the backend that will run.
-
-    ``auto`` asks :func:`lptrain.config.rulesets.precision.auto_backend` (the same decision
-    ``derive`` makes) with this machine's world: TE only for a quantized recipe TE supports
-    here, else emulated. ``cfg`` is the run's ``LPTrainConfig`` or its ``PrecisionConfig``
-    (the rest then defaults). ``te`` without CUDA or TE raises
-    :class:`BackendUnavailableError` naming the setting and the install hint.
+    ``te`` without CUDA or TE raises :class:`BackendUnavailableError` naming the setting and
+    the install hint. ``auto`` is not decided here: ``lptrain.config.derive`` resolves it (and
+    ``lptrain.precision.factory.runtime_backend`` for a config that skipped ``derive``).
     """
     if backend == "emulated":
         return "emulated"
-    if backend == "auto":
-        if cfg is None or not (torch.cuda.is_available() and te_available()):
-            return "emulated"
-        from lptrain.config.rulesets.precision import auto_backend
-        from lptrain.config.world import World
-
-        return auto_backend(_full_config(cfg), World.detect())
     if backend == "te":
         if not torch.cuda.is_available():
             raise BackendUnavailableError(
@@ -113,73 +102,51 @@ def resolve_backend(backend: str, cfg: Any = None) -> str:
                 f"cannot be imported; {INSTALL_HINT}"
             )
         return "te"
-    raise ValueError(f"precision.backend must be auto, te or emulated, got {backend!r}")
+    if backend == "auto":
+        raise ValueError("precision.backend=auto is resolved by lptrain.config.derive (or "
+                         "lptrain.precision.factory.runtime_backend); resolve_backend takes te "
+                         "or emulated")
+    raise ValueError(f"precision.backend must be {one_of(BACKENDS)}, got {backend!r}")
 
 
-def _full_config(cfg: Any) -> Any:
-    """An ``LPTrainConfig`` for ``cfg`` (a whole config, or only its precision section)."""
-    from lptrain.config.schema import LPTrainConfig, PrecisionConfig
-
-    if isinstance(cfg, PrecisionConfig):
-        return LPTrainConfig(precision=cfg)
-    return cfg
-
-
-# TE recipe class per lptrain recipe name, and the key that selects it.
-_TE_RECIPE_CLASSES = {
-    "delayed": ("DelayedScaling", "precision.fp8_recipe"),
-    "tensorwise": ("Float8CurrentScaling", "precision.fp8_recipe"),
-    "blockwise": ("Float8BlockScaling", "precision.fp8_recipe"),
-    "mxfp8": ("MXFP8BlockScaling", "precision.fp8_recipe"),
-    "nvfp4": ("NVFP4BlockScaling", "precision.fp4_format"),
-}
-
-
-def _recipe_class(ter: Any, name: str) -> Any:
-    """TE's recipe class for lptrain recipe ``name``; a TE too old to have it raises
-    :class:`BackendUnavailableError` with the minimum from the rule catalog."""
-    from lptrain.config.rules import RECIPE_MIN_TE
-
-    cls_name, key = _TE_RECIPE_CLASSES[name]
-    cls = getattr(ter, cls_name, None)
+def _recipe_class(ter: Any, spec: RecipeSpec) -> Any:
+    """TE's recipe class for ``spec``; a TE too old to have it raises
+    :class:`BackendUnavailableError` with the catalog's minimum."""
+    cls = getattr(ter, spec.te_recipe_class, None)
     if cls is None:
         raise BackendUnavailableError(
-            f"{key}: the {name} recipe needs Transformer Engine >= {RECIPE_MIN_TE[name]} "
-            f"({cls_name}); installed: {_version_text()}. Upgrade TE or set "
-            "precision.backend=emulated"
+            f"{spec.keys.selected_by}: the {spec.name} recipe needs Transformer Engine >= "
+            f"{spec.min_te} ({spec.te_recipe_class}); installed: {_version_text()}. Upgrade TE "
+            "or set precision.backend=emulated"
         )
     return cls
 
 
 def te_recipe(cfg: Any) -> Optional[Any]:
-    """The TE recipe object for a ``PrecisionConfig`` (``None`` when unquantized)."""
+    """The TE recipe object for a ``PrecisionConfig`` (``None`` when unquantized): the class
+    the recipe's catalog entry names, built with the fields it shares with the emulated recipe
+    and, for current-amax recipes, ``amax_epsilon`` assigned through the QParams."""
     from transformer_engine.common import recipe as ter
 
     from lptrain.precision import recipes as _R
 
-    if cfg.fp4_format is not None:
-        return _recipe_class(ter, "nvfp4")(**_R.nvfp4_config_kwargs(cfg))
-    if cfg.fp8_format is None:
+    spec = _R.selected_recipe(cfg)
+    if spec is None:
         return None
-    fmt = ter.Format.HYBRID if cfg.fp8_format == "hybrid" else ter.Format.E4M3
-    name = cfg.fp8_recipe
-    if name not in _TE_RECIPE_CLASSES:
-        raise ValueError(
-            f"precision.fp8_recipe must be delayed, tensorwise, blockwise or mxfp8, got {name!r}"
-        )
-    cls = _recipe_class(ter, name)
-    if name == "delayed":
-        return cls(fp8_format=fmt, **_R.delayed_config_kwargs(cfg))
-    r = cls(fp8_format=fmt)
-    if name == "tensorwise":
-        # use_power_2_scales (env NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES) exists from TE 2.8;
-        # earlier releases hold the same default (False) in the class QParams.
-        pow2 = getattr(r, "use_power_2_scales", r.fp8_quant_fwd_inp.power_2_scale)
+    fields = _R.config_fields(spec, cfg)
+    kw = {f: fields[f] for f in spec.te_fields}
+    if spec.family == "fp8":
+        kw["fp8_format"] = ter.Format.HYBRID if cfg.fp8_format == "hybrid" else ter.Format.E4M3
+    r = _recipe_class(ter, spec)(**kw)
+    if spec.current_amax:
+        # The class QParams hold the pow2 choice (blockwise: on by default, env
+        # NVTE_FP8_BLOCK_SCALING_FP32_SCALES unset); from TE 2.8 Float8CurrentScaling keeps it in
+        # ``use_power_2_scales`` (env NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES). Keep it and add
+        # the epsilon (assigning the QParams is what takes effect).
+        pow2 = r.fp8_quant_fwd_inp.power_2_scale
+        if spec.te_power_2_attr is not None:
+            pow2 = getattr(r, spec.te_power_2_attr, pow2)
         _set_qparams(r, ter, power_2=bool(pow2), eps=cfg.amax_epsilon)
-    elif name == "blockwise":
-        # Pow2 is on by default (env NVTE_FP8_BLOCK_SCALING_FP32_SCALES unset); keep what the
-        # class attribute says and only add the epsilon (assigning is what takes effect).
-        _set_qparams(r, ter, power_2=r.fp8_quant_fwd_inp.power_2_scale, eps=cfg.amax_epsilon)
     return r
 
 
@@ -189,7 +156,7 @@ def _version_text() -> str:
 
 
 def _set_qparams(r: Any, ter: Any, *, power_2: bool, eps: float) -> None:
-    """Assign the three fp8 QParams after construction (numerics.md 2.3 pitfall)."""
+    """Assign the three fp8 QParams after construction (docs/numerics.md 2.3 pitfall)."""
     for attr in ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad"):
         setattr(r, attr, ter.QParams(power_2_scale=power_2, amax_epsilon=float(eps)))
 
@@ -315,6 +282,13 @@ def _te_grouped_linear_cls() -> type:
     return TEGroupedLinear
 
 
+def forget_te_classes() -> None:
+    """Drop the classes built on the imported TE's modules (the GroupedLinear subclass), so
+    the next use builds them on whatever ``transformer_engine`` imports then (the stand-in TE
+    swaps versions this way)."""
+    _te_grouped_linear_cls.cache_clear()
+
+
 @contextlib.contextmanager
 def _single_param_env(enabled: bool) -> Iterator[None]:
     """Set ``NVTE_GROUPED_LINEAR_SINGLE_PARAM=1`` while a GroupedLinear is constructed.
@@ -359,8 +333,8 @@ def te_grouped_linear(
     if single_grouped_weight:
         if not _accepts(cls, "single_grouped_weight"):
             raise BackendUnavailableError(
-                "model.moe.single_grouped_weight=true needs Transformer Engine >= 2.14 "
-                f"(installed: {_version_text()}); upgrade TE or set "
+                "model.moe.single_grouped_weight=true needs Transformer Engine >= "
+                f"{SINGLE_GROUPED_WEIGHT_MIN_TE} (installed: {_version_text()}); upgrade TE or set "
                 "model.moe.single_grouped_weight=false"
             )
         kw["single_grouped_weight"] = True
@@ -385,31 +359,3 @@ def te_grouped_linear(
             "model.moe.single_grouped_weight=false"
         )
     return module
-
-
-def te_layernorm_linear(
-    in_features: int,
-    out_features: int,
-    *,
-    eps: float = 1e-5,
-    normalization: str = "RMSNorm",
-    params_dtype: torch.dtype = torch.bfloat16,
-    init_method: Optional[Callable[[torch.Tensor], None]] = None,
-    fuse_wgrad_accumulation: bool = False,
-    name: str = "",
-) -> nn.Module:
-    """A ``te.pytorch.LayerNormLinear`` (norm fused into the GEMM's input cast)."""
-    import transformer_engine.pytorch as te
-
-    return _te_module(
-        te.LayerNormLinear,
-        in_features,
-        out_features,
-        eps=eps,
-        bias=False,
-        normalization=normalization,
-        params_dtype=params_dtype,
-        init_method=init_method,
-        fuse_wgrad_accumulation=fuse_wgrad_accumulation,
-        name=name,
-    )

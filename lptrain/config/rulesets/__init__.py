@@ -1,1 +1,1 @@
-"""Rule definitions, one module per section of the rule catalog (flag-rules.md)."""
+"""Rule definitions, one module per section of the rule catalog (docs/rules.md)."""

@@ -1,60 +1,36 @@
 """Value-set rules: every string-valued choice is one of its known values.
 
-Not in the upstream catalog as separate rows (it says "from the known sets"); without them a
-typo such as ``precision.fp8_recipe=mxfp88`` would silently disable the rules keyed on it.
+The allowed values are the schema's declaration (:func:`lptrain.config.schema.choice`; the
+recipe names come from the recipe catalog). Without these rules a typo such as
+``precision.fp8_recipe=mxfp88`` would silently disable the rules keyed on it.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from lptrain.config.rules import (
-    AMAX_ALGOS,
-    BACKENDS,
-    DEVICES,
-    FP4_FORMATS,
-    FP4_RECIPES,
-    FP8_FORMATS,
-    FP8_RECIPES,
-    LAYER_WISE_LAYOUTS,
-    LOAD_BALANCING,
-    LR_SCHEDULES,
-    OPTIMIZERS,
-    PARAMS_DTYPES,
-    SCALAR_OPTIMIZERS,
-    SCORE_FUNCTIONS,
-    WANDB_MODES,
-    Rule,
-    bad_choices,
-)
-from lptrain.config.schema import LPTrainConfig
+from lptrain.config.rules import Rule, bad_choices
+from lptrain.config.schema import LPTrainConfig, choices_of, show_value
 from lptrain.config.world import World
 
 S = "Known value sets"
 
-PRECISION_CHOICES = (
-    ("precision.params_dtype", PARAMS_DTYPES),
-    ("precision.backend", BACKENDS),
-    ("precision.fp8_format", FP8_FORMATS),
-    ("precision.fp8_recipe", FP8_RECIPES),
-    ("precision.fp4_format", FP4_FORMATS),
-    ("precision.fp4_recipe", FP4_RECIPES),
-    ("precision.fp8_amax_compute_algo", AMAX_ALGOS),
+
+def choice_table(*keys: str) -> tuple[tuple[str, tuple[Any, ...]], ...]:
+    """``(key, allowed values)`` of choice keys, the values as the schema declares them."""
+    return tuple((k, choices_of(k)) for k in keys)
+
+
+PRECISION_CHOICES = choice_table(
+    "precision.params_dtype", "precision.backend", "precision.fp8_format", "precision.fp8_recipe",
+    "precision.fp4_format", "precision.fp4_recipe", "precision.fp8_amax_compute_algo",
 )
-OPTIMIZER_CHOICES = (
-    ("optimizer.name", OPTIMIZERS),
-    ("optimizer.layer_wise_param_layout", LAYER_WISE_LAYOUTS),
-    ("optimizer.lr_schedule", LR_SCHEDULES),
-    ("optimizer.muon.scalar_optimizer", SCALAR_OPTIMIZERS),
+OPTIMIZER_CHOICES = choice_table(
+    "optimizer.name", "optimizer.layer_wise_param_layout", "optimizer.lr_schedule",
+    "optimizer.muon.scalar_optimizer",
 )
-MOE_CHOICES = (
-    ("model.moe.load_balancing_type", LOAD_BALANCING),
-    ("model.moe.score_function", SCORE_FUNCTIONS),
-)
-RUN_CHOICES = (
-    ("run.device", DEVICES),
-    ("logging.wandb_mode", WANDB_MODES),
-)
+MOE_CHOICES = choice_table("model.moe.load_balancing_type", "model.moe.score_function")
+RUN_CHOICES = choice_table("run.device", "logging.wandb_mode")
 
 
 def _opt_values_bad(c: LPTrainConfig, w: World) -> dict[str, Any]:
@@ -85,15 +61,14 @@ def _opt_values_bad(c: LPTrainConfig, w: World) -> dict[str, Any]:
 def _choices_rule(rule_id: str, table: Any, what: str) -> Rule:
     keys = tuple(k for k, _ in table)
     sets = "; ".join(
-        f"{k.split('.', 1)[1]} in {{{', '.join('null' if v is None else v for v in vals)}}}"
+        f"{k.split('.', 1)[1]} in {{{', '.join(show_value(v) for v in vals)}}}"
         for k, vals in table
     )
     return Rule(
-        rule_id, "error", keys,
-        lambda c, w: bad_choices(c, table),
-        f"unknown {what} setting: {{bad}}",
-        "use one of the listed values (see `lptrain show-config --explain`)",
-        sets, "a typo would otherwise silently switch the feature off", S,
+        id=rule_id, severity="error", keys=keys, when=lambda c, w: bad_choices(c, table),
+        message=f"unknown {what} setting: {{bad}}",
+        fix="use one of the listed values (see `lptrain show-config --explain`)", condition=sets,
+        why="a typo would otherwise silently switch the feature off", section=S,
     )
 
 
@@ -103,27 +78,31 @@ RULES = [
     _choices_rule("MOE-CHOICES", MOE_CHOICES, "MoE"),
     _choices_rule("RUN-CHOICES", RUN_CHOICES, "run/logging"),
     Rule(
-        "OPT-VALUES", "error",
-        ("optimizer.lr", "optimizer.min_lr", "optimizer.adam_beta1", "optimizer.adam_beta2",
-         "optimizer.lion_beta1", "optimizer.lion_beta2",
-         "optimizer.adam_eps", "optimizer.weight_decay", "optimizer.clip_grad",
-         "optimizer.warmup_iters", "optimizer.decay_iters"),
-        _opt_values_bad,
-        "invalid optimizer hyperparameters: {detail}",
-        "use lr > 0, 0 <= min_lr <= lr, betas in [0, 1), adam_eps > 0, non-negative "
-        "weight_decay/clip_grad/warmup_iters",
-        "lr > 0, 0 <= min_lr <= lr, adam and lion betas in [0, 1), adam_eps > 0, weight_decay, "
-        "clip_grad and warmup_iters >= 0, decay_iters > 0 when set", "", S),
+        id="OPT-VALUES", severity="error",
+        keys=("optimizer.lr", "optimizer.min_lr", "optimizer.adam_beta1", "optimizer.adam_beta2",
+              "optimizer.lion_beta1", "optimizer.lion_beta2",
+              "optimizer.adam_eps", "optimizer.weight_decay", "optimizer.clip_grad",
+              "optimizer.warmup_iters", "optimizer.decay_iters"),
+        when=_opt_values_bad, message="invalid optimizer hyperparameters: {detail}",
+        fix="use lr > 0, 0 <= min_lr <= lr, betas in [0, 1), adam_eps > 0, non-negative "
+            "weight_decay/clip_grad/warmup_iters",
+        condition="lr > 0, 0 <= min_lr <= lr, adam and lion betas in [0, 1), adam_eps > 0, "
+                  "weight_decay, clip_grad and warmup_iters >= 0, decay_iters > 0 when set",
+        section=S,
+    ),
     Rule(
-        "OPT-LAYERWISE-NEEDS-MUON", "error",
-        ("optimizer.use_layer_wise_optimizer", "optimizer.name", "ddp.use_distributed_optimizer"),
-        lambda c, w: bool(c.optimizer.use_layer_wise_optimizer)
-        and not (c.optimizer.name == "muon" and c.ddp.use_distributed_optimizer),
-        "use_layer_wise_optimizer=true is the Muon + distributed-optimizer path "
-        "(optimizer.name={cfg.optimizer.name}, "
-        "use_distributed_optimizer={cfg.ddp.use_distributed_optimizer})",
-        "leave optimizer.use_layer_wise_optimizer=null (derived), or set optimizer.name=muon "
-        "and ddp.use_distributed_optimizer=true",
-        "use_layer_wise_optimizer set explicitly -> optimizer.name=muon and "
-        "use_distributed_optimizer", "", S),
+        id="OPT-LAYERWISE-NEEDS-MUON", severity="error",
+        keys=("optimizer.use_layer_wise_optimizer", "optimizer.name",
+              "ddp.use_distributed_optimizer"),
+        when=lambda c, w: bool(c.optimizer.use_layer_wise_optimizer)
+             and not (c.optimizer.name == "muon" and c.ddp.use_distributed_optimizer),
+        message="use_layer_wise_optimizer=true is the Muon + distributed-optimizer path "
+                "(optimizer.name={cfg.optimizer.name}, "
+                "use_distributed_optimizer={cfg.ddp.use_distributed_optimizer})",
+        fix="leave optimizer.use_layer_wise_optimizer=null (derived), or set optimizer.name=muon "
+            "and ddp.use_distributed_optimizer=true",
+        condition="use_layer_wise_optimizer set explicitly -> optimizer.name=muon and "
+                  "use_distributed_optimizer",
+        section=S,
+    ),
 ]

@@ -159,24 +159,26 @@ def _split_problems(
 
 RULES = [
     Rule(
-        "DATA-UNREADABLE", "warning", ("data.source", "data.paths"),
-        _unreadable,
-        "the dataset cannot be read on this machine, so it was not checked against the "
-        "model: {detail}",
-        "prepare it with `lptrain prepare-data --input ... --output PREFIX`, or fix the path "
-        "(fine when the data only exists where the run happens)",
-        "every explicit data prefix has a readable PREFIX.idx here, and data.tokenizer (a "
-        "file) exists",
-        "pretrain would stop with a data error", S),
+        id="DATA-UNREADABLE", severity="warning", keys=("data.source", "data.paths"),
+        when=_unreadable,
+        message="the dataset cannot be read on this machine, so it was not checked against the "
+                "model: {detail}",
+        fix="prepare it with `lptrain prepare-data --input ... --output PREFIX`, or fix the path "
+            "(fine when the data only exists where the run happens)",
+        condition="every explicit data prefix has a readable PREFIX.idx here, and data.tokenizer "
+                  "(a file) exists",
+        why="pretrain would stop with a data error", section=S,
+    ),
     Rule(
-        "DATA-FITS-MODEL", "error",
-        ("model.vocab_size", "model.seq_length", "data.tokenizer", "data.split_valid_fraction"),
-        _mismatch,
-        "the data does not fit the model: {detail}",
-        "raise model.vocab_size, shorten model.seq_length, lower data.split_valid_fraction or "
-        "set data.tokenizer as the message says",
-        "vocab_size > the dataset's largest token id (257 = EOS for the byte tokenizer); "
-        "data.tokenizer is the one the data was prepared with; each split holds more than "
-        "seq_length tokens; the split leaves training documents",
-        "pretrain would stop with a data error after building the model", S),
+        id="DATA-FITS-MODEL", severity="error",
+        keys=("model.vocab_size", "model.seq_length", "data.tokenizer",
+              "data.split_valid_fraction"),
+        when=_mismatch, message="the data does not fit the model: {detail}",
+        fix="raise model.vocab_size, shorten model.seq_length, lower data.split_valid_fraction or "
+            "set data.tokenizer as the message says",
+        condition="vocab_size > the dataset's largest token id (257 = EOS for the byte tokenizer); "
+                  "data.tokenizer is the one the data was prepared with; each split holds more "
+                  "than seq_length tokens; the split leaves training documents",
+        why="pretrain would stop with a data error after building the model", section=S,
+    ),
 ]

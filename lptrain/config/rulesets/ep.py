@@ -42,27 +42,30 @@ def _instances_split_ep_groups(c: LPTrainConfig, w: World) -> Any:
 
 RULES = [
     Rule(
-        "LAUNCH-EP-DIVIDES-WORLD", "error", ("model.moe.expert_model_parallel_size",),
-        _ep_does_not_divide_world,
-        "expert_model_parallel_size={cfg.model.moe.expert_model_parallel_size} must divide the "
-        "world size {world.dp}: expert-parallel groups are that many consecutive ranks",
-        "set model.moe.expert_model_parallel_size to a divisor of {world.dp}, or run on (check "
-        "with --dp) a multiple of {cfg.model.moe.expert_model_parallel_size} ranks",
-        "world % expert_model_parallel_size == 0 (MoE; every world size, 1 included)",
-        "every rank is in exactly one expert-parallel group (Megatron-LM's parallel_state "
-        "refuses the same); judged at the world being validated, so --dp 1 reports what a "
-        "one-rank launch would", S),
+        id="LAUNCH-EP-DIVIDES-WORLD", severity="error",
+        keys=("model.moe.expert_model_parallel_size",), when=_ep_does_not_divide_world,
+        message="expert_model_parallel_size={cfg.model.moe.expert_model_parallel_size} must divide "
+                "the world size {world.dp}: expert-parallel groups are that many consecutive ranks",
+        fix="set model.moe.expert_model_parallel_size to a divisor of {world.dp}, or run on (check "
+            "with --dp) a multiple of {cfg.model.moe.expert_model_parallel_size} ranks",
+        condition="world % expert_model_parallel_size == 0 (MoE; every world size, 1 included)",
+        why="every rank is in exactly one expert-parallel group (Megatron-LM's parallel_state "
+            "refuses the same); judged at the world being validated, so --dp 1 reports what a "
+            "one-rank launch would",
+        section=S,
+    ),
     Rule(
-        "EP-INSTANCES-DIVIDE-WORLD", "error",
-        ("model.moe.expert_model_parallel_size", "ddp.num_distributed_optimizer_instances"),
-        _instances_split_ep_groups,
-        "an optimizer instance ({per} consecutive ranks = world {world.dp} / "
-        "num_distributed_optimizer_instances={cfg.ddp.num_distributed_optimizer_instances}) must "
-        "hold whole expert-parallel groups of "
-        "expert_model_parallel_size={cfg.model.moe.expert_model_parallel_size} ranks",
-        "make expert_model_parallel_size x ddp.num_distributed_optimizer_instances divide "
-        "{world.dp}: lower one of them",
-        "(world / num_distributed_optimizer_instances) % expert_model_parallel_size == 0",
-        "the expert-data-parallel group is split by instance exactly as the data-parallel one",
-        S),
+        id="EP-INSTANCES-DIVIDE-WORLD", severity="error",
+        keys=("model.moe.expert_model_parallel_size", "ddp.num_distributed_optimizer_instances"),
+        when=_instances_split_ep_groups,
+        message="an optimizer instance ({per} consecutive ranks = world {world.dp} / "
+                "num_distributed_optimizer_instances={cfg.ddp.num_distributed_optimizer_instances}) "
+                "must hold whole expert-parallel groups of "
+                "expert_model_parallel_size={cfg.model.moe.expert_model_parallel_size} ranks",
+        fix="make expert_model_parallel_size x ddp.num_distributed_optimizer_instances divide "
+            "{world.dp}: lower one of them",
+        condition="(world / num_distributed_optimizer_instances) % expert_model_parallel_size == 0",
+        why="the expert-data-parallel group is split by instance exactly as the data-parallel one",
+        section=S,
+    ),
 ]

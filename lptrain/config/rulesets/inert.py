@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
-from lptrain.config.rules import Rule, get_key, is_moe, layer_wise, quant_recipe
-from lptrain.config.schema import LPTrainConfig
+from lptrain.catalog import recipes as catalog_recipes
+from lptrain.config.rules import Rule, get_key, is_moe, layer_wise, quant_recipe, quant_spec, runs
+from lptrain.config.schema import LPTrainConfig, one_of, show_value
 from lptrain.config.world import World
 
 S = "Keys that would have no effect"
@@ -65,24 +66,19 @@ class Gate:
         bad = self.set_keys(cfg)
         if not bad:
             return {}
-        shown = ", ".join(f"{k}={_show(get_key(cfg, k))}" for k in bad)
-        defaults = ", ".join(f"{k}={_show(self.neutral(cfg, k)[0])}" for k in bad)
+        shown = ", ".join(f"{k}={show_value(get_key(cfg, k))}" for k in bad)
+        defaults = ", ".join(f"{k}={show_value(self.neutral(cfg, k)[0])}" for k in bad)
         return {"keys": tuple(bad), "settings": shown, "defaults": defaults,
                 "recipe": quant_recipe(cfg) or "none"}
 
     def rule(self) -> Rule:
         return Rule(
-            self.rule_id, "error", (*self.keys, *self.context), self.when,
-            "{settings} would have no effect: " + self.because,
-            "remove the setting (back to {defaults}), or " + self.fix,
-            self.condition,
-            "a setting that is accepted must be honoured: refused instead of silently ignored",
-            S,
+            id=self.rule_id, severity="error", keys=(*self.keys, *self.context), when=self.when,
+            message="{settings} would have no effect: " + self.because,
+            fix="remove the setting (back to {defaults}), or " + self.fix, condition=self.condition,
+            why="a setting that is accepted must be honoured: refused instead of silently ignored",
+            section=S,
         )
-
-
-def _show(value: Any) -> str:
-    return "null" if value is None else str(value)
 
 
 def _dense(c: LPTrainConfig, w: World) -> bool:
@@ -102,8 +98,19 @@ def _dense_ffn_unused(c: LPTrainConfig, w: World) -> bool:
     return _all_layers_moe(c) and m.moe.ffn_hidden_size not in (None, m.ffn_hidden_size)
 
 
+# The recipes that read the delayed-scaling keys, and those that read amax_epsilon.
+DELAYED = [s.name for s in catalog_recipes.RECIPES if s.amax_history]
+CURRENT_AMAX = [s.name for s in catalog_recipes.RECIPES if s.current_amax]
+
+
 def _not_delayed(c: LPTrainConfig, w: World) -> bool:
-    return quant_recipe(c) != "delayed" or c.precision.fp8_format is None
+    spec = quant_spec(c)
+    return not (runs(c, spec) and spec is not None and spec.amax_history)
+
+
+def _no_current_amax(c: LPTrainConfig, w: World) -> bool:
+    spec = quant_spec(c)
+    return spec is None or not spec.current_amax
 
 
 def scalar_optimizer(c: LPTrainConfig) -> str:
@@ -137,165 +144,196 @@ BF16_LAYER_COUNTS = ("precision.num_layers_at_start_in_bf16", "precision.num_lay
 
 GATES: tuple[Gate, ...] = (
     Gate(
-        "MOE-EP-NEEDS-EXPERTS", ("model.moe.expert_model_parallel_size",), ("model.moe.num_experts",),
-        _dense, "num_experts == 0 -> expert_model_parallel_size == 1",
-        "the model has no experts (model.moe.num_experts=0), so expert parallelism would "
-        "silently stay 1 (Megatron-LM refuses expert parallelism without experts)",
-        "set model.moe.num_experts to a multiple of model.moe.expert_model_parallel_size"),
+        rule_id="MOE-EP-NEEDS-EXPERTS", keys=("model.moe.expert_model_parallel_size",),
+        context=("model.moe.num_experts",), idle=_dense,
+        condition="num_experts == 0 -> expert_model_parallel_size == 1",
+        because="the model has no experts (model.moe.num_experts=0), so expert parallelism would "
+                "silently stay 1 (Megatron-LM refuses expert parallelism without experts)",
+        fix="set model.moe.num_experts to a multiple of model.moe.expert_model_parallel_size",
+    ),
     Gate(
-        "MOE-FFN-NEEDS-EXPERTS", ("model.moe.ffn_hidden_size",), ("model.moe.num_experts",),
-        _dense, "num_experts == 0 -> moe.ffn_hidden_size null",
-        "the model has no experts (model.moe.num_experts=0); every MLP is dense and "
-        "model.ffn_hidden_size sets its width (Megatron-LM refuses moe_ffn_hidden_size without "
-        "experts)",
-        "set model.moe.num_experts > 0, or size the dense MLP with model.ffn_hidden_size"),
+        rule_id="MOE-FFN-NEEDS-EXPERTS", keys=("model.moe.ffn_hidden_size",),
+        context=("model.moe.num_experts",), idle=_dense,
+        condition="num_experts == 0 -> moe.ffn_hidden_size null",
+        because="the model has no experts (model.moe.num_experts=0); every MLP is dense and "
+                "model.ffn_hidden_size sets its width (Megatron-LM refuses moe_ffn_hidden_size "
+                "without experts)",
+        fix="set model.moe.num_experts > 0, or size the dense MLP with model.ffn_hidden_size",
+    ),
     Gate(
-        "INERT-MOE-DENSE", MOE_ROUTING_KEYS, ("model.moe.num_experts",), _dense,
-        "num_experts == 0 -> router and expert settings at their defaults",
-        "the model has no experts (model.moe.num_experts=0), so there is no router and no "
-        "expert layer",
-        "set model.moe.num_experts > 0 to build MoE layers"),
+        rule_id="INERT-MOE-DENSE", keys=MOE_ROUTING_KEYS, context=("model.moe.num_experts",),
+        idle=_dense, condition="num_experts == 0 -> router and expert settings at their defaults",
+        because="the model has no experts (model.moe.num_experts=0), so there is no router and no "
+                "expert layer",
+        fix="set model.moe.num_experts > 0 to build MoE layers",
+    ),
     Gate(
-        "INERT-MOE-LB-TYPE", ("model.moe.load_balancing_type",), ("model.moe.aux_loss_coeff",),
-        lambda c, w: is_moe(c) and c.model.moe.aux_loss_coeff == 0,
-        "MoE with aux_loss_coeff == 0 -> load_balancing_type aux_loss or none",
-        "model.moe.aux_loss_coeff=0 turns the load-balancing loss off",
-        "set model.moe.aux_loss_coeff > 0", also_neutral={"model.moe.load_balancing_type": ("none",)}),
+        rule_id="INERT-MOE-LB-TYPE", keys=("model.moe.load_balancing_type",),
+        context=("model.moe.aux_loss_coeff",),
+        idle=lambda c, w: is_moe(c) and c.model.moe.aux_loss_coeff == 0,
+        condition="MoE with aux_loss_coeff == 0 -> load_balancing_type aux_loss or none",
+        because="model.moe.aux_loss_coeff=0 turns the load-balancing loss off",
+        fix="set model.moe.aux_loss_coeff > 0",
+        also_neutral={"model.moe.load_balancing_type": ("none",)},
+    ),
     Gate(
-        "INERT-MOE-AUX-COEFF", ("model.moe.aux_loss_coeff",), ("model.moe.load_balancing_type",),
-        lambda c, w: is_moe(c) and c.model.moe.load_balancing_type == "none",
-        "MoE with load_balancing_type=none -> aux_loss_coeff == 0",
-        "model.moe.load_balancing_type=none computes no load-balancing loss to weight",
-        "set model.moe.load_balancing_type=aux_loss (or seq_aux_loss)"),
+        rule_id="INERT-MOE-AUX-COEFF", keys=("model.moe.aux_loss_coeff",),
+        context=("model.moe.load_balancing_type",),
+        idle=lambda c, w: is_moe(c) and c.model.moe.load_balancing_type == "none",
+        condition="MoE with load_balancing_type=none -> aux_loss_coeff == 0",
+        because="model.moe.load_balancing_type=none computes no load-balancing loss to weight",
+        fix="set model.moe.load_balancing_type=aux_loss (or seq_aux_loss)",
+    ),
     Gate(
-        "INERT-MOE-BIAS-RATE", ("model.moe.bias_update_rate",), ("model.moe.enable_expert_bias",),
-        lambda c, w: is_moe(c) and not c.model.moe.enable_expert_bias,
-        "MoE without enable_expert_bias -> bias_update_rate at its default",
-        "there is no expert bias to update (model.moe.enable_expert_bias=false)",
-        "set model.moe.enable_expert_bias=true (with score_function sigmoid or sqrtsoftplus)"),
+        rule_id="INERT-MOE-BIAS-RATE", keys=("model.moe.bias_update_rate",),
+        context=("model.moe.enable_expert_bias",),
+        idle=lambda c, w: is_moe(c) and not c.model.moe.enable_expert_bias,
+        condition="MoE without enable_expert_bias -> bias_update_rate at its default",
+        because="there is no expert bias to update (model.moe.enable_expert_bias=false)",
+        fix="set model.moe.enable_expert_bias=true (with score_function sigmoid or sqrtsoftplus)",
+    ),
     Gate(
-        "INERT-DENSE-FFN", ("model.ffn_hidden_size",),
-        ("model.moe.num_experts", "model.moe.moe_layer_freq", "model.moe.ffn_hidden_size"),
-        _dense_ffn_unused,
-        "every layer MoE (moe_layer_freq=1) with its own moe.ffn_hidden_size -> ffn_hidden_size "
-        "at its default (4 * hidden_size)",
-        "every layer is an MoE layer (model.moe.moe_layer_freq={cfg.model.moe.moe_layer_freq}) "
-        "and the experts' width is model.moe.ffn_hidden_size={cfg.model.moe.ffn_hidden_size}, so "
-        "no MLP reads model.ffn_hidden_size",
-        "set model.moe.moe_layer_freq > 1 to keep dense layers, or size the experts with "
-        "model.moe.ffn_hidden_size only",
-        neutral_of={"model.ffn_hidden_size": lambda c: 4 * c.model.hidden_size}),
+        rule_id="INERT-DENSE-FFN", keys=("model.ffn_hidden_size",),
+        context=("model.moe.num_experts", "model.moe.moe_layer_freq", "model.moe.ffn_hidden_size"),
+        idle=_dense_ffn_unused,
+        condition="every layer MoE (moe_layer_freq=1) with its own moe.ffn_hidden_size -> "
+                  "ffn_hidden_size at its default (4 * hidden_size)",
+        because="every layer is an MoE layer "
+                "(model.moe.moe_layer_freq={cfg.model.moe.moe_layer_freq}) and the experts' width "
+                "is model.moe.ffn_hidden_size={cfg.model.moe.ffn_hidden_size}, so no MLP reads "
+                "model.ffn_hidden_size",
+        fix="set model.moe.moe_layer_freq > 1 to keep dense layers, or size the experts with "
+            "model.moe.ffn_hidden_size only",
+        neutral_of={"model.ffn_hidden_size": lambda c: 4 * c.model.hidden_size},
+    ),
     Gate(
-        "INERT-FP8-RECIPE", ("precision.fp8_recipe",), ("precision.fp8_format",),
-        lambda c, w: c.precision.fp8_format is None,
-        "fp8_format null -> fp8_recipe at its default",
-        "precision.fp8_format is null, so no GEMM runs in FP8",
-        "set precision.fp8_format=e4m3 (or hybrid)"),
+        rule_id="INERT-FP8-RECIPE", keys=("precision.fp8_recipe",),
+        context=("precision.fp8_format",), idle=lambda c, w: c.precision.fp8_format is None,
+        condition="fp8_format null -> fp8_recipe at its default",
+        because="precision.fp8_format is null, so no GEMM runs in FP8",
+        fix="set precision.fp8_format=e4m3 (or hybrid)",
+    ),
     Gate(
-        "INERT-DELAYED-SCALING", DELAYED_KEYS, ("precision.fp8_format", "precision.fp8_recipe"),
-        _not_delayed, "not (fp8_format set and fp8_recipe=delayed) -> margin and amax history "
-        "settings at their defaults",
-        "only delayed scaling (an fp8_format with fp8_recipe=delayed) keeps an amax history "
-        "and a margin; the quantized recipe here is {recipe}",
-        "use precision.fp8_recipe=delayed with an fp8_format"),
+        rule_id="INERT-DELAYED-SCALING", keys=DELAYED_KEYS,
+        context=("precision.fp8_format", "precision.fp8_recipe"), idle=_not_delayed,
+        condition=f"not (fp8_format set and fp8_recipe={'/'.join(DELAYED)}) -> margin and amax "
+                  "history settings at their defaults",
+        because=f"only delayed scaling (an fp8_format with fp8_recipe={'/'.join(DELAYED)}) keeps "
+                "an amax history and a margin; the quantized recipe here is {recipe}",
+        fix=f"use precision.fp8_recipe={one_of(DELAYED)} with an fp8_format",
+    ),
     Gate(
-        "INERT-AMAX-EPSILON", ("precision.amax_epsilon",),
-        ("precision.fp8_format", "precision.fp8_recipe", "precision.fp4_format"),
-        lambda c, w: quant_recipe(c) not in ("tensorwise", "blockwise"),
-        "quantized recipe not tensorwise/blockwise -> amax_epsilon == 0",
-        "only tensorwise and blockwise FP8 divide by a current amax; the quantized recipe "
-        "here is {recipe}",
-        "use precision.fp8_recipe=tensorwise or blockwise"),
+        rule_id="INERT-AMAX-EPSILON", keys=("precision.amax_epsilon",),
+        context=("precision.fp8_format", "precision.fp8_recipe", "precision.fp4_format"),
+        idle=_no_current_amax,
+        condition=f"quantized recipe not {'/'.join(CURRENT_AMAX)} -> amax_epsilon == 0",
+        because=f"only {one_of(CURRENT_AMAX, last='and')} FP8 divide by a current amax; the "
+                "quantized recipe here is {recipe}",
+        fix=f"use precision.fp8_recipe={one_of(CURRENT_AMAX)}",
+    ),
     Gate(
-        "INERT-NVFP4-KEYS", NVFP4_KEYS, ("precision.fp4_format",),
-        lambda c, w: c.precision.fp4_format is None,
-        "fp4_format null -> nvfp4_* switches at their defaults",
-        "precision.fp4_format is null, so nothing is quantized to NVFP4",
-        "set precision.fp4_format=e2m1"),
+        rule_id="INERT-NVFP4-KEYS", keys=NVFP4_KEYS, context=("precision.fp4_format",),
+        idle=lambda c, w: c.precision.fp4_format is None,
+        condition="fp4_format null -> nvfp4_* switches at their defaults",
+        because="precision.fp4_format is null, so nothing is quantized to NVFP4",
+        fix="set precision.fp4_format=e2m1",
+    ),
     Gate(
-        "INERT-BF16-LAYERS", ("precision.first_last_layers_bf16", *BF16_LAYER_COUNTS),
-        ("precision.fp8_format", "precision.fp4_format"),
-        lambda c, w: quant_recipe(c) is None,
-        "no quantized recipe -> first_last_layers_bf16 and the bf16 layer counts at their "
-        "defaults",
-        "no GEMM is quantized (fp8_format and fp4_format are null), so every layer already runs "
-        "in bf16",
-        "set precision.fp8_format or precision.fp4_format"),
+        rule_id="INERT-BF16-LAYERS", keys=("precision.first_last_layers_bf16", *BF16_LAYER_COUNTS),
+        context=("precision.fp8_format", "precision.fp4_format"),
+        idle=lambda c, w: quant_recipe(c) is None,
+        condition="no quantized recipe -> first_last_layers_bf16 and the bf16 layer counts at "
+                  "their defaults",
+        because="no GEMM is quantized (fp8_format and fp4_format are null), so every layer already "
+                "runs in bf16",
+        fix="set precision.fp8_format or precision.fp4_format",
+    ),
     Gate(
-        "INERT-BF16-LAYER-COUNTS", BF16_LAYER_COUNTS, ("precision.first_last_layers_bf16",),
-        lambda c, w: quant_recipe(c) is not None and not c.precision.first_last_layers_bf16,
-        "first_last_layers_bf16=false -> the bf16 layer counts at their defaults",
-        "precision.first_last_layers_bf16=false keeps every layer quantized",
-        "set precision.first_last_layers_bf16=true"),
+        rule_id="INERT-BF16-LAYER-COUNTS", keys=BF16_LAYER_COUNTS,
+        context=("precision.first_last_layers_bf16",),
+        idle=lambda c, w: quant_recipe(c) is not None and not c.precision.first_last_layers_bf16,
+        condition="first_last_layers_bf16=false -> the bf16 layer counts at their defaults",
+        because="precision.first_last_layers_bf16=false keeps every layer quantized",
+        fix="set precision.first_last_layers_bf16=true",
+    ),
     Gate(
-        "INERT-LAYERWISE-LAYOUT", ("optimizer.layer_wise_param_layout",),
-        ("optimizer.name", "ddp.use_distributed_optimizer"),
-        lambda c, w: not layer_wise(c),
-        "no layer-wise optimizer -> layer_wise_param_layout at its default",
-        "the layer-wise distributed optimizer is not in use (it is Muon with "
-        "ddp.use_distributed_optimizer=true)",
-        "set optimizer.name=muon and ddp.use_distributed_optimizer=true"),
+        rule_id="INERT-LAYERWISE-LAYOUT", keys=("optimizer.layer_wise_param_layout",),
+        context=("optimizer.name", "ddp.use_distributed_optimizer"),
+        idle=lambda c, w: not layer_wise(c),
+        condition="no layer-wise optimizer -> layer_wise_param_layout at its default",
+        because="the layer-wise distributed optimizer is not in use (it is Muon with "
+                "ddp.use_distributed_optimizer=true)",
+        fix="set optimizer.name=muon and ddp.use_distributed_optimizer=true",
+    ),
     Gate(
-        "INERT-MUON-KEYS", MUON_KEYS, ("optimizer.name",),
-        lambda c, w: c.optimizer.name != "muon",
-        "optimizer.name != muon -> optimizer.muon.* at their defaults",
-        "optimizer.name={cfg.optimizer.name} does not use Muon",
-        "set optimizer.name=muon"),
+        rule_id="INERT-MUON-KEYS", keys=MUON_KEYS, context=("optimizer.name",),
+        idle=lambda c, w: c.optimizer.name != "muon",
+        condition="optimizer.name != muon -> optimizer.muon.* at their defaults",
+        because="optimizer.name={cfg.optimizer.name} does not use Muon",
+        fix="set optimizer.name=muon",
+    ),
     Gate(
-        "INERT-ADAMW-KEYS", ("optimizer.adam_beta1", "optimizer.adam_beta2", "optimizer.adam_eps"),
-        ("optimizer.name", "optimizer.muon.scalar_optimizer"),
-        lambda c, w: scalar_optimizer(c) != "adamw",
-        "Muon with scalar_optimizer=lion -> adam_* at their defaults",
-        "no param is optimized by AdamW (Muon takes the matrices, Lion the rest: "
-        "optimizer.muon.scalar_optimizer=lion)",
-        "set optimizer.muon.scalar_optimizer=adamw"),
+        rule_id="INERT-ADAMW-KEYS",
+        keys=("optimizer.adam_beta1", "optimizer.adam_beta2", "optimizer.adam_eps"),
+        context=("optimizer.name", "optimizer.muon.scalar_optimizer"),
+        idle=lambda c, w: scalar_optimizer(c) != "adamw",
+        condition="Muon with scalar_optimizer=lion -> adam_* at their defaults",
+        because="no param is optimized by AdamW (Muon takes the matrices, Lion the rest: "
+                "optimizer.muon.scalar_optimizer=lion)",
+        fix="set optimizer.muon.scalar_optimizer=adamw",
+    ),
     Gate(
-        "INERT-LION-KEYS", ("optimizer.lion_beta1", "optimizer.lion_beta2"),
-        ("optimizer.name", "optimizer.muon.scalar_optimizer"),
-        lambda c, w: scalar_optimizer(c) != "lion",
-        "not (optimizer.name=muon and muon.scalar_optimizer=lion) -> lion_* at their defaults",
-        "no param is optimized by Lion (it is Muon's optimizer for non-matrix params: "
-        "optimizer.name=muon with optimizer.muon.scalar_optimizer=lion)",
-        "set optimizer.name=muon and optimizer.muon.scalar_optimizer=lion"),
+        rule_id="INERT-LION-KEYS", keys=("optimizer.lion_beta1", "optimizer.lion_beta2"),
+        context=("optimizer.name", "optimizer.muon.scalar_optimizer"),
+        idle=lambda c, w: scalar_optimizer(c) != "lion",
+        condition="not (optimizer.name=muon and muon.scalar_optimizer=lion) -> lion_* at their "
+                  "defaults",
+        because="no param is optimized by Lion (it is Muon's optimizer for non-matrix params: "
+                "optimizer.name=muon with optimizer.muon.scalar_optimizer=lion)",
+        fix="set optimizer.name=muon and optimizer.muon.scalar_optimizer=lion",
+    ),
     Gate(
-        "INERT-CONSTANT-LR", ("optimizer.min_lr", "optimizer.decay_iters"),
-        ("optimizer.lr_schedule",),
-        lambda c, w: c.optimizer.lr_schedule == "constant",
-        "lr_schedule=constant -> min_lr and decay_iters at their defaults",
-        "optimizer.lr_schedule=constant never decays the lr",
-        "set optimizer.lr_schedule to cosine, linear or wsd"),
+        rule_id="INERT-CONSTANT-LR", keys=("optimizer.min_lr", "optimizer.decay_iters"),
+        context=("optimizer.lr_schedule",), idle=lambda c, w: c.optimizer.lr_schedule == "constant",
+        condition="lr_schedule=constant -> min_lr and decay_iters at their defaults",
+        because="optimizer.lr_schedule=constant never decays the lr",
+        fix="set optimizer.lr_schedule to cosine, linear or wsd",
+    ),
     Gate(
-        "INERT-BUILTIN-DATA", ("data.builtin_max_mb", "data.cache_dir"),
-        ("data.source", "data.paths"), _builtin_unused,
-        "no built-in corpus in use -> builtin_max_mb and cache_dir at their defaults",
-        "they size and place a built-in corpus, and none is read (data.source="
-        "{cfg.data.source}, data.paths={cfg.data.paths})",
-        "use data.source=builtin:python-stdlib without data.paths"),
+        rule_id="INERT-BUILTIN-DATA", keys=("data.builtin_max_mb", "data.cache_dir"),
+        context=("data.source", "data.paths"), idle=_builtin_unused,
+        condition="no built-in corpus in use -> builtin_max_mb and cache_dir at their defaults",
+        because="they size and place a built-in corpus, and none is read "
+                "(data.source={cfg.data.source}, data.paths={cfg.data.paths})",
+        fix="use data.source=builtin:python-stdlib without data.paths",
+    ),
     Gate(
-        "INERT-DATA-SOURCE", ("data.source",), ("data.paths",),
-        lambda c, w: bool(c.data.paths),
-        "data.paths set -> data.source at its default",
-        "data.paths wins over data.source",
-        "put every dataset into data.paths"),
+        rule_id="INERT-DATA-SOURCE", keys=("data.source",), context=("data.paths",),
+        idle=lambda c, w: bool(c.data.paths),
+        condition="data.paths set -> data.source at its default",
+        because="data.paths wins over data.source", fix="put every dataset into data.paths",
+    ),
     Gate(
-        "INERT-DATA-WEIGHTS", ("data.weights",), ("data.paths",),
-        lambda c, w: len(c.data.paths) < 2,
-        "fewer than 2 data.paths -> data.weights empty",
-        "there is no blend to weight (one dataset)",
-        "list two or more datasets in data.paths"),
+        rule_id="INERT-DATA-WEIGHTS", keys=("data.weights",), context=("data.paths",),
+        idle=lambda c, w: len(c.data.paths) < 2,
+        condition="fewer than 2 data.paths -> data.weights empty",
+        because="there is no blend to weight (one dataset)",
+        fix="list two or more datasets in data.paths",
+    ),
     Gate(
-        "INERT-CKPT-NO-SAVE", ("checkpoint.keep_latest", "checkpoint.save_on_interrupt"),
-        ("checkpoint.save",),
-        lambda c, w: not c.checkpoint.save,
-        "checkpoint.save null -> keep_latest and save_on_interrupt at their defaults",
-        "checkpoint.save is null, so no checkpoint is written",
-        "set checkpoint.save=<folder>"),
+        rule_id="INERT-CKPT-NO-SAVE",
+        keys=("checkpoint.keep_latest", "checkpoint.save_on_interrupt"),
+        context=("checkpoint.save",), idle=lambda c, w: not c.checkpoint.save,
+        condition="checkpoint.save null -> keep_latest and save_on_interrupt at their defaults",
+        because="checkpoint.save is null, so no checkpoint is written",
+        fix="set checkpoint.save=<folder>",
+    ),
     Gate(
-        "INERT-WANDB-KEYS", ("logging.wandb_project", "logging.wandb_mode"), ("logging.wandb",),
-        lambda c, w: not c.logging.wandb,
-        "logging.wandb=false -> wandb_project and wandb_mode at their defaults",
-        "logging.wandb=false starts no W&B run",
-        "set logging.wandb=true"),
+        rule_id="INERT-WANDB-KEYS", keys=("logging.wandb_project", "logging.wandb_mode"),
+        context=("logging.wandb",), idle=lambda c, w: not c.logging.wandb,
+        condition="logging.wandb=false -> wandb_project and wandb_mode at their defaults",
+        because="logging.wandb=false starts no W&B run", fix="set logging.wandb=true",
+    ),
 )
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from lptrain.config.rules import SHARDING_TYPES, Rule, decay_end
-from lptrain.config.schema import LPTrainConfig
+from lptrain.config.rules import Rule, decay_end
+from lptrain.config.schema import SHARDING_TYPES, LPTrainConfig
 from lptrain.config.world import World
 
 S = "Model, batch, schedule, checkpoint"
@@ -73,65 +73,73 @@ def _warmup_not_before_decay(c: LPTrainConfig, w: World) -> dict[str, Any]:
 
 RULES = [
     Rule(
-        "MODEL-HEADS", "error",
-        ("model.hidden_size", "model.num_attention_heads", "model.num_query_groups"),
-        _heads_bad,
-        "attention heads do not tile the model: {detail}",
-        "choose model.num_attention_heads dividing model.hidden_size into an even head_dim, and "
-        "model.num_query_groups dividing model.num_attention_heads",
-        "hidden_size % num_attention_heads == 0 with an even head_dim (RoPE); "
-        "num_attention_heads % num_query_groups == 0",
-        "the attention and rotary-embedding constructors refuse these shapes", S),
+        id="MODEL-HEADS", severity="error",
+        keys=("model.hidden_size", "model.num_attention_heads", "model.num_query_groups"),
+        when=_heads_bad, message="attention heads do not tile the model: {detail}",
+        fix="choose model.num_attention_heads dividing model.hidden_size into an even head_dim, "
+            "and model.num_query_groups dividing model.num_attention_heads",
+        condition="hidden_size % num_attention_heads == 0 with an even head_dim (RoPE); "
+                  "num_attention_heads % num_query_groups == 0",
+        why="the attention and rotary-embedding constructors refuse these shapes", section=S,
+    ),
     Rule(
-        "BATCH-DIVISIBLE", "error",
-        ("train.global_batch_size", "train.micro_batch_size"),
-        _batch_bad,
-        "global_batch_size={cfg.train.global_batch_size} is not a multiple of "
-        "micro_batch_size * dp = {cfg.train.micro_batch_size} * {world.dp}",
-        "set train.global_batch_size to a multiple of {cfg.train.micro_batch_size} * {world.dp}, "
-        "or change train.micro_batch_size",
-        "global_batch_size % (micro_batch_size * dp) == 0", "", S),
+        id="BATCH-DIVISIBLE", severity="error",
+        keys=("train.global_batch_size", "train.micro_batch_size"), when=_batch_bad,
+        message="global_batch_size={cfg.train.global_batch_size} is not a multiple of "
+                "micro_batch_size * dp = {cfg.train.micro_batch_size} * {world.dp}",
+        fix="set train.global_batch_size to a multiple of {cfg.train.micro_batch_size} * "
+            "{world.dp}, or change train.micro_batch_size",
+        condition="global_batch_size % (micro_batch_size * dp) == 0", section=S,
+    ),
     Rule(
-        "TRAIN-INTERVALS", "error",
-        ("train.train_iters", "train.eval_interval", "train.log_interval", "train.exit_interval",
-         "checkpoint.save_interval", "train.eval_iters"),
-        _intervals_bad,
-        "invalid loop lengths: {detail}",
-        "use positive values (null turns an interval off)",
-        "train_iters > 0; eval_interval, save_interval, log_interval (and exit_interval) > 0 when "
-        "set; eval_interval set -> eval_iters > 0", "", S),
+        id="TRAIN-INTERVALS", severity="error",
+        keys=("train.train_iters", "train.eval_interval", "train.log_interval", "train.exit_interval",
+              "checkpoint.save_interval", "train.eval_iters"),
+        when=_intervals_bad, message="invalid loop lengths: {detail}",
+        fix="use positive values (null turns an interval off)",
+        condition="train_iters > 0; eval_interval, save_interval, log_interval (and exit_interval) "
+                  "> 0 when set; eval_interval set -> eval_iters > 0",
+        section=S,
+    ),
     Rule(
-        "TRAIN-SAVE-NEEDS-DIR", "error", ("checkpoint.save_interval", "checkpoint.save"),
-        lambda c, w: c.checkpoint.save_interval is not None and not c.checkpoint.save,
-        "checkpoint.save_interval={cfg.checkpoint.save_interval} but checkpoint.save is not set: "
-        "there is nowhere to write checkpoints",
-        "set checkpoint.save=<folder> (e.g. checkpoint.save=${{run.output_dir}}/ckpt), or "
-        "checkpoint.save_interval=null",
-        "save_interval set -> checkpoint.save set", "", S),
+        id="TRAIN-SAVE-NEEDS-DIR", severity="error",
+        keys=("checkpoint.save_interval", "checkpoint.save"),
+        when=lambda c, w: c.checkpoint.save_interval is not None and not c.checkpoint.save,
+        message="checkpoint.save_interval={cfg.checkpoint.save_interval} but checkpoint.save is "
+                "not set: there is nowhere to write checkpoints",
+        fix="set checkpoint.save=<folder> (e.g. checkpoint.save=${{run.output_dir}}/ckpt), or "
+            "checkpoint.save_interval=null",
+        condition="save_interval set -> checkpoint.save set", section=S,
+    ),
     Rule(
-        "SCHED-WARMUP-DECAY", "error",
-        ("optimizer.warmup_iters", "optimizer.decay_iters", "train.train_iters"),
-        _warmup_not_before_decay,
-        "warmup_iters={cfg.optimizer.warmup_iters} is not shorter than the decay, which ends "
-        "at step {end} ({end_key}): {effect}",
-        "set optimizer.warmup_iters below {end} (e.g. {suggest}), or lengthen the decay "
-        "(optimizer.decay_iters, train.train_iters)",
-        "warmup_iters < decay_iters (decay_iters null: train_iters)",
-        "Megatron-LM's OptimizerParamScheduler asserts lr_warmup_steps < lr_decay_steps; "
-        "otherwise the lr never reaches its peak, or drops from peak to min_lr in one step",
-        S, supersedes=("SCHED-WARMUP",)),
+        id="SCHED-WARMUP-DECAY", severity="error",
+        keys=("optimizer.warmup_iters", "optimizer.decay_iters", "train.train_iters"),
+        when=_warmup_not_before_decay,
+        message="warmup_iters={cfg.optimizer.warmup_iters} is not shorter than the decay, which "
+                "ends at step {end} ({end_key}): {effect}",
+        fix="set optimizer.warmup_iters below {end} (e.g. {suggest}), or lengthen the decay "
+            "(optimizer.decay_iters, train.train_iters)",
+        condition="warmup_iters < decay_iters (decay_iters null: train_iters)",
+        why="Megatron-LM's OptimizerParamScheduler asserts lr_warmup_steps < lr_decay_steps; "
+            "otherwise the lr never reaches its peak, or drops from peak to min_lr in one step",
+        section=S, supersedes=("SCHED-WARMUP",),
+    ),
     Rule(
-        "SCHED-WARMUP", "warning", ("optimizer.warmup_iters", "train.train_iters"),
-        lambda c, w: c.optimizer.warmup_iters > c.train.train_iters,
-        "warmup_iters={cfg.optimizer.warmup_iters} exceeds train_iters={cfg.train.train_iters}: "
-        "the learning rate never reaches its peak in this job",
-        "set optimizer.warmup_iters <= train.train_iters (fine when a later job continues the "
-        "run with more train_iters)",
-        "warmup_iters <= train_iters", "", S),
+        id="SCHED-WARMUP", severity="warning", keys=("optimizer.warmup_iters", "train.train_iters"),
+        when=lambda c, w: c.optimizer.warmup_iters > c.train.train_iters,
+        message="warmup_iters={cfg.optimizer.warmup_iters} exceeds "
+                "train_iters={cfg.train.train_iters}: the learning rate never reaches its peak in "
+                "this job",
+        fix="set optimizer.warmup_iters <= train.train_iters (fine when a later job continues the "
+            "run with more train_iters)",
+        condition="warmup_iters <= train_iters", section=S,
+    ),
     Rule(
-        "CKPT-SHARDING-TYPE", "error", ("checkpoint.sharding_type",),
-        lambda c, w: c.checkpoint.sharding_type not in SHARDING_TYPES,
-        "checkpoint.sharding_type={cfg.checkpoint.sharding_type!r} is not a known sharding type",
-        "set checkpoint.sharding_type to one of " + ", ".join(SHARDING_TYPES),
-        "sharding_type in the allowed set (" + ", ".join(SHARDING_TYPES) + ")", "", S),
+        id="CKPT-SHARDING-TYPE", severity="error", keys=("checkpoint.sharding_type",),
+        when=lambda c, w: c.checkpoint.sharding_type not in SHARDING_TYPES,
+        message="checkpoint.sharding_type={cfg.checkpoint.sharding_type!r} is not a known sharding "
+                "type",
+        fix="set checkpoint.sharding_type to one of " + ", ".join(SHARDING_TYPES),
+        condition="sharding_type in the allowed set (" + ", ".join(SHARDING_TYPES) + ")", section=S,
+    ),
 ]

@@ -4,17 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from lptrain.config.rules import (
-    MUON_COEFFICIENTS,
-    MUON_SCALE_MODES,
-    Rule,
-    fp8_on,
-    layer_wise,
-)
-from lptrain.config.schema import LPTrainConfig
+from lptrain.catalog.muon_scaling import update_rms
+from lptrain.catalog.ns_coefficients import STEP_RULES, ns_steps_problem, step_rule_text
+from lptrain.config.rules import Rule, compact_layout, fp8_on, layer_wise, padded_layout
+from lptrain.config.schema import MUON_COEFFICIENTS, MUON_SCALE_MODES, LPTrainConfig
 from lptrain.config.world import World
-from lptrain.optim.ns_coefficients import STEP_RULES, ns_steps_problem, step_rule_text
-from lptrain.optim.scaling import update_rms
 
 S = "Muon and the layer-wise distributed optimizer"
 
@@ -30,14 +24,6 @@ S = "Muon and the layer-wise distributed optimizer"
 # AdamW's 2.345), and an AdamW lr like 1e-3 with shape_scaling at hidden 4096 is 1.6e-5.
 MUON_STEP_RANGE = (8e-5, 2e-3)
 MUON_STEP_FACTOR = 3.0
-
-
-def _compact(c: LPTrainConfig) -> bool:
-    return layer_wise(c) and c.optimizer.layer_wise_param_layout == "compact"
-
-
-def _padded(c: LPTrainConfig) -> bool:
-    return layer_wise(c) and c.optimizer.layer_wise_param_layout == "padded"
 
 
 def _bad_hparams(c: LPTrainConfig, w: World) -> dict[str, Any]:
@@ -103,108 +89,127 @@ def _lr_scale_mismatch(c: LPTrainConfig, w: World) -> dict[str, Any]:
 
 RULES = [
     Rule(
-        "MUON-LAYERWISE", "derived",
-        ("optimizer.name", "ddp.use_distributed_optimizer", "optimizer.use_layer_wise_optimizer"),
-        lambda c, w: False,
-        "Muon with a distributed optimizer uses the layer-wise distributed optimizer",
-        "nothing to do: derive() sets optimizer.use_layer_wise_optimizer",
-        "optimizer.name=muon and use_distributed_optimizer -> the layer-wise distributed "
-        "optimizer is used (optimizer.use_layer_wise_optimizer=true)",
-        "Newton-Schulz needs whole matrices, so ownership is per parameter, not per byte range", S),
+        id="MUON-LAYERWISE", severity="derived",
+        keys=("optimizer.name", "ddp.use_distributed_optimizer",
+              "optimizer.use_layer_wise_optimizer"),
+        when=lambda c, w: False,
+        message="Muon with a distributed optimizer uses the layer-wise distributed optimizer",
+        fix="nothing to do: derive() sets optimizer.use_layer_wise_optimizer",
+        condition="optimizer.name=muon and use_distributed_optimizer -> the layer-wise distributed "
+                  "optimizer is used (optimizer.use_layer_wise_optimizer=true)",
+        why="Newton-Schulz needs whole matrices, so ownership is per parameter, not per byte range",
+        section=S,
+    ),
     Rule(
-        "MUON-LAYERWISE-ONE-INSTANCE", "error",
-        ("optimizer.use_layer_wise_optimizer", "ddp.num_distributed_optimizer_instances"),
-        lambda c, w: layer_wise(c) and c.ddp.num_distributed_optimizer_instances != 1,
-        "the layer-wise (Muon) optimizer needs num_distributed_optimizer_instances=1, got "
-        "{cfg.ddp.num_distributed_optimizer_instances}: Muon buffers all-reduce within one "
-        "instance, so partial sharding would under-reduce Muon gradients",
-        "set ddp.num_distributed_optimizer_instances=1",
-        "layer-wise optimizer (either layout) -> num_distributed_optimizer_instances == 1",
-        "Muon buffers all-reduce within one instance; partial sharding would under-reduce Muon "
-        "gradients", S),
+        id="MUON-LAYERWISE-ONE-INSTANCE", severity="error",
+        keys=("optimizer.use_layer_wise_optimizer", "ddp.num_distributed_optimizer_instances"),
+        when=lambda c, w: layer_wise(c) and c.ddp.num_distributed_optimizer_instances != 1,
+        message="the layer-wise (Muon) optimizer needs num_distributed_optimizer_instances=1, got "
+                "{cfg.ddp.num_distributed_optimizer_instances}: Muon buffers all-reduce within one "
+                "instance, so partial sharding would under-reduce Muon gradients",
+        fix="set ddp.num_distributed_optimizer_instances=1",
+        condition="layer-wise optimizer (either layout) -> num_distributed_optimizer_instances == "
+                  "1",
+        why="Muon buffers all-reduce within one instance; partial sharding would under-reduce Muon "
+            "gradients",
+        section=S,
+    ),
     Rule(
-        "MUON-COMPACT-NO-FP4PG", "error",
-        ("optimizer.layer_wise_param_layout", "precision.fp4_param_gather"),
-        lambda c, w: _compact(c) and c.precision.fp4_param_gather,
-        "the compact layer-wise layout does not support fp4_param_gather: NVFP4 params would "
-        "silently take the raw flatten path",
-        "set precision.fp4_param_gather=false",
-        "compact layout -> not fp4_param_gather",
-        "NVFP4 params would take the raw flatten path silently", S),
+        id="MUON-COMPACT-NO-FP4PG", severity="error",
+        keys=("optimizer.layer_wise_param_layout", "precision.fp4_param_gather"),
+        when=lambda c, w: compact_layout(c) and c.precision.fp4_param_gather,
+        message="the compact layer-wise layout does not support fp4_param_gather: NVFP4 params "
+                "would silently take the raw flatten path",
+        fix="set precision.fp4_param_gather=false",
+        condition="compact layout -> not fp4_param_gather",
+        why="NVFP4 params would take the raw flatten path silently", section=S,
+    ),
     Rule(
-        "MUON-COMPACT-FP8PG-RECIPE", "error",
-        ("optimizer.layer_wise_param_layout", "precision.fp8_param_gather", "precision.fp8_recipe"),
-        lambda c, w: _compact(c) and c.precision.fp8_param_gather and fp8_on(c)
-        and c.precision.fp8_recipe not in ("mxfp8", "blockwise"),
-        "the compact layer-wise layout gathers FP8 params via bf16 staging + requantize, which is "
-        "defined only for mxfp8 and blockwise (fp8_recipe={cfg.precision.fp8_recipe})",
-        "set precision.fp8_recipe=mxfp8 (or blockwise), or precision.fp8_param_gather=false",
-        "compact layout and fp8_param_gather -> fp8_recipe in {mxfp8, blockwise}",
-        "the BF16-staged gather + requantize path is defined only for these", S),
+        id="MUON-COMPACT-FP8PG-RECIPE", severity="error",
+        keys=("optimizer.layer_wise_param_layout", "precision.fp8_param_gather",
+              "precision.fp8_recipe"),
+        when=lambda c, w: compact_layout(c) and c.precision.fp8_param_gather and fp8_on(c)
+             and c.precision.fp8_recipe not in ("mxfp8", "blockwise"),
+        message="the compact layer-wise layout gathers FP8 params via bf16 staging + requantize, "
+                "which is defined only for mxfp8 and blockwise "
+                "(fp8_recipe={cfg.precision.fp8_recipe})",
+        fix="set precision.fp8_recipe=mxfp8 (or blockwise), or precision.fp8_param_gather=false",
+        condition="compact layout and fp8_param_gather -> fp8_recipe in {mxfp8, blockwise}",
+        why="the BF16-staged gather + requantize path is defined only for these", section=S,
+    ),
     Rule(
-        "MUON-PADDED-NO-PG", "error",
-        ("optimizer.layer_wise_param_layout", "precision.fp8_param_gather",
-         "precision.fp4_param_gather"),
-        lambda c, w: _padded(c) and (c.precision.fp8_param_gather or c.precision.fp4_param_gather),
-        "the padded layer-wise layout does not support quantized param gather",
-        "set optimizer.layer_wise_param_layout=compact, or precision.fp8_param_gather=false and "
-        "precision.fp4_param_gather=false",
-        "padded layout -> no fp8_param_gather and no fp4_param_gather", "", S),
+        id="MUON-PADDED-NO-PG", severity="error",
+        keys=("optimizer.layer_wise_param_layout", "precision.fp8_param_gather",
+              "precision.fp4_param_gather"),
+        when=lambda c, w: padded_layout(c) and (c.precision.fp8_param_gather or c.precision.fp4_param_gather),
+        message="the padded layer-wise layout does not support quantized param gather",
+        fix="set optimizer.layer_wise_param_layout=compact, or precision.fp8_param_gather=false "
+            "and precision.fp4_param_gather=false",
+        condition="padded layout -> no fp8_param_gather and no fp4_param_gather", section=S,
+    ),
     Rule(
-        "MUON-COMPACT-NO-MODEL-SPACE", "error",
-        ("optimizer.layer_wise_param_layout", "checkpoint.sharding_type"),
-        lambda c, w: _compact(c) and c.checkpoint.sharding_type == "fully_sharded_model_space",
-        "checkpoint.sharding_type=fully_sharded_model_space cannot describe the compact "
-        "layer-wise layout",
-        "set checkpoint.sharding_type=dp_reshardable (or fully_reshardable)",
-        "compact layout -> checkpoint.sharding_type != fully_sharded_model_space",
-        "that format cannot describe the compact layout; fail early instead of deep in the "
-        "checkpoint code", S),
+        id="MUON-COMPACT-NO-MODEL-SPACE", severity="error",
+        keys=("optimizer.layer_wise_param_layout", "checkpoint.sharding_type"),
+        when=lambda c, w: compact_layout(c) and c.checkpoint.sharding_type == "fully_sharded_model_space",
+        message="checkpoint.sharding_type=fully_sharded_model_space cannot describe the compact "
+                "layer-wise layout",
+        fix="set checkpoint.sharding_type=dp_reshardable (or fully_reshardable)",
+        condition="compact layout -> checkpoint.sharding_type != fully_sharded_model_space",
+        why="that format cannot describe the compact layout; fail early instead of deep in the "
+            "checkpoint code",
+        section=S,
+    ),
     Rule(
-        "MUON-GROUPED-FP8PG", "error",
-        ("optimizer.layer_wise_param_layout", "precision.fp8_param_gather",
-         "model.moe.single_grouped_weight"),
-        lambda c, w: _compact(c) and c.precision.fp8_param_gather
-        and c.model.moe.single_grouped_weight,
-        "the compact layer-wise FP8 copy-back handles plain quantized tensors only, not a single "
-        "grouped expert weight",
-        "set model.moe.single_grouped_weight=false, or precision.fp8_param_gather=false",
-        "compact layout, fp8_param_gather and model.moe.single_grouped_weight",
-        "the copy-back path handles plain quantized tensors only", S),
+        id="MUON-GROUPED-FP8PG", severity="error",
+        keys=("optimizer.layer_wise_param_layout", "precision.fp8_param_gather",
+              "model.moe.single_grouped_weight"),
+        when=lambda c, w: compact_layout(c) and c.precision.fp8_param_gather
+             and c.model.moe.single_grouped_weight,
+        message="the compact layer-wise FP8 copy-back handles plain quantized tensors only, not a "
+                "single grouped expert weight",
+        fix="set model.moe.single_grouped_weight=false, or precision.fp8_param_gather=false",
+        condition="compact layout, fp8_param_gather and model.moe.single_grouped_weight",
+        why="the copy-back path handles plain quantized tensors only", section=S,
+    ),
     Rule(
-        "MUON-HPARAMS", "error",
-        ("optimizer.muon.momentum", "optimizer.muon.ns_steps", "optimizer.muon.coefficients",
-         "optimizer.muon.scale_mode", "optimizer.lr"),
-        _bad_hparams,
-        "invalid Muon hyperparameters (they would fail at the first step): {detail}",
-        "use momentum in [0, 1), coefficients in {{" + ", ".join(MUON_COEFFICIENTS) + "}} with "
-        "ns_steps " + _step_rules_text() + ", scale_mode in {{"
-        + ", ".join(MUON_SCALE_MODES) + "}}, lr > 0",
-        "optimizer.name=muon: momentum in [0, 1), coefficients and scale_mode from the known "
-        "sets, ns_steps allowed for the coefficient set (" + _step_rules_text() + "), lr > 0",
-        "upstream accepted some invalid values and failed at the first step; the step-count "
-        "rules are upstream's (quintic's 5 tuples are tuned as one sequence; polar_express's 8 "
-        "tuples must all run before its last one repeats); aol's 4 tuples run once: its first "
-        "tuple maps a singular value of 1 to -0.585, so a second cycle flips the update", S),
+        id="MUON-HPARAMS", severity="error",
+        keys=("optimizer.muon.momentum", "optimizer.muon.ns_steps", "optimizer.muon.coefficients",
+              "optimizer.muon.scale_mode", "optimizer.lr"),
+        when=_bad_hparams,
+        message="invalid Muon hyperparameters (they would fail at the first step): {detail}",
+        fix="use momentum in [0, 1), coefficients in {{" + ", ".join(MUON_COEFFICIENTS) + "}} with "
+            "ns_steps " + _step_rules_text() + ", scale_mode in {{"
+            + ", ".join(MUON_SCALE_MODES) + "}}, lr > 0",
+        condition="optimizer.name=muon: momentum in [0, 1), coefficients and scale_mode from the known "
+                  "sets, ns_steps allowed for the coefficient set (" + _step_rules_text() + "), lr > 0",
+        why="upstream accepted some invalid values and failed at the first step; the step-count "
+            "rules are upstream's (quintic's 5 tuples are tuned as one sequence; polar_express's 8 "
+            "tuples must all run before its last one repeats); aol's 4 tuples run once: its first "
+            "tuple maps a singular value of 1 to -0.585, so a second cycle flips the update",
+        section=S,
+    ),
     Rule(
-        "MUON-LR-SCALE", "warning",
-        ("optimizer.lr", "optimizer.muon.lr", "optimizer.muon.scale_mode", "optimizer.muon.extra_scale_factor"),
-        _lr_scale_mismatch,
-        "Muon's per-element step lr * update RMS = {step} (scale_mode "
-        "{cfg.optimizer.muon.scale_mode}, update RMS {rms} at hidden "
-        "{cfg.model.hidden_size}) is {factor}x {side} the "
-        f"{MUON_STEP_RANGE[0]:g}..{MUON_STEP_RANGE[1]:g} that published Muon recipes use "
-        f"(warned beyond {MUON_STEP_FACTOR:g}x). The lr is tuned for another "
-        "scale mode (spectral wants AdamW-like lr ~1e-3, shape_scaling Keller's ~0.02), and "
-        "the same lr also drives the AdamW-managed embeddings, output head and norms",
-        "set optimizer.lr within {lr_lo}..{lr_hi} (min_lr about lr/10) for scale_mode "
-        "{cfg.optimizer.muon.scale_mode}, or keep an AdamW-like lr and set "
-        "optimizer.muon.scale_mode=spectral (update RMS 1, made to share AdamW's lr)",
-        "optimizer.name=muon: lr * RMS(update) of a hidden x hidden matrix within "
-        "[8e-5/3, 2e-3*3]; RMS = extra_scale_factor (spectral) or extra_scale_factor/sqrt(hidden) "
-        "(shape_scaling, unit_rms_norm)",
-        "published recipes step 8e-5 (Moonlight: lr 4.2e-4, spectral x 0.2) to 2e-3 (Keller: lr "
-        "0.05, shape_scaling, d 768) per element; Keller's lr 0.02 with spectral scaling steps "
-        "2e-2 and trained worse than AdamW on tiny_cpu (400 steps: val 2.507 vs 2.345; Muon lr "
-        "1e-3: 2.134)", S),
+        id="MUON-LR-SCALE", severity="warning",
+        keys=("optimizer.lr", "optimizer.muon.lr", "optimizer.muon.scale_mode",
+              "optimizer.muon.extra_scale_factor"),
+        when=_lr_scale_mismatch,
+        message="Muon's per-element step lr * update RMS = {step} (scale_mode "
+                "{cfg.optimizer.muon.scale_mode}, update RMS {rms} at hidden "
+                "{cfg.model.hidden_size}) is {factor}x {side} the "
+                f"{MUON_STEP_RANGE[0]:g}..{MUON_STEP_RANGE[1]:g} that published Muon recipes use "
+                f"(warned beyond {MUON_STEP_FACTOR:g}x). The lr is tuned for another "
+                "scale mode (spectral wants AdamW-like lr ~1e-3, shape_scaling Keller's ~0.02), and "
+                "the same lr also drives the AdamW-managed embeddings, output head and norms",
+        fix="set optimizer.lr within {lr_lo}..{lr_hi} (min_lr about lr/10) for scale_mode "
+            "{cfg.optimizer.muon.scale_mode}, or keep an AdamW-like lr and set "
+            "optimizer.muon.scale_mode=spectral (update RMS 1, made to share AdamW's lr)",
+        condition="optimizer.name=muon: lr * RMS(update) of a hidden x hidden matrix within "
+                  "[8e-5/3, 2e-3*3]; RMS = extra_scale_factor (spectral) or "
+                  "extra_scale_factor/sqrt(hidden) (shape_scaling, unit_rms_norm)",
+        why="published recipes step 8e-5 (Moonlight: lr 4.2e-4, spectral x 0.2) to 2e-3 (Keller: "
+            "lr 0.05, shape_scaling, d 768) per element; Keller's lr 0.02 with spectral scaling "
+            "steps 2e-2 and trained worse than AdamW on tiny_cpu (400 steps: val 2.507 vs 2.345; "
+            "Muon lr 1e-3: 2.134)",
+        section=S,
+    ),
 ]

@@ -4,21 +4,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from lptrain.config.rules import (
-    BLOCKWISE_BLACKWELL_MIN_TE,
-    BLOCKWISE_MIN_CUDA,
+from lptrain.catalog import recipes as catalog_recipes
+from lptrain.catalog.recipes import (
     GROUPED_AMAX_EPSILON_MIN_TE,
-    MXFP8_FIRST_UNSUPPORTED_SM,
-    RECIPE_ALIGNMENT,
-    RECIPE_MIN_SM,
-    RECIPE_MIN_TE,
     SINGLE_GROUPED_WEIGHT_MIN_TE,
     TE_MIN_VERSION,
+)
+from lptrain.config.rules import (
     Rule,
     fp4_on,
     fp8_on,
     is_mxfp8,
     quant_recipe,
+    quant_spec,
+    recipe_key,
+    runs,
     sharded_optimizer,
 )
 from lptrain.config.schema import LPTrainConfig
@@ -29,10 +29,10 @@ S = "Precision"
 
 def _gemm_misaligned(c: LPTrainConfig, w: World) -> dict[str, Any]:
     """Every quantized GEMM dimension that is not a multiple of the recipe's block size."""
-    recipe = quant_recipe(c)
-    align = RECIPE_ALIGNMENT.get(recipe or "")
-    if align is None:
+    spec = quant_spec(c)
+    if spec is None:
         return {}
+    recipe, align = spec.name, spec.alignment
     m = c.model
     dims: list[tuple[str, tuple[str, ...], str, int]] = [
         ("hidden (input of qkv and fc1, output of proj and fc2)", ("model.hidden_size",),
@@ -65,35 +65,41 @@ def _gemm_misaligned(c: LPTrainConfig, w: World) -> dict[str, Any]:
     return {"keys": keys, "align": align, "recipe": recipe, "detail": detail}
 
 
-def _recipe_key(c: LPTrainConfig) -> str:
-    return "precision.fp8_recipe" if fp8_on(c) else "precision.fp4_recipe"
-
-
 # Each ``_te_*`` check below answers "would Transformer Engine refuse this config in this
 # world?" regardless of precision.backend; the rules apply them to backend=te, and
 # :func:`auto_backend` uses the same checks to pick TE for backend=auto only when none fires.
 
 
 def _te_sm_too_old(c: LPTrainConfig, w: World) -> dict[str, Any]:
-    recipe = quant_recipe(c)
-    need = RECIPE_MIN_SM.get(recipe or "")
-    if not w.cuda or need is None or w.sm >= need:
+    spec = quant_spec(c)
+    if not w.cuda or spec is None or w.sm >= spec.min_sm:
         return {}
-    return {"keys": ("precision.backend", _recipe_key(c)), "recipe": recipe, "need": f"sm{need}"}
+    return {"keys": ("precision.backend", recipe_key(c)), "recipe": spec.name,
+            "need": f"sm{spec.min_sm}"}
+
+
+def _te_sm_excluded(c: LPTrainConfig, w: World) -> dict[str, Any]:
+    """The recipe in use is one TE refuses from some compute capability on, and ``w`` has it."""
+    spec = quant_spec(c)
+    if spec is None or not runs(c, spec) or spec.unsupported_from_sm is None:
+        return {}
+    if not (w.cuda and w.sm >= spec.unsupported_from_sm):
+        return {}
+    return {"keys": ("precision.backend", spec.keys.recipe_key)}
 
 
 def _te_mxfp8_sm120(c: LPTrainConfig, w: World) -> dict[str, Any]:
-    if not (w.cuda and is_mxfp8(c) and w.sm >= MXFP8_FIRST_UNSUPPORTED_SM):
-        return {}
-    return {"keys": ("precision.backend", "precision.fp8_recipe")}
+    return _te_sm_excluded(c, w) if is_mxfp8(c) else {}
 
 
-def _te_blockwise_cuda(c: LPTrainConfig, w: World) -> dict[str, Any]:
-    if not (w.cuda and fp8_on(c) and c.precision.fp8_recipe == "blockwise" and w.cuda_version):
+def _te_cuda_too_old(c: LPTrainConfig, w: World) -> dict[str, Any]:
+    spec = quant_spec(c)
+    if spec is None or not runs(c, spec) or spec.min_cuda is None:
         return {}
-    if parse_version(w.cuda_version) >= parse_version(BLOCKWISE_MIN_CUDA):
+    if not (w.cuda and w.cuda_version) or parse_version(w.cuda_version) >= parse_version(spec.min_cuda):
         return {}
-    return {"keys": ("precision.backend", "precision.fp8_recipe"), "need": BLOCKWISE_MIN_CUDA}
+    return {"keys": ("precision.backend", spec.keys.recipe_key), "need": spec.min_cuda,
+            "recipe": spec.name, "family": spec.family.upper()}
 
 
 def _te_version_needs(c: LPTrainConfig, w: World) -> list[tuple[str, str, str]]:
@@ -108,14 +114,15 @@ def _te_version_needs(c: LPTrainConfig, w: World) -> list[tuple[str, str, str]]:
             needs.append((key, f"{what} needs TE >= {version}", version))
 
     need("precision.backend", "lptrain's TE backend", TE_MIN_VERSION)
-    recipe = quant_recipe(c)
-    if recipe in RECIPE_MIN_TE:
-        need(_recipe_key(c), recipe, RECIPE_MIN_TE[recipe])
-    if recipe == "blockwise" and w.sm >= 100:
-        need("precision.fp8_recipe", f"blockwise on {w.target}", BLOCKWISE_BLACKWELL_MIN_TE)
+    spec = quant_spec(c)
+    if spec is not None:
+        need(recipe_key(c), spec.name, spec.min_te)
+        for sm, version in spec.min_te_from_sm:
+            if w.sm >= sm:
+                need(spec.keys.recipe_key, f"{spec.name} on {w.target}", version)
     moe = c.model.moe
-    if (recipe in ("tensorwise", "blockwise") and c.precision.amax_epsilon > 0 and moe.num_experts > 0
-            and (moe.grouped_gemm or moe.single_grouped_weight)):
+    if (spec is not None and spec.current_amax and c.precision.amax_epsilon > 0
+            and moe.num_experts > 0 and (moe.grouped_gemm or moe.single_grouped_weight)):
         need("precision.amax_epsilon", "amax_epsilon in grouped expert GEMMs",
              GROUPED_AMAX_EPSILON_MIN_TE)
     if moe.single_grouped_weight:
@@ -140,10 +147,11 @@ def te_refusals(c: LPTrainConfig, w: World) -> list[str]:
         out.append("Transformer Engine is not installed")
     if _te_device_cpu(c, w):
         out.append("run.device=cpu")
-    if _te_sm_too_old(c, w) or _te_mxfp8_sm120(c, w):
+    if _te_sm_too_old(c, w) or _te_sm_excluded(c, w):
         out.append(f"{quant_recipe(c)} is not supported on {w.target}")
-    if _te_blockwise_cuda(c, w):
-        out.append(f"blockwise needs CUDA >= {BLOCKWISE_MIN_CUDA}")
+    cuda = _te_cuda_too_old(c, w)
+    if cuda:
+        out.append(f"{cuda['recipe']} needs CUDA >= {cuda['need']}")
     out.extend(n[1] for n in _te_version_needs(c, w))
     if _te_rht_needs_bf16(c, w):
         out.append("NVFP4 RHT needs bf16 activations")
@@ -189,8 +197,55 @@ def _backend_missing(c: LPTrainConfig, w: World) -> dict[str, Any]:
     return {}
 
 
+def _delayed_in_use(c: LPTrainConfig) -> bool:
+    spec = quant_spec(c)
+    return runs(c, spec) and spec is not None and spec.amax_history
+
+
 def _cuda_device_missing(c: LPTrainConfig, w: World) -> bool:
     return c.run.device == "cuda" and not w.cuda
+
+
+# Catalog texts for the rule documentation (``lptrain rules``, docs/rules.md).
+
+
+def _selects(specs: list[catalog_recipes.RecipeSpec]) -> str:
+    """``fp8_recipe=a/b``: the config values selecting ``specs`` (one family)."""
+    return f"{specs[0].keys.recipe_key.split('.', 1)[1]}={'/'.join(s.name for s in specs)}"
+
+
+def _grouped(attr: str) -> dict[Any, list[str]]:
+    out: dict[Any, list[str]] = {}
+    for spec in catalog_recipes.RECIPES:
+        out.setdefault(getattr(spec, attr), []).append(spec.name)
+    return out
+
+
+def _alignments_text() -> str:
+    return ", ".join(f"{a} ({', '.join(names)})" for a, names in _grouped("alignment").items())
+
+
+def _min_sm_text() -> str:
+    return ", ".join(f"{'/'.join(names)}{' need' if i == 0 else ''} sm{sm}+"
+                     for i, (sm, names) in enumerate(_grouped("min_sm").items()))
+
+
+def _min_te_text() -> str:
+    parts = [f"any recipe {TE_MIN_VERSION}"]
+    parts += [f"{s.name} {s.min_te}" for s in catalog_recipes.RECIPES if s.min_te != TE_MIN_VERSION]
+    parts += [f"{s.name} on sm{sm}+ {v}" for s in catalog_recipes.RECIPES for sm, v in s.min_te_from_sm]
+    parts += [f"amax_epsilon in grouped expert GEMMs {GROUPED_AMAX_EPSILON_MIN_TE}",
+              f"single grouped weight {SINGLE_GROUPED_WEIGHT_MIN_TE}"]
+    return ", ".join(parts)
+
+
+def _min_cuda_text() -> str:
+    return " or ".join(f"{_selects([s])} with CUDA < {s.min_cuda}"
+                       for s in catalog_recipes.RECIPES if s.min_cuda is not None)
+
+
+_DELAYED = [s for s in catalog_recipes.RECIPES if s.amax_history]
+_MXFP8 = next(s for s in catalog_recipes.RECIPES if s.name == "mxfp8")
 
 
 def _bf16_layers_out_of_range(c: LPTrainConfig, w: World) -> bool:
@@ -203,186 +258,220 @@ def _bf16_layers_out_of_range(c: LPTrainConfig, w: World) -> bool:
 
 RULES = [
     Rule(
-        "PREC-FP8-FP4-EXCLUSIVE", "error", ("precision.fp8_format", "precision.fp4_format"),
-        lambda c, w: fp8_on(c) and fp4_on(c),
-        "fp8_format={cfg.precision.fp8_format} and fp4_format={cfg.precision.fp4_format} are "
-        "both set; a run uses one quantized GEMM recipe",
-        "set precision.fp4_format=null to train in FP8, or precision.fp8_format=null for NVFP4",
-        "fp8_format and fp4_format both set", "one quantized GEMM recipe per run", S),
+        id="PREC-FP8-FP4-EXCLUSIVE", severity="error",
+        keys=("precision.fp8_format", "precision.fp4_format"),
+        when=lambda c, w: fp8_on(c) and fp4_on(c),
+        message="fp8_format={cfg.precision.fp8_format} and fp4_format={cfg.precision.fp4_format} "
+                "are both set; a run uses one quantized GEMM recipe",
+        fix="set precision.fp4_format=null to train in FP8, or precision.fp8_format=null for NVFP4",
+        condition="fp8_format and fp4_format both set", why="one quantized GEMM recipe per run",
+        section=S,
+    ),
     Rule(
-        "PREC-FP8PG-NEEDS-FP8", "error", ("precision.fp8_param_gather", "precision.fp8_format"),
-        lambda c, w: c.precision.fp8_param_gather and not fp8_on(c),
-        "fp8_param_gather=true but fp8_format is null: there is no FP8 weight to keep or gather",
-        "set precision.fp8_format=e4m3 (and a precision.fp8_recipe), or "
-        "precision.fp8_param_gather=false",
-        "fp8_param_gather -> fp8_format set", "nothing to keep in FP8 otherwise", S),
+        id="PREC-FP8PG-NEEDS-FP8", severity="error",
+        keys=("precision.fp8_param_gather", "precision.fp8_format"),
+        when=lambda c, w: c.precision.fp8_param_gather and not fp8_on(c),
+        message="fp8_param_gather=true but fp8_format is null: there is no FP8 weight to keep or "
+                "gather",
+        fix="set precision.fp8_format=e4m3 (and a precision.fp8_recipe), or "
+            "precision.fp8_param_gather=false",
+        condition="fp8_param_gather -> fp8_format set", why="nothing to keep in FP8 otherwise",
+        section=S,
+    ),
     Rule(
-        "PREC-FP4PG-NEEDS-FP4", "error", ("precision.fp4_param_gather", "precision.fp4_format"),
-        lambda c, w: c.precision.fp4_param_gather and not fp4_on(c),
-        "fp4_param_gather=true but fp4_format is null: there is no FP4 weight to keep or gather",
-        "set precision.fp4_format=e2m1, or precision.fp4_param_gather=false",
-        "fp4_param_gather -> fp4_format set", "same for FP4", S),
+        id="PREC-FP4PG-NEEDS-FP4", severity="error",
+        keys=("precision.fp4_param_gather", "precision.fp4_format"),
+        when=lambda c, w: c.precision.fp4_param_gather and not fp4_on(c),
+        message="fp4_param_gather=true but fp4_format is null: there is no FP4 weight to keep or "
+                "gather",
+        fix="set precision.fp4_format=e2m1, or precision.fp4_param_gather=false",
+        condition="fp4_param_gather -> fp4_format set", why="same for FP4", section=S,
+    ),
     Rule(
-        "PREC-PG-NEEDS-DISTOPT", "error",
-        ("precision.fp8_param_gather", "precision.fp4_param_gather", "ddp.use_distributed_optimizer"),
-        lambda c, w: (c.precision.fp8_param_gather or c.precision.fp4_param_gather)
-        and not sharded_optimizer(c),
-        "quantized primary weights (fp8/fp4_param_gather) need a distributed optimizer that owns "
-        "the fp32 master copies and re-quantizes them after each step",
-        "set ddp.use_distributed_optimizer=true (Muon then uses the layer-wise optimizer), or "
-        "turn param gather off",
-        "fp8_param_gather or fp4_param_gather -> ddp.use_distributed_optimizer "
-        "(Muon's layer-wise optimizer counts)",
-        "FP8 primary weights need an optimizer that owns FP32 master copies and re-quantizes them",
-        S),
+        id="PREC-PG-NEEDS-DISTOPT", severity="error",
+        keys=("precision.fp8_param_gather", "precision.fp4_param_gather",
+              "ddp.use_distributed_optimizer"),
+        when=lambda c, w: (c.precision.fp8_param_gather or c.precision.fp4_param_gather)
+             and not sharded_optimizer(c),
+        message="quantized primary weights (fp8/fp4_param_gather) need a distributed optimizer "
+                "that owns the fp32 master copies and re-quantizes them after each step",
+        fix="set ddp.use_distributed_optimizer=true (Muon then uses the layer-wise optimizer), or "
+            "turn param gather off",
+        condition="fp8_param_gather or fp4_param_gather -> ddp.use_distributed_optimizer (Muon's "
+                  "layer-wise optimizer counts)",
+        why="FP8 primary weights need an optimizer that owns FP32 master copies and re-quantizes "
+            "them",
+        section=S,
+    ),
     Rule(
-        "PREC-MXFP8-PG-NEEDS-REUSE", "error",
-        ("precision.fp8_recipe", "precision.fp8_param_gather", "ddp.reuse_grad_buf_for_mxfp8_param_ag"),
-        lambda c, w: is_mxfp8(c) and c.precision.fp8_param_gather
-        and not c.ddp.reuse_grad_buf_for_mxfp8_param_ag,
-        "MXFP8 with fp8_param_gather needs the bf16 param all-gather to ride the grad buffer: "
-        "MXFP8 row/column block scales cannot be remapped into a flat buffer",
-        "set ddp.reuse_grad_buf_for_mxfp8_param_ag=true",
-        "fp8_recipe=mxfp8 and fp8_param_gather -> ddp.reuse_grad_buf_for_mxfp8_param_ag",
-        "MXFP8 row/column block scales cannot be remapped into a flat buffer; the BF16 gather "
-        "must ride the grad buffer", S),
+        id="PREC-MXFP8-PG-NEEDS-REUSE", severity="error",
+        keys=("precision.fp8_recipe", "precision.fp8_param_gather",
+              "ddp.reuse_grad_buf_for_mxfp8_param_ag"),
+        when=lambda c, w: is_mxfp8(c) and c.precision.fp8_param_gather
+             and not c.ddp.reuse_grad_buf_for_mxfp8_param_ag,
+        message="MXFP8 with fp8_param_gather needs the bf16 param all-gather to ride the grad "
+                "buffer: MXFP8 row/column block scales cannot be remapped into a flat buffer",
+        fix="set ddp.reuse_grad_buf_for_mxfp8_param_ag=true",
+        condition="fp8_recipe=mxfp8 and fp8_param_gather -> ddp.reuse_grad_buf_for_mxfp8_param_ag",
+        why="MXFP8 row/column block scales cannot be remapped into a flat buffer; the BF16 gather "
+            "must ride the grad buffer",
+        section=S,
+    ),
     Rule(
-        "PREC-REUSE-NEEDS-MXFP8-PG", "error",
-        ("ddp.reuse_grad_buf_for_mxfp8_param_ag", "precision.fp8_param_gather", "precision.fp8_recipe"),
-        lambda c, w: c.ddp.reuse_grad_buf_for_mxfp8_param_ag
-        and not (c.precision.fp8_param_gather and is_mxfp8(c)),
-        "reuse_grad_buf_for_mxfp8_param_ag=true only makes sense for MXFP8 with fp8_param_gather "
-        "(fp8_recipe={cfg.precision.fp8_recipe}, fp8_format={cfg.precision.fp8_format}, "
-        "fp8_param_gather={cfg.precision.fp8_param_gather})",
-        "set ddp.reuse_grad_buf_for_mxfp8_param_ag=false, or use precision.fp8_format=e4m3 "
-        "precision.fp8_recipe=mxfp8 precision.fp8_param_gather=true",
-        "reuse_grad_buf_for_mxfp8_param_ag -> fp8_param_gather and fp8_recipe=mxfp8",
-        "upstream documents but does not enforce the recipe half; lptrain enforces it", S),
+        id="PREC-REUSE-NEEDS-MXFP8-PG", severity="error",
+        keys=("ddp.reuse_grad_buf_for_mxfp8_param_ag", "precision.fp8_param_gather",
+              "precision.fp8_recipe"),
+        when=lambda c, w: c.ddp.reuse_grad_buf_for_mxfp8_param_ag
+             and not (c.precision.fp8_param_gather and is_mxfp8(c)),
+        message="reuse_grad_buf_for_mxfp8_param_ag=true only makes sense for MXFP8 with "
+                "fp8_param_gather (fp8_recipe={cfg.precision.fp8_recipe}, "
+                "fp8_format={cfg.precision.fp8_format}, "
+                "fp8_param_gather={cfg.precision.fp8_param_gather})",
+        fix="set ddp.reuse_grad_buf_for_mxfp8_param_ag=false, or use precision.fp8_format=e4m3 "
+            "precision.fp8_recipe=mxfp8 precision.fp8_param_gather=true",
+        condition="reuse_grad_buf_for_mxfp8_param_ag -> fp8_param_gather and fp8_recipe=mxfp8",
+        why="upstream documents but does not enforce the recipe half; lptrain enforces it",
+        section=S,
+    ),
     Rule(
-        "PREC-MXFP8-E4M3", "warning", ("precision.fp8_recipe", "precision.fp8_format"),
-        lambda c, w: is_mxfp8(c) and c.precision.fp8_format == "hybrid",
-        "MXFP8 with fp8_format=hybrid uses E5M2 gradients, which have diverged in practice",
-        "set precision.fp8_format=e4m3",
-        "fp8_recipe=mxfp8 and fp8_format=hybrid",
-        "E5M2 gradients with MXFP8 have diverged in practice; e4m3 both ways is recommended", S),
+        id="PREC-MXFP8-E4M3", severity="warning",
+        keys=("precision.fp8_recipe", "precision.fp8_format"),
+        when=lambda c, w: is_mxfp8(c) and c.precision.fp8_format == "hybrid",
+        message="MXFP8 with fp8_format=hybrid uses E5M2 gradients, which have diverged in practice",
+        fix="set precision.fp8_format=e4m3", condition="fp8_recipe=mxfp8 and fp8_format=hybrid",
+        why="E5M2 gradients with MXFP8 have diverged in practice; e4m3 both ways is recommended",
+        section=S,
+    ),
     Rule(
-        "PREC-BLOCKWISE-E4M3", "warning", ("precision.fp8_recipe", "precision.fp8_format"),
-        lambda c, w: fp8_on(c) and c.precision.fp8_recipe == "blockwise"
-        and c.precision.fp8_format == "hybrid",
-        "blockwise FP8 with fp8_format=hybrid: per-128 block scales need precision (E4M3) more "
-        "than range (E5M2)",
-        "set precision.fp8_format=e4m3",
-        "fp8_recipe=blockwise and fp8_format=hybrid", "per-128 scales need precision more than range",
-        S),
+        id="PREC-BLOCKWISE-E4M3", severity="warning",
+        keys=("precision.fp8_recipe", "precision.fp8_format"),
+        when=lambda c, w: fp8_on(c) and c.precision.fp8_recipe == "blockwise"
+             and c.precision.fp8_format == "hybrid",
+        message="blockwise FP8 with fp8_format=hybrid: per-128 block scales need precision (E4M3) "
+                "more than range (E5M2)",
+        fix="set precision.fp8_format=e4m3", condition="fp8_recipe=blockwise and fp8_format=hybrid",
+        why="per-128 scales need precision more than range", section=S,
+    ),
     Rule(
-        "PREC-DELAYED-FIRST-LAST", "error", ("precision.first_last_layers_bf16", "precision.fp8_recipe"),
-        lambda c, w: c.precision.first_last_layers_bf16 and fp8_on(c)
-        and c.precision.fp8_recipe == "delayed",
-        "first_last_layers_bf16 with delayed scaling: entering/leaving FP8 autocast per layer "
-        "breaks the delayed-scaling amax reduction",
-        "set precision.fp8_recipe=tensorwise (or mxfp8/blockwise), or "
-        "precision.first_last_layers_bf16=false",
-        "first_last_layers_bf16 and fp8_recipe=delayed",
-        "per-layer autocast enter/exit breaks delayed-scaling amax reduction", S),
+        id="PREC-DELAYED-FIRST-LAST", severity="error",
+        keys=("precision.first_last_layers_bf16", "precision.fp8_recipe"),
+        when=lambda c, w: c.precision.first_last_layers_bf16 and _delayed_in_use(c),
+        message="first_last_layers_bf16 with delayed scaling: entering/leaving FP8 autocast per "
+                "layer breaks the delayed-scaling amax reduction",
+        fix="set precision.fp8_recipe=tensorwise (or mxfp8/blockwise), or "
+            "precision.first_last_layers_bf16=false",
+        condition=f"first_last_layers_bf16 and {_selects(_DELAYED)}",
+        why="per-layer autocast enter/exit breaks delayed-scaling amax reduction", section=S,
+    ),
     Rule(
-        "PREC-BF16-LAYERS-RANGE", "error",
-        ("precision.num_layers_at_start_in_bf16", "precision.num_layers_at_end_in_bf16",
-         "model.num_layers"),
-        _bf16_layers_out_of_range,
-        "num_layers_at_start_in_bf16={cfg.precision.num_layers_at_start_in_bf16} + "
-        "num_layers_at_end_in_bf16={cfg.precision.num_layers_at_end_in_bf16} must lie in "
-        "[0, num_layers={cfg.model.num_layers}]",
-        "lower precision.num_layers_at_start_in_bf16 / precision.num_layers_at_end_in_bf16 "
-        "(each >= 0, sum <= model.num_layers)",
-        "first_last_layers_bf16: num_layers_at_start_in_bf16 + num_layers_at_end_in_bf16 within "
-        "[0, num_layers]", "", S),
+        id="PREC-BF16-LAYERS-RANGE", severity="error",
+        keys=("precision.num_layers_at_start_in_bf16", "precision.num_layers_at_end_in_bf16",
+              "model.num_layers"),
+        when=_bf16_layers_out_of_range,
+        message="num_layers_at_start_in_bf16={cfg.precision.num_layers_at_start_in_bf16} + "
+                "num_layers_at_end_in_bf16={cfg.precision.num_layers_at_end_in_bf16} must lie in "
+                "[0, num_layers={cfg.model.num_layers}]",
+        fix="lower precision.num_layers_at_start_in_bf16 / precision.num_layers_at_end_in_bf16 "
+            "(each >= 0, sum <= model.num_layers)",
+        condition="first_last_layers_bf16: num_layers_at_start_in_bf16 + num_layers_at_end_in_bf16 "
+                  "within [0, num_layers]",
+        section=S,
+    ),
     Rule(
-        "PREC-GEMM-ALIGN", "error",
-        ("model.hidden_size", "model.ffn_hidden_size", "model.num_attention_heads",
-         "model.num_query_groups", "model.moe.ffn_hidden_size", "train.micro_batch_size",
-         "model.seq_length"),
-        _gemm_misaligned,
-        "{recipe} quantizes in blocks and needs every GEMM dimension to be a multiple of "
-        "{align}; not aligned: {detail}",
-        "make each listed dimension a multiple of {align} (e.g. round model sizes up; "
-        "tokens per micro-batch = train.micro_batch_size * model.seq_length)",
-        "every quantized GEMM dimension (hidden, ffn, qkv and output projections, expert dims) "
-        "and the tokens per micro-batch are multiples of the recipe alignment: 16 (delayed, "
-        "tensorwise, blockwise), 32 (mxfp8, nvfp4)",
-        "block quantizers need whole blocks; small debug models trip this silently otherwise", S),
+        id="PREC-GEMM-ALIGN", severity="error",
+        keys=("model.hidden_size", "model.ffn_hidden_size", "model.num_attention_heads",
+              "model.num_query_groups", "model.moe.ffn_hidden_size", "train.micro_batch_size",
+              "model.seq_length"),
+        when=_gemm_misaligned,
+        message="{recipe} quantizes in blocks and needs every GEMM dimension to be a multiple of "
+                "{align}; not aligned: {detail}",
+        fix="make each listed dimension a multiple of {align} (e.g. round model sizes up; tokens "
+            "per micro-batch = train.micro_batch_size * model.seq_length)",
+        condition="every quantized GEMM dimension (hidden, ffn, qkv and output projections, expert "
+                  "dims) and the tokens per micro-batch are multiples of the recipe alignment: "
+                  + _alignments_text(),
+        why="block quantizers need whole blocks; small debug models trip this silently otherwise",
+        section=S,
+    ),
     Rule(
-        "PREC-TARGET-SUPPORT", "error", ("precision.backend", "precision.fp8_recipe"),
-        _te_only(_te_sm_too_old),
-        "the Transformer Engine {recipe} recipe needs {need} or newer; the target is "
-        "{world.target}",
-        "check for a newer target (--target {need}), pick a recipe this GPU supports, or set "
-        "precision.backend=emulated (runs every recipe anywhere, slowly)",
-        "backend=te: delayed/tensorwise need sm89+, blockwise sm90+, mxfp8 and nvfp4 sm100+; "
-        "the emulated backend runs every recipe anywhere", "", S),
+        id="PREC-TARGET-SUPPORT", severity="error",
+        keys=("precision.backend", "precision.fp8_recipe"), when=_te_only(_te_sm_too_old),
+        message="the Transformer Engine {recipe} recipe needs {need} or newer; the target is "
+                "{world.target}",
+        fix="check for a newer target (--target {need}), pick a recipe this GPU supports, or set "
+            "precision.backend=emulated (runs every recipe anywhere, slowly)",
+        condition=f"backend=te: {_min_sm_text()}; the emulated backend runs every recipe anywhere",
+        section=S,
+    ),
     Rule(
-        "PREC-MXFP8-SM120", "error", ("precision.backend", "precision.fp8_recipe"),
-        _te_only(_te_mxfp8_sm120),
-        "Transformer Engine refuses MXFP8 on {world.target}: MXFP8 GEMMs are not supported on "
-        "compute capability 12.0+",
-        "use precision.fp8_recipe=tensorwise (TE's default recipe there) or blockwise, or "
-        "precision.backend=emulated",
-        f"backend=te and fp8_recipe=mxfp8 on sm{MXFP8_FIRST_UNSUPPORTED_SM}+",
-        "TE's check_mxfp8_support: 'MXFP8 (for all gemm layouts) is not supported on 12.0+ "
-        "architectures yet'", S),
+        id="PREC-MXFP8-SM120", severity="error", keys=("precision.backend", "precision.fp8_recipe"),
+        when=_te_only(_te_mxfp8_sm120),
+        message="Transformer Engine refuses MXFP8 on {world.target}: MXFP8 GEMMs are not supported "
+                "on compute capability 12.0+",
+        fix="use precision.fp8_recipe=tensorwise (TE's default recipe there) or blockwise, or "
+            "precision.backend=emulated",
+        condition=f"backend=te and {_selects([_MXFP8])} on sm{_MXFP8.unsupported_from_sm}+",
+        why="TE's check_mxfp8_support: 'MXFP8 (for all gemm layouts) is not supported on 12.0+ "
+            "architectures yet'",
+        section=S,
+    ),
     Rule(
-        "PREC-BLOCKWISE-CUDA", "error", ("precision.backend", "precision.fp8_recipe"),
-        _te_only(_te_blockwise_cuda),
-        "blockwise FP8 on Transformer Engine needs a CUDA >= {need} build; torch here is built "
-        "with CUDA {world.cuda_version}",
-        "install a torch/Transformer Engine built for CUDA >= {need}, use "
-        "precision.fp8_recipe=tensorwise, or precision.backend=emulated",
-        f"backend=te and fp8_recipe=blockwise with CUDA < {BLOCKWISE_MIN_CUDA}",
-        "TE's block-scaling check: 'FP8 block scaled GEMM requires ... CUDA >= 12.9'", S),
+        id="PREC-BLOCKWISE-CUDA", severity="error",
+        keys=("precision.backend", "precision.fp8_recipe"), when=_te_only(_te_cuda_too_old),
+        message="{recipe} {family} on Transformer Engine needs a CUDA >= {need} build; torch here "
+                "is built with CUDA {world.cuda_version}",
+        fix="install a torch/Transformer Engine built for CUDA >= {need}, use "
+            "precision.fp8_recipe=tensorwise, or precision.backend=emulated",
+        condition=f"backend=te and {_min_cuda_text()}",
+        why="TE's block-scaling check: 'FP8 block scaled GEMM requires ... CUDA >= 12.9'",
+        section=S,
+    ),
     Rule(
-        "PREC-TE-VERSION", "error",
-        ("precision.backend", "precision.fp8_recipe", "precision.amax_epsilon",
-         "model.moe.single_grouped_weight"),
-        _te_too_old,
-        "Transformer Engine {world.te_version} is too old: {detail}",
-        "upgrade Transformer Engine to >= {need} (pip install -U 'transformer_engine[pytorch]')",
-        f"backend=te: minimum Transformer Engine versions: any recipe {TE_MIN_VERSION}, "
-        + ", ".join(f"{k} {v}" for k, v in RECIPE_MIN_TE.items() if v != TE_MIN_VERSION)
-        + f", blockwise on sm100+ {BLOCKWISE_BLACKWELL_MIN_TE}, amax_epsilon in grouped expert "
-        f"GEMMs {GROUPED_AMAX_EPSILON_MIN_TE}, single grouped weight "
-        f"{SINGLE_GROUPED_WEIGHT_MIN_TE}",
-        "first TE releases with Float8CurrentScaling (2.2), Float8BlockScaling (2.3), "
-        "NVFP4BlockScaling (2.8), blockwise on Blackwell (2.9), GroupedLinear QParams (2.3) and "
-        "single_grouped_weight (2.14; lptrain sets NVTE_GROUPED_LINEAR_SINGLE_PARAM for 2.15+ "
-        "and use_grouped_tensor for 2.19+)", S),
+        id="PREC-TE-VERSION", severity="error",
+        keys=("precision.backend", "precision.fp8_recipe", "precision.amax_epsilon",
+              "model.moe.single_grouped_weight"),
+        when=_te_too_old, message="Transformer Engine {world.te_version} is too old: {detail}",
+        fix="upgrade Transformer Engine to >= {need} (pip install -U "
+            "'transformer_engine[pytorch]')",
+        condition=f"backend=te: minimum Transformer Engine versions: {_min_te_text()}",
+        why="first TE releases with Float8CurrentScaling (2.2), Float8BlockScaling (2.3), "
+            "NVFP4BlockScaling (2.8), blockwise on Blackwell (2.9), GroupedLinear QParams (2.3) "
+            "and single_grouped_weight (2.14; lptrain sets NVTE_GROUPED_LINEAR_SINGLE_PARAM for "
+            "2.15+ and use_grouped_tensor for 2.19+)",
+        section=S,
+    ),
     Rule(
-        "PREC-NVFP4-RHT-BF16", "error",
-        ("precision.backend", "precision.nvfp4_rht", "precision.params_dtype"),
-        _te_only(_te_rht_needs_bf16),
-        "NVFP4 with RHT on Transformer Engine needs bf16 activations, but "
-        "params_dtype={cfg.precision.params_dtype} makes them {cfg.precision.params_dtype}",
-        "set precision.params_dtype=bf16, or precision.nvfp4_rht=false",
-        "backend=te, fp4_format set, nvfp4_rht and params_dtype != bf16",
-        "TE's Hadamard-transform kernels check 'Input tensor must be BF16 tensor'; GPU "
-        "activations follow params_dtype", S),
+        id="PREC-NVFP4-RHT-BF16", severity="error",
+        keys=("precision.backend", "precision.nvfp4_rht", "precision.params_dtype"),
+        when=_te_only(_te_rht_needs_bf16),
+        message="NVFP4 with RHT on Transformer Engine needs bf16 activations, but "
+                "params_dtype={cfg.precision.params_dtype} makes them {cfg.precision.params_dtype}",
+        fix="set precision.params_dtype=bf16, or precision.nvfp4_rht=false",
+        condition="backend=te, fp4_format set, nvfp4_rht and params_dtype != bf16",
+        why="TE's Hadamard-transform kernels check 'Input tensor must be BF16 tensor'; GPU "
+            "activations follow params_dtype",
+        section=S,
+    ),
     Rule(
-        "PREC-TE-NEEDS-CUDA-DEVICE", "error", ("precision.backend", "run.device"),
-        _te_only(_te_device_cpu),
-        "precision.backend=te runs Transformer Engine layers on CUDA, but run.device=cpu",
-        "set run.device=auto (or cuda), or precision.backend=emulated to run on the CPU",
-        "backend=te and run.device=cpu", "TE modules are CUDA-only", S),
+        id="PREC-TE-NEEDS-CUDA-DEVICE", severity="error", keys=("precision.backend", "run.device"),
+        when=_te_only(_te_device_cpu),
+        message="precision.backend=te runs Transformer Engine layers on CUDA, but run.device=cpu",
+        fix="set run.device=auto (or cuda), or precision.backend=emulated to run on the CPU",
+        condition="backend=te and run.device=cpu", why="TE modules are CUDA-only", section=S,
+    ),
     Rule(
-        "PREC-BACKEND-AVAILABLE", "error", ("precision.backend",),
-        _backend_missing,
-        "precision.backend=te but {missing} here",
-        "install it with `pip install -e .[te]` on a CUDA machine (keeps your torch), check for a "
-        "cluster with --target sm90/sm100, or set precision.backend=emulated",
-        "backend=te without CUDA or without an importable Transformer Engine", "", S),
+        id="PREC-BACKEND-AVAILABLE", severity="error", keys=("precision.backend",),
+        when=_backend_missing, message="precision.backend=te but {missing} here",
+        fix="install it with `pip install -e .[te]` on a CUDA machine (keeps your torch), check "
+            "for a cluster with --target sm90/sm100, or set precision.backend=emulated",
+        condition="backend=te without CUDA or without an importable Transformer Engine", section=S,
+    ),
     Rule(
-        "RUN-DEVICE-CUDA", "error", ("run.device",),
-        _cuda_device_missing,
-        "run.device=cuda but there is no CUDA device here",
-        "set run.device=auto (CUDA when available, else CPU) or run.device=cpu, or check for a "
-        "cluster with --target sm90/sm100",
-        "run.device=cuda without a CUDA device", "", S),
+        id="RUN-DEVICE-CUDA", severity="error", keys=("run.device",), when=_cuda_device_missing,
+        message="run.device=cuda but there is no CUDA device here",
+        fix="set run.device=auto (CUDA when available, else CPU) or run.device=cpu, or check for a "
+            "cluster with --target sm90/sm100",
+        condition="run.device=cuda without a CUDA device", section=S,
+    ),
 ]
 

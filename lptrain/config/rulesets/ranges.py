@@ -131,32 +131,38 @@ def _condition(specs: Sequence[Spec]) -> str:
 
 RULES = [
     Rule(
-        "RANGE-MODEL", "error", _keys(MODEL_RANGES),
-        lambda c, w: out_of_range(c, MODEL_RANGES),
-        "model size out of range: {detail}",
-        "use values in the stated ranges (sizes are positive; see `lptrain show-config --explain`)",
-        _condition(MODEL_RANGES),
-        "a zero or negative size fails deep in the model or the data pipeline; the upper bounds "
-        "keep element counts inside int64", S),
+        id="RANGE-MODEL", severity="error", keys=_keys(MODEL_RANGES),
+        when=lambda c, w: out_of_range(c, MODEL_RANGES),
+        message="model size out of range: {detail}",
+        fix="use values in the stated ranges (sizes are positive; see `lptrain show-config "
+            "--explain`)",
+        condition=_condition(MODEL_RANGES),
+        why="a zero or negative size fails deep in the model or the data pipeline; the upper "
+            "bounds keep element counts inside int64",
+        section=S,
+    ),
     Rule(
-        "RANGE-TRAIN", "error", _keys(TRAIN_RANGES),
-        lambda c, w: out_of_range(c, TRAIN_RANGES),
-        "training loop value out of range: {detail}",
-        "use values in the stated ranges (batch sizes >= 1, seeds >= 0)",
-        _condition(TRAIN_RANGES), "a zero batch divides by zero; a negative seed is rejected by "
-        "the random generators", S),
+        id="RANGE-TRAIN", severity="error", keys=_keys(TRAIN_RANGES),
+        when=lambda c, w: out_of_range(c, TRAIN_RANGES),
+        message="training loop value out of range: {detail}",
+        fix="use values in the stated ranges (batch sizes >= 1, seeds >= 0)",
+        condition=_condition(TRAIN_RANGES),
+        why="a zero batch divides by zero; a negative seed is rejected by the random generators",
+        section=S,
+    ),
     Rule(
-        "RANGE-DATA", "error", (*_keys(DATA_RANGES), "data.weights"),
-        _weights_bad,
-        "data setting out of range: {detail}",
-        "use split_valid_fraction in [0, 1), a positive builtin_max_mb, non-negative seed and "
-        "num_workers, and one finite non-negative weight per data.paths entry",
-        _condition(DATA_RANGES) + "; weights: one per dataset, finite, >= 0, not all 0",
-        "otherwise the document split or the blend fails only once data loads", S),
+        id="RANGE-DATA", severity="error", keys=(*_keys(DATA_RANGES), "data.weights"),
+        when=_weights_bad, message="data setting out of range: {detail}",
+        fix="use split_valid_fraction in [0, 1), a positive builtin_max_mb, non-negative seed and "
+            "num_workers, and one finite non-negative weight per data.paths entry",
+        condition=_condition(DATA_RANGES) + "; weights: one per dataset, finite, >= 0, not all 0",
+        why="otherwise the document split or the blend fails only once data loads", section=S,
+    ),
     Rule(
-        "RANGE-PRECISION", "error", _keys(PRECISION_RANGES),
-        lambda c, w: out_of_range(c, PRECISION_RANGES),
-        "precision or Muon scaling value out of range: {detail}",
-        "use values in the stated ranges",
-        _condition(PRECISION_RANGES), "a history of 0 or a negative epsilon breaks the scaling", S),
+        id="RANGE-PRECISION", severity="error", keys=_keys(PRECISION_RANGES),
+        when=lambda c, w: out_of_range(c, PRECISION_RANGES),
+        message="precision or Muon scaling value out of range: {detail}",
+        fix="use values in the stated ranges", condition=_condition(PRECISION_RANGES),
+        why="a history of 0 or a negative epsilon breaks the scaling", section=S,
+    ),
 ]

@@ -157,11 +157,11 @@ def installed(version: str = LATEST) -> Iterator[dict[str, types.ModuleType]]:
     saved_refuse = T.Float8BlockwiseQTensor.refuses_inner_reshape
     T.Float8BlockwiseQTensor.refuses_inner_reshape = _v(version) < (2, 14)
     sys.modules.update(mods)
-    te_adapter._te_grouped_linear_cls.cache_clear()
+    te_adapter.forget_te_classes()
     try:
         yield mods
     finally:
-        te_adapter._te_grouped_linear_cls.cache_clear()
+        te_adapter.forget_te_classes()
         T.Float8BlockwiseQTensor.refuses_inner_reshape = saved_refuse
         M._EMULATED.clear()
         for k, old in saved.items():

@@ -33,8 +33,10 @@ SCANNED = [
     "lptrain/precision/te_adapter.py",
 ]
 ROOT_NAMES = {"__init__", "__post_init__", "add_param_group"}
-# Called from a constructor in another module (build_factory -> resolve_backend).
-EXTRA_ROOTS = {("lptrain/precision/te_adapter.py", "resolve_backend")}
+# Called from a constructor in another module (build_factory -> runtime_backend ->
+# resolve_backend, recipe_from_config -> selected_recipe).
+EXTRA_ROOTS = {("lptrain/precision/te_adapter.py", "resolve_backend"),
+               ("lptrain/precision/recipes.py", "selected_recipe")}
 
 
 def _snippet(exc: ast.expr) -> str:
@@ -274,11 +276,11 @@ SITES: dict[str, ByRule | NotConfig] = {
     # precision
     "lptrain/precision/factory.py::params_dtype_of::ValueError: precision.params_dtype must be one of {}, g":
         ByRule("PREC-CHOICES", ("precision.params_dtype=fp64",), build=_cpu_build),
-    "lptrain/precision/factory.py::recipe_from_config::ValueError: precision.fp8_recipe must be delayed, tensorw":
+    "lptrain/precision/recipes.py::selected_recipe::ValueError: precision.fp8_recipe must be {}, got {}":
         ByRule("PREC-CHOICES", (*E4M3, "precision.fp8_recipe=mxfp88"), build=_recipe),
-    "lptrain/precision/factory.py::recipe_from_config::ValueError: precision.fp4_format/fp4_recipe: only e2m1/n":
+    "lptrain/precision/recipes.py::selected_recipe::ValueError: precision.fp4_format/fp4_recipe: only {} is":
         ByRule("PREC-CHOICES", ("precision.fp4_format=e3m0",), build=_recipe),
-    "lptrain/precision/recipes.py::DelayedScaling.__post_init__::ValueError: amax_compute_algo must be 'max' or 'most_r":
+    "lptrain/precision/recipes.py::DelayedScaling.__post_init__::ValueError: amax_compute_algo must be {}, got {}":
         ByRule("PREC-CHOICES", (*E4M3, "precision.fp8_amax_compute_algo=mean"), build=_recipe),
     "lptrain/precision/recipes.py::DelayedScalingState.__post_init__::ValueError: amax_history_len must be >= 1":
         ByRule("RANGE-PRECISION", (*E4M3, "precision.fp8_amax_history_len=0"),
@@ -292,8 +294,10 @@ SITES: dict[str, ByRule | NotConfig] = {
     "lptrain/precision/te_adapter.py::resolve_backend::BackendUnavailableError: precision.backend=te needs Transformer":
         ByRule("PREC-BACKEND-AVAILABLE", ("precision.backend=te",),
                World(dp=1, target="sm90", te_version=None, cuda=True)),
-    "lptrain/precision/te_adapter.py::resolve_backend::ValueError: precision.backend must be auto, te or emula":
+    "lptrain/precision/te_adapter.py::resolve_backend::ValueError: precision.backend must be {}, got {}":
         ByRule("PREC-CHOICES", ("precision.backend=tensorrt",)),
+    "lptrain/precision/te_adapter.py::resolve_backend::ValueError: precision.backend=auto is resolved by lptr":
+        NotConfig("runtime_backend resolves auto (through derive) before it calls resolve_backend"),
 }
 
 

@@ -106,10 +106,10 @@ def test_sqrtsoftplus_scores_probs_and_aux_loss_hand_computed() -> None:
 
 
 def test_router_score_functions_are_the_rule_catalog_s() -> None:
-    from lptrain.config import rules
+    from lptrain.config import rules, schema
     from lptrain.model.moe import router
 
-    assert router.SCORE_FUNCTIONS == rules.SCORE_FUNCTIONS
+    assert router.SCORE_FUNCTIONS == schema.SCORE_FUNCTIONS
     assert tuple(router.INDEPENDENT_SCORES) == rules.INDEPENDENT_SCORE_FUNCTIONS
 
 

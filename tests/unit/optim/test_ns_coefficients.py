@@ -8,14 +8,14 @@ import math
 import pytest
 import torch
 
-from lptrain.optim.muon import Muon, orthogonalize
-from lptrain.optim.newton_schulz import coefficients_per_step, newton_schulz
-from lptrain.optim.ns_coefficients import (
+from lptrain.catalog.muon_scaling import SCALE_MODES, muon_scale, update_rms
+from lptrain.catalog.ns_coefficients import (
     COEFFICIENT_SETS,
     SINGULAR_VALUE_BANDS,
     ns_steps_problem,
 )
-from lptrain.optim.scaling import SCALE_MODES, muon_scale, update_rms
+from lptrain.optim.muon import Muon, orthogonalize
+from lptrain.optim.newton_schulz import coefficients_per_step, newton_schulz
 
 SHAPES = [(32, 64), (64, 32), (48, 48)]  # wide, tall, square
 

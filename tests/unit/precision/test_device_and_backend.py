@@ -23,7 +23,7 @@ from lptrain.config.schema import LPTrainConfig, PrecisionConfig
 from lptrain.errors import DeviceError
 from lptrain.model.build import build_model, compute_dtype_for, resolve_device
 from lptrain.precision import te_adapter
-from lptrain.precision.factory import build_factory
+from lptrain.precision.factory import build_factory, runtime_backend
 from lptrain.precision.layers import LayerFactory
 from lptrain.precision.params import attach_main_grads, fused_wgrad_weights, master_weight_init
 
@@ -143,7 +143,7 @@ def test_auto_backend_on_a_cpu_device_of_a_gpu_host_is_emulated() -> None:
 @pytest.mark.parametrize(("recipe", "expected"), [(None, "emulated"), ("tensorwise", "te"), ("mxfp8", "emulated")])
 def test_runtime_auto_uses_the_machines_world(monkeypatch: pytest.MonkeyPatch, recipe: Any,
                                               expected: str) -> None:
-    """``build_factory`` on an underived config asks the same question with World.detect()."""
+    """``build_factory`` on an underived config asks ``derive`` with World.detect()."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(te_adapter, "te_available", lambda: True)
     monkeypatch.setattr(World, "detect", classmethod(
@@ -151,7 +151,7 @@ def test_runtime_auto_uses_the_machines_world(monkeypatch: pytest.MonkeyPatch, r
     prec = PrecisionConfig(backend="auto", params_dtype="bf16")
     if recipe is not None:
         prec = dataclasses.replace(prec, fp8_format="e4m3", fp8_recipe=recipe)
-    assert te_adapter.resolve_backend("auto", prec) == expected
+    assert runtime_backend(prec) == expected
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA fallback")

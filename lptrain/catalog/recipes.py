@@ -1,0 +1,152 @@
+"""The quantized-GEMM recipe catalog: one :class:`RecipeSpec` per recipe, torch-free.
+
+Every per-recipe fact that more than one package needs lives in its entry:
+
+* the configuration reads the allowed values of ``precision.fp8_recipe`` / ``fp4_recipe`` and
+  of the format keys (``lptrain.config.schema``), the GEMM alignment, the Transformer Engine
+  support facts (minimum and excluded compute capabilities, TE and CUDA versions) and which
+  precision keys a recipe reads (``amax_history``, ``current_amax``) for its rules and for
+  the ``docs/rules.md`` page;
+* the precision package resolves ``emulated_recipe_class`` in ``lptrain.precision.recipes``
+  (whose classes take their alignments from here), builds the recipe from the config by these
+  flags, and builds Transformer Engine's ``te_recipe_class`` with ``te_fields``.
+
+Adding a recipe is one entry here plus its emulated recipe class and quantizer in
+``lptrain.precision``. Rules about one named recipe's own limits (MXFP8's grad-buffer reuse
+and its sm120 exclusion, the E4M3 advice for MXFP8 and blockwise, the recipes that the compact
+layer-wise gather and the single grouped expert weight support) name that recipe; a new
+recipe is outside their allowed sets, so those paths refuse it until its support is written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+Family = Literal["fp8", "fp4"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class FormatFamily:
+    """An element-format family: the two config keys that turn one of its recipes on."""
+
+    name: Family
+    format_key: str  # null = off, else the element format
+    recipe_key: str  # which recipe of the family runs
+    # The key an error about the family's recipe names: what a user sets to select it (the
+    # recipe for FP8; the format for FP4, whose recipe key has one value and a default).
+    selected_by: str
+
+
+FAMILIES: dict[str, FormatFamily] = {
+    "fp8": FormatFamily(name="fp8", format_key="precision.fp8_format",
+                        recipe_key="precision.fp8_recipe", selected_by="precision.fp8_recipe"),
+    "fp4": FormatFamily(name="fp4", format_key="precision.fp4_format",
+                        recipe_key="precision.fp4_recipe", selected_by="precision.fp4_format"),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecipeSpec:
+    """One quantized-GEMM recipe: what selects it, what it needs, and what runs it."""
+
+    name: str  # the value of its family's recipe key
+    family: Family
+    formats: tuple[str, ...]  # values of the family's format key it runs with
+    alignment: int  # every quantized GEMM dimension is a multiple of it (whole blocks)
+    grouped_alignment: int  # each expert's token count in a grouped GEMM is padded to it
+    min_sm: int  # oldest compute capability Transformer Engine runs it on (x10: sm90 = 90)
+    unsupported_from_sm: Optional[int] = None  # TE refuses it from this compute capability on
+    min_te: str  # first TE release with ``te_recipe_class``
+    min_te_from_sm: tuple[tuple[int, str], ...] = ()  # (sm, version): from sm on, TE >= version
+    min_cuda: Optional[str] = None  # CUDA version TE's GEMMs for it need (torch/TE build)
+    te_recipe_class: str  # in ``transformer_engine.common.recipe``
+    # Fields of the emulated recipe that TE's class takes under the same names (beyond
+    # ``fp8_format``, which every FP8 recipe passes as TE's Format enum).
+    te_fields: tuple[str, ...] = ()
+    # TE attribute holding the power-of-2 scale choice of a current-amax recipe; None: only
+    # the class QParams hold it (TE 2.8 added ``Float8CurrentScaling.use_power_2_scales``).
+    te_power_2_attr: Optional[str] = None
+    emulated_recipe_class: str  # in ``lptrain.precision.recipes``
+    # Delayed scaling: the scale comes from an amax history one step late, so the recipe
+    # reads fp8_margin, fp8_amax_history_len and fp8_amax_compute_algo and keeps state.
+    amax_history: bool = False
+    # The scale divides by this tensor's own amax, so ``precision.amax_epsilon`` applies (on
+    # TE through the recipe's QParams).
+    current_amax: bool = False
+
+    @property
+    def keys(self) -> FormatFamily:
+        return FAMILIES[self.family]
+
+
+_FP8 = ("e4m3", "hybrid")
+
+RECIPES: tuple[RecipeSpec, ...] = (
+    RecipeSpec(
+        name="delayed", family="fp8", formats=_FP8, alignment=16, grouped_alignment=16,
+        min_sm=89, min_te="2.2", te_recipe_class="DelayedScaling",
+        te_fields=("margin", "amax_history_len", "amax_compute_algo"),
+        emulated_recipe_class="DelayedScaling", amax_history=True,
+    ),
+    RecipeSpec(
+        name="tensorwise", family="fp8", formats=_FP8, alignment=16, grouped_alignment=16,
+        min_sm=89, min_te="2.2", te_recipe_class="Float8CurrentScaling",
+        te_power_2_attr="use_power_2_scales", emulated_recipe_class="TensorwiseScaling",
+        current_amax=True,
+    ),
+    RecipeSpec(
+        # TE 2.3-2.8 run Float8BlockScaling on Hopper only; 2.9 adds Blackwell (through MXFP8
+        # GEMMs). Its GEMMs need a CUDA 12.9+ build (TE's block-scaling check).
+        name="blockwise", family="fp8", formats=_FP8, alignment=16, grouped_alignment=16,
+        min_sm=90, min_te="2.3", min_te_from_sm=((100, "2.9"),), min_cuda="12.9",
+        te_recipe_class="Float8BlockScaling", emulated_recipe_class="BlockwiseScaling",
+        current_amax=True,
+    ),
+    RecipeSpec(
+        # TE refuses MXFP8 from compute capability 12.0 on ("not supported on 12.0+
+        # architectures").
+        name="mxfp8", family="fp8", formats=_FP8, alignment=32, grouped_alignment=32,
+        min_sm=100, unsupported_from_sm=120, min_te="2.2", te_recipe_class="MXFP8BlockScaling",
+        emulated_recipe_class="MXFP8Scaling",
+    ),
+    RecipeSpec(
+        name="nvfp4", family="fp4", formats=("e2m1",), alignment=32, grouped_alignment=128,
+        min_sm=100, min_te="2.8", te_recipe_class="NVFP4BlockScaling",
+        te_fields=("disable_rht", "disable_stochastic_rounding", "disable_2d_quantization"),
+        emulated_recipe_class="NVFP4Scaling",
+    ),
+)
+
+# Transformer Engine facts that are not per recipe, from TE's release history (checked against
+# its v2.0-v2.19 sources). TE_MIN_VERSION: the oldest TE lptrain's adapter is written for
+# (QParams, Float8CurrentScaling). The first release of each recipe class is its ``min_te``:
+# Float8CurrentScaling 2.2, Float8BlockScaling 2.3, NVFP4BlockScaling 2.8 (DelayedScaling and
+# MXFP8BlockScaling predate 2.2).
+TE_MIN_VERSION = "2.2"
+# GroupedLinear applies the recipe's amax_epsilon (QParams) from 2.3; Linear already in 2.2.
+GROUPED_AMAX_EPSILON_MIN_TE = "2.3"
+# GroupedLinear(single_grouped_weight=...) appears in 2.14; from 2.15 it is honoured only with
+# NVTE_GROUPED_LINEAR_SINGLE_PARAM=1 at construction, and from 2.19 only with
+# use_grouped_tensor=True (the TE adapter sets both).
+SINGLE_GROUPED_WEIGHT_MIN_TE = "2.14"
+
+
+def recipe(name: Optional[str]) -> Optional[RecipeSpec]:
+    """The entry named ``name`` (recipe names are unique across families), or None."""
+    return next((r for r in RECIPES if r.name == name), None)
+
+
+def recipes_of(family: Family) -> tuple[RecipeSpec, ...]:
+    """The entries of one family, in catalog order."""
+    return tuple(r for r in RECIPES if r.family == family)
+
+
+def recipe_names(family: Family) -> tuple[str, ...]:
+    """The allowed values of the family's recipe key, in catalog order."""
+    return tuple(r.name for r in recipes_of(family))
+
+
+def family_formats(family: Family) -> tuple[str, ...]:
+    """The element formats of the family's recipes, in order of first appearance."""
+    return tuple(dict.fromkeys(f for r in recipes_of(family) for f in r.formats))
