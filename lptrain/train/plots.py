@@ -1,4 +1,4 @@
-"""PNG plots of a run folder (``lptrain plot RUN_DIR``, see :mod:`lptrain.plot_command`; also
+"""PNG plots of a run folder (``lptrain plot RUN_DIR``, see :mod:`lptrain.cli.plot`; also
 written at the end of a run).
 
 Read from ``metrics.jsonl`` (and ``summary.json`` for the memory breakdown), so a run killed
