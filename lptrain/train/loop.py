@@ -31,7 +31,6 @@ from lptrain.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from lptrain.config import World, derive
 from lptrain.config.render import config_yaml
 from lptrain.config.schema import LPTrainConfig
-from lptrain.data import build_train_valid_loaders
 from lptrain.data.loader import BatchIterator, data_state, load_data_state
 from lptrain.model.flops import flops_per_token
 from lptrain.train.console import LogWindow, RunLog
@@ -85,7 +84,12 @@ def _check_init_from_hf(cfg: LPTrainConfig, plan: RunPlan) -> Optional[Architect
 
 
 def _open_data(cfg: LPTrainConfig, engine: TrainEngine) -> Loaders:
-    """This rank's ``(train, valid)`` loaders; ``valid`` is None without a validation split."""
+    """This rank's ``(train, valid)`` loaders; ``valid`` is None without a validation split.
+
+    ``build_train_valid_loaders`` is looked up on :mod:`lptrain.data` at call time: the
+    multi-rank resume tests wrap it there to record every sample position a rank reads."""
+    from lptrain.data import build_train_valid_loaders
+
     t = cfg.train
     return build_train_valid_loaders(
         cfg.data, seq_length=cfg.model.seq_length, micro_batch_size=t.micro_batch_size,
