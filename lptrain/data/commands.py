@@ -1,4 +1,4 @@
-"""The ``prepare-data`` CLI command; ``lptrain.cli`` calls :func:`register`.
+"""The ``prepare-data`` CLI command; ``lptrain.cli.app`` calls :func:`register`.
 
 Importing this module stays light (typer only): numpy, tokenizers and the pipeline modules
 are imported inside the command.

@@ -1,6 +1,6 @@
-"""The ``export`` CLI command; ``lptrain.cli`` calls :func:`register`.
+"""The ``export`` CLI command; ``lptrain.cli.app`` calls :func:`register`.
 
-Errors go through the CLI's one error surface (``lptrain.cli_errors``): an unusable source,
+Errors go through the CLI's one error surface (:mod:`lptrain.cli.errors`): an unusable source,
 a model without a Hugging Face architecture or an occupied output folder is one
 ``error: ...`` line and exit status 2. Importing this module stays light (typer only).
 """

@@ -1,4 +1,5 @@
-"""``lptrain slurm``: validate a recipe for a SLURM allocation, then render and submit its sbatch script.
+"""SLURM jobs: render and submit the sbatch script that ``lptrain slurm`` (:mod:`lptrain.cli.slurm`)
+asks for once the recipe is valid for the allocation.
 
 One function, :func:`render`, writes every script: the job-specific one that ``lptrain slurm``
 submits (recipe, node count, output folder and overrides filled in) and the hand-editable
@@ -29,12 +30,10 @@ What the script does, and why:
 Importing this module stays light (typer only), like every CLI command module.
 """
 
-import contextlib
 import re
 import shlex
 import shutil
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -290,7 +289,7 @@ def submit(script: Path) -> str:
     return job_id
 
 
-def _launch_violations(cfg, world_size: int) -> list:  # -> list[Violation]
+def launch_violations(cfg, world_size: int) -> list:  # -> list[Violation]
     """Checks the catalog leaves to the launcher: the catalog's LAUNCH-EP-DIVIDES-WORLD
     (lptrain.config.rulesets.ep) skips a one-rank world (how recipes are checked from a
     laptop), but a one-GPU job is a real one-rank world."""
@@ -305,106 +304,3 @@ def _launch_violations(cfg, world_size: int) -> list:  # -> list[Violation]
             f"choose --nodes/--gpus-per-node so that {ep} divides their product, or set "
             "model.moe.expert_model_parallel_size to a divisor of it")]
     return []
-
-
-def register(app: typer.Typer) -> None:
-    """Add ``slurm`` to ``app``.
-
-    No ``from __future__ import annotations`` in this module: typer reads the command's
-    annotations at registration, and ``Target`` is only in scope here.
-    """
-    from lptrain.cli import RECIPE_HELP, Target
-
-    @app.command("slurm")
-    def slurm(
-        overrides: Optional[list[str]] = typer.Argument(
-            None, help="Overrides as dotted key=value, validated now and passed to pretrain.",
-            show_default=False),
-        recipe: Optional[str] = typer.Option(None, "--recipe", "-r", help=RECIPE_HELP),
-        nodes: int = typer.Option(1, "--nodes", "-N", min=1, help="Nodes to allocate."),
-        gpus_per_node: int = typer.Option(
-            8, "--gpus-per-node", "-G", min=1, help="GPUs (= training processes) per node."),
-        partition: Optional[str] = typer.Option(None, "--partition", "-p", help="SLURM partition."),
-        time: Optional[str] = typer.Option(None, "--time", "-t", help="Time limit, e.g. 04:00:00."),
-        account: Optional[str] = typer.Option(None, "--account", "-A", help="SLURM account."),
-        container: Optional[str] = typer.Option(
-            None, "--container", help="Run inside this image (pyxis srun --container-image)."),
-        output_dir: Optional[str] = typer.Option(
-            None, "--output-dir", "-o", help="Run folder (default: run.output_dir of the recipe); "
-            "a requeued or resubmitted job resumes from it."),
-        target: Optional[Target] = typer.Option(
-            None, "--target", case_sensitive=False,
-            help="Hardware to validate for (default: the recipe's meta.target)."),
-        signal_lead: int = typer.Option(
-            DEFAULT_SIGNAL_LEAD_S, "--signal-lead", min=10,
-            help="Seconds before the time limit at which lptrain checkpoints and stops."),
-        dry_run: bool = typer.Option(False, "--dry-run", help="Print the script; submit nothing."),
-        template: bool = typer.Option(
-            False, "--template", help="Print the hand-editable scripts/slurm/pretrain.sbatch."),
-    ) -> None:
-        """Validate a recipe for NODES x GPUS ranks, then render and submit its sbatch script.
-
-        Exit status: 0 submitted (or printed), 1 rule errors for that world (nothing is
-        rendered), 2 unreadable input or sbatch missing/refusing the job.
-        """
-        from lptrain.cli import _load, _report
-        from lptrain.config.check import check, has_errors
-        from lptrain.config.world import World
-
-        if template:
-            typer.echo(render_template(signal_lead), nl=False)
-            return
-        if recipe is None:
-            typer.echo("error: --recipe is required (or --template for the generic script)",
-                       err=True)
-            raise typer.Exit(2)
-        for flag, value in (("--partition", partition), ("--time", time), ("--account", account)):
-            if value is not None and not re.fullmatch(r"[\w.:,+@-]+", value):
-                typer.echo(f"error: {flag} {value!r}: #SBATCH lines take no spaces, quotes or "
-                           "shell characters", err=True)
-                raise typer.Exit(2)
-        user_overrides = list(overrides or [])
-        all_overrides = user_overrides + ([f"run.output_dir={output_dir}"] if output_dir else [])
-        composed = _load(recipe, all_overrides)
-        tgt = target.value if target else composed.meta.target
-        if tgt is None:
-            typer.echo(f"error: {recipe}: no meta.target in the recipe; pass --target "
-                       "{cpu,sm89,sm90,sm100}", err=True)
-            raise typer.Exit(2)
-        out = Path(composed.cfg.run.output_dir).expanduser().absolute()
-        if re.search(r"[\s\"'$`\\]", str(out)):
-            typer.echo(f"error: run folder '{out}' has whitespace, quotes, '$' or backslashes, "
-                       "which #SBATCH lines cannot carry; choose another --output-dir", err=True)
-            raise typer.Exit(2)
-        world_size = nodes * gpus_per_node
-        # No tensor/pipeline/context parallelism: every rank is a data-parallel rank, and
-        # expert parallelism splits the experts inside that data-parallel group.
-        world = World.detect(dp=world_size, target=tgt)
-        violations = check(composed.cfg, world) + _launch_violations(composed.cfg, world_size)
-        if violations:  # the validate-config table, on stderr: stdout is the script
-            with contextlib.redirect_stdout(sys.stderr):
-                _report(violations, Path(recipe).name, world, as_json=False)
-        if has_errors(violations):
-            typer.echo("not rendered: fix the errors above for this world", err=True)
-            raise typer.Exit(1)
-
-        recipe_arg = str(Path(recipe).expanduser().absolute()) if "/" in recipe else recipe
-        job = SlurmJob(
-            recipe=recipe_arg, nodes=nodes, gpus_per_node=gpus_per_node, output_dir=str(out),
-            overrides=tuple(user_overrides), gpu=tgt != "cpu",
-            job_name=re.sub(r"[^A-Za-z0-9_.-]", "_", f"lptrain-{composed.cfg.run.name}"), partition=partition, time=time,
-            account=account, container=container, signal_lead_s=signal_lead)
-        if not composed.cfg.checkpoint.save:
-            typer.echo("note: checkpoint.save is not set, so a preempted or requeued job restarts "
-                       "from step 0; set checkpoint.save=${run.output_dir}/checkpoints to resume",
-                       err=True)
-        text = render(job)
-        if dry_run:
-            typer.echo(text, nl=False)
-            return
-        path = script_path(job)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-        job_id = submit(path)
-        typer.echo(f"submitted job {job_id} ({nodes} node(s) x {gpus_per_node}); script {path}; "
-                   f"logs in {path.parent / 'logs'}")

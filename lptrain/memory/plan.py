@@ -6,7 +6,7 @@ device (no memory, any size) -- :func:`lptrain.distributed.layout.param_specs` /
 :mod:`lptrain.optim.layerwise`), the same bucket padding, the same shard ranges -- and sizes
 quantized primary weights through the :class:`~lptrain.precision.tensors.QuantizedTensor`
 interface (``nbytes()`` of a tensor the run's own weight quantizer produced), so
-``tests/unit/test_estimate_memory.py`` can hold every persistent category to 1% of a real
+``tests/unit/memory/test_estimate_memory.py`` can hold every persistent category to 1% of a real
 CPU engine.
 
 Categories (bytes on one rank; ``ranks`` holds every rank, ``worst`` the largest):

@@ -80,9 +80,6 @@ class RankFailure:
     traceback: str
     wall_time: float  # time.time() when the failure was caught (orders the failures)
 
-    def headline(self) -> str:
-        return f"rank {self.rank}: {self.exc_type}: {self.message}"
-
 
 class DistributedTestError(RuntimeError):
     """Base error of :func:`run_distributed`; ``failures`` lists every rank that failed,

@@ -1,110 +1,123 @@
 """The train-eval-checkpoint loop: *when* things happen. *How* a step is done is the engine's
 (:class:`lptrain.train.engine.TrainEngine`, same code at one rank or many).
 
-One run: output-folder policy (:mod:`~lptrain.train.run_dir`: resume / refuse / fresh, nothing
-written yet) -> engine -> this rank's data loaders -> resume (newest valid checkpoint, falling
-back past incomplete or corrupt ones and saying so) -> the folder is claimed (overwrite applied,
-metrics trimmed to the resumed step, ``resolved_config.yaml``) -> steps. After each step:
-metrics line (flushed), console line every ``train.log_interval``, eval every
-``train.eval_interval`` and at the last step, save every ``checkpoint.save_interval``, then the
-stop checks (signal, ``train.exit_interval`` steps in this job, ``train.exit_duration_mins``),
-each of which saves before leaving. Eval and save go through ``engine.params_synced()`` and
-change no training state, so a run with them is bitwise the run without them.
+:func:`pretrain` is a sequence of named steps:
 
-Only the main rank writes files or prints; every rank takes part in saves and stop decisions.
-Steps are counted from 1 everywhere (metrics, messages, checkpoint names).
+1. plan the output folder (:mod:`~lptrain.train.run_dir`: resume / refuse / fresh, nothing
+   written yet) and check ``checkpoint.init_from_hf``;
+2. build the engine and open this rank's data loaders;
+3. :func:`_restore`: the newest valid checkpoint (falling back past incomplete or corrupt
+   ones and saying so), or the Hugging Face weights;
+4. :func:`_claim` the folder (overwrite applied, metrics trimmed to the resumed step,
+   ``resolved_config.yaml``);
+5. :class:`_Job` trains: after each step the metrics line (flushed), the console line, eval,
+   save and stop, each decided by a policy of :mod:`~lptrain.train.policies` (a stop saves
+   before leaving); on every way out, :meth:`_Job.finish` writes the summary and plots.
+
+Eval and save go through ``engine.params_synced()`` and change no training state, so a run
+with them is bitwise the run without them. Only the main rank writes files or prints; every
+rank takes part in saves and stop decisions. Steps are counted from 1 everywhere (metrics,
+messages, checkpoint names).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import secrets
-import signal
-import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Optional
 
+from lptrain.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from lptrain.config import World, derive
+from lptrain.config.render import config_yaml
 from lptrain.config.schema import LPTrainConfig
-from lptrain.train.engine import StepResult, TrainEngine, TrainingDivergedError
-from lptrain.train.signals import StopWatcher, TrainingInterrupted, signal_name
+from lptrain.data.loader import BatchIterator, data_state, load_data_state
+from lptrain.model.flops import flops_per_token
+from lptrain.train.console import LogWindow, RunLog
+from lptrain.train.engine import TrainEngine, TrainingDivergedError
+from lptrain.train.metrics import StepMeter, compute_class, format_log_line, peak_flops
+from lptrain.train.outputs import RunOutputs
+from lptrain.train.policies import EvalPolicy, LogPolicy, SavePolicy, StopPolicy, StopReason
+from lptrain.train.run_dir import RunPlan, plan_run, rebase_on_output_dir, start_run
+from lptrain.train.signals import StopWatcher, TrainingInterrupted
+from lptrain.train.summary import JobState, RunSummary
+
+if TYPE_CHECKING:
+    from lptrain.interop.hf_arch import Architecture
 
 __all__ = ["TrainingDivergedError", "TrainingInterrupted", "pretrain"]
 
-
-class _Log:
-    """Console output of the main rank: a rich progress bar on a terminal, plain lines else."""
-
-    def __init__(self, main: bool, cfg: LPTrainConfig) -> None:
-        self.main = main
-        self.tty = sys.stdout.isatty()
-        self.progress: Any = None
-        self.task: Any = None
-        if main and cfg.logging.progress and self.tty:
-            from rich.progress import (
-                BarColumn,
-                Progress,
-                TextColumn,
-                TimeElapsedColumn,
-                TimeRemainingColumn,
-            )
-
-            self.progress = Progress(
-                TextColumn("[progress.description]{task.description}"), BarColumn(),
-                TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
-                TimeRemainingColumn(),
-            )
-
-    def start(self, done: int, total: int) -> None:
-        if self.progress is not None:
-            self.progress.start()
-            self.task = self.progress.add_task("training", total=total, completed=done)
-
-    def advance(self, loss: float | None) -> None:
-        if self.progress is not None:
-            desc = f"training loss {loss:.3f}" if loss is not None else "training"
-            self.progress.update(self.task, advance=1, description=desc)
-
-    def line(self, text: str) -> None:
-        if not self.main:
-            return
-        if self.progress is not None:
-            self.progress.console.print(text, markup=False, highlight=False)
-        else:
-            print(text, flush=True)
-
-    def stop(self) -> None:
-        if self.progress is not None:
-            self.progress.stop()
-            self.progress = None
+Loaders = tuple[BatchIterator, Optional[BatchIterator]]  # (train, valid: None without a split)
 
 
-def _start_wandb(cfg: LPTrainConfig, out: Path, run_id: str | None) -> Any:
-    """A W&B run when ``logging.wandb`` is on (offline by default); reuses ``run_id`` on resume."""
-    if not cfg.logging.wandb:
+def pretrain(cfg: LPTrainConfig, output_dir: str | Path, *, overwrite: bool = False) -> dict[str, Any]:
+    """Train (or resume) into ``output_dir``; returns the summary (also ``summary.json``).
+
+    Raises :class:`~lptrain.train.run_dir.RunDirRefused` for a folder it must not touch,
+    :class:`TrainingDivergedError` on a non-finite step with ``train.on_nonfinite=stop`` and
+    :class:`TrainingInterrupted` (a ``SystemExit``: 143 or 130) after a signal.
+    """
+    cfg = derive(cfg, World.detect())  # idempotent: the CLI already derived; direct callers may not
+    out = Path(output_dir)
+    cfg = rebase_on_output_dir(cfg, out)
+    plan = plan_run(cfg, out, overwrite)
+    hf_arch = _check_init_from_hf(cfg, plan)
+    engine = TrainEngine(cfg)
+    log = RunLog(engine.is_main, cfg)
+    for note in plan.notes:
+        log.line(f"warning: skipping checkpoint {note}")
+    loaders = _open_data(cfg, engine)
+    train_state = _restore(cfg, engine, plan, loaders, hf_arch, log)
+    resolved = config_yaml(cfg)
+    _claim(plan, cfg, int(train_state.get("iteration", 0)), resolved, engine.is_main)
+    return _Job(cfg, out, engine, log, loaders, train_state, resolved).run()
+
+
+def _check_init_from_hf(cfg: LPTrainConfig, plan: RunPlan) -> Optional[Architecture]:
+    """The architecture of ``checkpoint.init_from_hf`` when a fresh run will read it; checked
+    before the engine is built (one line, exit 2). A resumed run does not read it."""
+    if not cfg.checkpoint.init_from_hf or plan.candidates:
         return None
-    import wandb
+    from lptrain.interop.hf_import import check_init_from_hf
 
-    return wandb.init(
-        project=cfg.logging.wandb_project, name=cfg.run.name, mode=cfg.logging.wandb_mode,
-        dir=str(out), config=dataclasses.asdict(cfg), id=run_id or secrets.token_hex(4),
-        resume="allow",
+    return check_init_from_hf(cfg)
+
+
+def _open_data(cfg: LPTrainConfig, engine: TrainEngine) -> Loaders:
+    """This rank's ``(train, valid)`` loaders; ``valid`` is None without a validation split.
+
+    ``build_train_valid_loaders`` is looked up on :mod:`lptrain.data` at call time: the
+    multi-rank resume tests wrap it there to record every sample position a rank reads."""
+    from lptrain.data import build_train_valid_loaders
+
+    t = cfg.train
+    return build_train_valid_loaders(
+        cfg.data, seq_length=cfg.model.seq_length, micro_batch_size=t.micro_batch_size,
+        global_batch_size=t.global_batch_size, dp_rank=engine.dp_rank, dp_size=engine.dp_size,
+        vocab_size=cfg.model.vocab_size,
     )
 
 
-def _barrier() -> None:
-    import torch.distributed as dist
+def _restore(cfg: LPTrainConfig, engine: TrainEngine, plan: RunPlan, loaders: Loaders,
+             hf_arch: Optional[Architecture], log: RunLog) -> dict[str, Any]:
+    """Resume from the plan's checkpoints (engine and data positions), or start from the
+    Hugging Face weights; returns the checkpoint's train state (empty for a fresh run)."""
+    if plan.candidates:
+        train_state = _resume(engine, plan.candidates, log)
+        load_data_state(train_state["data"], *loaders)
+        if cfg.checkpoint.init_from_hf:
+            log.line(f"note: checkpoint.init_from_hf={cfg.checkpoint.init_from_hf} not read: the "
+                     "run resumes from its own checkpoint (its weights started from that folder)")
+        return train_state
+    if hf_arch is not None:
+        from lptrain.interop.hf_import import init_engine_from_hf
 
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+        log.line(init_engine_from_hf(engine, cfg, hf_arch))
+    return {}
 
 
-def _resume(engine: TrainEngine, candidates: list[Path], log: _Log) -> dict[str, Any]:
+def _resume(engine: TrainEngine, candidates: list[Path], log: RunLog) -> dict[str, Any]:
     """Load the newest loadable checkpoint into the engine; returns its train state."""
-    from lptrain.checkpoint import CheckpointError, load_checkpoint
-
     failures = []
     for i, folder in enumerate(candidates):
         try:
@@ -124,245 +137,168 @@ def _resume(engine: TrainEngine, candidates: list[Path], log: _Log) -> dict[str,
     raise CheckpointError("no checkpoint could be loaded: " + "; ".join(failures))
 
 
-def pretrain(cfg: LPTrainConfig, output_dir: str | Path, *, overwrite: bool = False) -> dict[str, Any]:
-    """Train (or resume) into ``output_dir``; returns the summary (also ``summary.json``).
-
-    Raises :class:`~lptrain.train.run_dir.RunDirRefused` for a folder it must not touch,
-    :class:`TrainingDivergedError` on a non-finite step with ``train.on_nonfinite=stop`` and
-    :class:`TrainingInterrupted` (a ``SystemExit``: 143 or 130) after a signal.
-    """
-    from lptrain.checkpoint import save_checkpoint
-    from lptrain.config.render import config_yaml
-    from lptrain.data import build_train_valid_loaders
-    from lptrain.data.loader import data_state, load_data_state
-    from lptrain.model.flops import flops_per_token
-    from lptrain.train.metrics import (
-        MetricsWriter,
-        compute_class,
-        finite_or_none,
-        format_log_line,
-        memory_gib,
-        peak_flops,
-    )
-    from lptrain.train.run_dir import plan_run, rebase_on_output_dir, start_run
-
-    cfg = derive(cfg, World.detect())  # idempotent: the CLI already derived; direct callers may not
-    out = Path(output_dir)
-    cfg = rebase_on_output_dir(cfg, out)
-    t, ck = cfg.train, cfg.checkpoint
-    plan = plan_run(cfg, out, overwrite)
-    hf_arch = None
-    if ck.init_from_hf and not plan.candidates:  # checked (one line, exit 2) before the engine
-        from lptrain.interop.hf_import import check_init_from_hf
-
-        hf_arch = check_init_from_hf(cfg)
-    engine = TrainEngine(cfg)
-    main = engine.is_main
-    log = _Log(main, cfg)
-    for note in plan.notes:
-        log.line(f"warning: skipping checkpoint {note}")
-    train_it, valid_it = build_train_valid_loaders(
-        cfg.data, seq_length=cfg.model.seq_length, micro_batch_size=t.micro_batch_size,
-        global_batch_size=t.global_batch_size, dp_rank=engine.dp_rank, dp_size=engine.dp_size,
-        vocab_size=cfg.model.vocab_size,
-    )
-    train_state: dict[str, Any] = {}
-    if plan.candidates:
-        train_state = _resume(engine, plan.candidates, log)
-        load_data_state(train_state["data"], train_it, valid_it)
-        if ck.init_from_hf:
-            log.line(f"note: checkpoint.init_from_hf={ck.init_from_hf} not read: the run resumes "
-                     "from its own checkpoint (its weights started from that folder)")
-    elif hf_arch is not None:
-        from lptrain.interop.hf_import import init_engine_from_hf
-
-        log.line(init_engine_from_hf(engine, cfg, hf_arch))
-    start_iter = int(train_state.get("iteration", 0))
-    resolved = config_yaml(cfg)
-    # Every rank has planned (read the folder) before the main rank claims it; without this a
-    # slow rank would see the fresh metrics.jsonl of its own run and refuse the folder.
+def _claim(plan: RunPlan, cfg: LPTrainConfig, start_iter: int, resolved: str, main: bool) -> None:
+    """The main rank takes the folder (:func:`~lptrain.train.run_dir.start_run`). Every rank
+    has planned (read the folder) before: without the barrier a slow rank would see the
+    fresh metrics.jsonl of its own run and refuse the folder."""
     _barrier()
     if main:
         start_run(plan, cfg, start_iter, resolved)
 
-    num_micro = t.global_batch_size // (t.micro_batch_size * engine.dp_size)
-    tokens_per_step = t.global_batch_size * cfg.model.seq_length
-    eval_on = valid_it is not None and t.eval_iters > 0
-    device = next(engine.model.parameters()).device
-    peak = peak_flops(device, compute_class(cfg))
-    flops_tok = flops_per_token(cfg.model).total
-    n_params = sum(p.numel() for p in engine.model.parameters())
-    metrics = MetricsWriter(out / "metrics.jsonl") if main else None
-    wandb_run = _start_wandb(cfg, out, train_state.get("wandb_run_id")) if main else None
-    wandb_id = wandb_run.id if wandb_run is not None else train_state.get("wandb_run_id")
-    log.line(
-        f"lptrain {cfg.run.name}: {n_params / 1e6:.2f}M params, {t.train_iters} steps x "
-        f"{t.global_batch_size} seqs x {cfg.model.seq_length} tokens, {engine.world_size} rank(s)"
-        + (f"; resuming at step {start_iter + 1}" if start_iter else "")
-    )
-    if not eval_on:
-        why = "no validation split (data.split_valid_fraction=0)" if valid_it is None else "train.eval_iters=0"
-        log.line(f"evaluation off: {why}")
 
-    prior_elapsed = float(train_state.get("elapsed_s", 0.0))
-    step, job_steps, status, saved = start_iter, 0, "running", None
-    signum: int | None = None
-    error: str | None = None
-    t_job = time.perf_counter()
-    window: list[tuple[float, int]] = []  # (step time, tokens) since the last log line
+def _barrier() -> None:
+    import torch.distributed as dist
 
-    def save(iteration: int) -> Path:
-        state = {
-            "consumed_samples": train_it.consumed_samples,
-            "consumed_tokens": train_it.consumed_samples * cfg.model.seq_length,
-            "data": data_state(train_it, valid_it),
-            "wandb_run_id": wandb_id,
-            "dp_size": engine.dp_size,
-            "elapsed_s": prior_elapsed + time.perf_counter() - t_job,
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+class _Job:
+    """This job's part of the run, on this rank: the steps from the resumed one to a stop."""
+
+    def __init__(self, cfg: LPTrainConfig, out: Path, engine: TrainEngine, log: RunLog,
+                 loaders: Loaders, train_state: dict[str, Any], resolved: str) -> None:
+        t = cfg.train
+        self.cfg, self.out, self.engine, self.log, self.resolved = cfg, out, engine, log, resolved
+        self.train_it, self.valid_it = loaders
+        self.num_micro = t.global_batch_size // (t.micro_batch_size * engine.dp_size)
+        self.device = next(engine.model.parameters()).device
+        self.meter = StepMeter(t.global_batch_size * cfg.model.seq_length,
+                               flops_per_token(cfg.model).total,
+                               peak_flops(self.device, compute_class(cfg)), engine.world_size,
+                               self.device)
+        self.evals = EvalPolicy.from_config(cfg, has_valid_split=self.valid_it is not None)
+        self.console_lines = LogPolicy.from_config(cfg)
+        self.saves = SavePolicy.from_config(cfg)
+        self.stops = StopPolicy.from_config(cfg)
+        self.window = LogWindow()
+        self.outputs = RunOutputs(cfg, out, engine.is_main, train_state.get("wandb_run_id"))
+        start_iter = int(train_state.get("iteration", 0))
+        self.state = JobState(step=start_iter, start_iter=start_iter)
+        self.prior_elapsed = float(train_state.get("elapsed_s", 0.0))
+        self._announce()
+        self.t_job = time.perf_counter()
+
+    def _announce(self) -> None:
+        cfg, t, start = self.cfg, self.cfg.train, self.state.start_iter
+        n_params = sum(p.numel() for p in self.engine.model.parameters())
+        self.log.line(
+            f"lptrain {cfg.run.name}: {n_params / 1e6:.2f}M params, {t.train_iters} steps x "
+            f"{t.global_batch_size} seqs x {cfg.model.seq_length} tokens, "
+            f"{self.engine.world_size} rank(s)" + (f"; resuming at step {start + 1}" if start else "")
+        )
+        if not self.evals.enabled:
+            why = ("no validation split (data.split_valid_fraction=0)" if self.valid_it is None
+                   else "train.eval_iters=0")
+            self.log.line(f"evaluation off: {why}")
+
+    def run(self) -> dict[str, Any]:
+        """Steps until a stop; the summary on every way out (then re-raise, or after a
+        signal :class:`TrainingInterrupted`)."""
+        state = self.state
+        self.log.start(state.start_iter, self.cfg.train.train_iters)
+        try:
+            with StopWatcher(self.cfg.train.exit_duration_mins) as watcher:
+                while state.step < self.cfg.train.train_iters:
+                    if self._step(watcher) is not None:
+                        break
+        except TrainingDivergedError as e:
+            state.status, state.error = "diverged", str(e)
+            raise
+        except BaseException as e:
+            if state.status == "running":
+                state.status, state.error = "failed", f"{type(e).__name__}: {e}"
+            raise
+        finally:
+            summary = self.finish()
+        if state.signum is not None:
+            raise TrainingInterrupted(state.signum, summary)
+        return summary
+
+    def _step(self, watcher: StopWatcher) -> Optional[StopReason]:
+        """One step: train, record, print; then the stop and save decisions (every rank
+        agrees on them: the watcher all-reduces). Returns why the job stops, if it does."""
+        state = self.state
+        state.step += 1
+        state.job_steps += 1
+        rec, dt = self._train_step(state.step)
+        if self.evals.due(state.step):
+            self.valid_it.load_state_dict({"consumed_samples": 0})  # same batches every eval
+            rec["val_loss"] = self.engine.evaluate(self.valid_it, self.cfg.train.eval_iters)
+        self.outputs.write(rec)
+        self._print(rec, dt)
+        signum, late = watcher.poll(self.device)
+        state.signum = signum
+        stop = self.stops.reason(state.step, state.job_steps, signum, late)
+        if stop is not None:
+            state.status = stop
+        if self.saves.due(state.step, stop, signum):
+            state.saved = self._save(state.step)
+        return stop
+
+    def _train_step(self, step: int) -> tuple[dict[str, Any], float]:
+        """The engine's step on this rank's micro-batches; its metrics line and step time."""
+        t0 = time.perf_counter()
+        micro = [next(self.train_it) for _ in range(self.num_micro)]
+        res = self.engine.train_step(micro, step)
+        dt = time.perf_counter() - t0
+        rec = self.meter.record(step, res, dt, self.train_it.consumed_samples)
+        if res.skipped:
+            self.log.line(f"warning: {res.note}")
+        return rec, dt
+
+    def _print(self, rec: dict[str, Any], dt: float) -> None:
+        """Advance the progress bar; every ``train.log_interval`` steps a console line."""
+        self.window.add(dt, self.meter.tokens_per_step)
+        self.log.advance(rec["loss"])
+        if self.console_lines.due(rec["step"]):
+            tokens_per_s, step_time_s = self.window.take()
+            self.log.line(format_log_line(rec, self.cfg.train.train_iters, tokens_per_s, step_time_s))
+
+    def _save(self, iteration: int) -> Path:
+        """A checkpoint of the engine (masters synced) and of where the data and W&B are."""
+        train_state = {
+            "consumed_samples": self.train_it.consumed_samples,
+            "consumed_tokens": self.train_it.consumed_samples * self.cfg.model.seq_length,
+            "data": data_state(self.train_it, self.valid_it),
+            "wandb_run_id": self.outputs.wandb_id,
+            "dp_size": self.engine.dp_size,
+            "elapsed_s": self.prior_elapsed + time.perf_counter() - self.t_job,
         }
-        with engine.params_synced():
-            engine_state = engine.checkpoint_state()
-        folder = save_checkpoint(ck.save, iteration, engine_state, state, resolved,
-                                 rank=engine.rank, world_size=engine.world_size,
+        with self.engine.params_synced():
+            engine_state = self.engine.checkpoint_state()
+        ck = self.cfg.checkpoint
+        folder = save_checkpoint(ck.save, iteration, engine_state, train_state, self.resolved,
+                                 rank=self.engine.rank, world_size=self.engine.world_size,
                                  keep_latest=ck.keep_latest)
-        log.line(f"saved checkpoint {folder}")
+        self.log.line(f"saved checkpoint {folder}")
         return folder
 
-    log.start(start_iter, t.train_iters)
-    try:
-        with StopWatcher(t.exit_duration_mins) as watcher:
-            while step < t.train_iters:
-                step += 1
-                job_steps += 1
-                t0 = time.perf_counter()
-                micro = [next(train_it) for _ in range(num_micro)]
-                res: StepResult = engine.train_step(micro, step)
-                dt = time.perf_counter() - t0
-                tps = tokens_per_step / dt
-                rec: dict[str, Any] = {
-                    "step": step,
-                    "loss": finite_or_none(res.loss),
-                    "lr": next(iter(res.lrs.values())),
-                    "lrs": res.lrs,
-                    "grad_norm": finite_or_none(res.grad_norm),
-                    "tokens_per_s": tps,
-                    "step_time_s": dt,
-                    "mem_gib": memory_gib(device),
-                    "mfu": flops_tok * tps / (peak * engine.world_size) if peak else None,
-                    "consumed_samples": train_it.consumed_samples,
-                    **res.extra,
-                }
-                if res.skipped:
-                    rec["skipped"] = True
-                    log.line(f"warning: {res.note}")
-                if eval_on and (step == t.train_iters or (t.eval_interval and step % t.eval_interval == 0)):
-                    valid_it.load_state_dict({"consumed_samples": 0})  # same batches every eval
-                    rec["val_loss"] = engine.evaluate(valid_it, t.eval_iters)
-                if metrics is not None:
-                    metrics.write(rec)
-                if wandb_run is not None:
-                    wandb_run.log({k: v for k, v in rec.items() if k != "lrs"}, step=step)
-                window.append((dt, tokens_per_step))
-                log.advance(rec["loss"])
-                if t.log_interval and (step % t.log_interval == 0 or step == t.train_iters):
-                    secs = sum(w[0] for w in window)
-                    log.line(format_log_line(rec, t.train_iters, sum(w[1] for w in window) / secs,
-                                             secs / len(window)))
-                    window.clear()
+    def finish(self) -> dict[str, Any]:
+        """Close the console and metrics, then :meth:`_finish` the summary of this job."""
+        self.log.stop()
+        elapsed = time.perf_counter() - self.t_job
+        self.outputs.close_metrics()
+        memory = self.engine.memory_breakdown()  # local arithmetic on live buffers, no collective
+        return self._finish(RunSummary.of_job(self.state, self.outputs.records, elapsed,
+                                              self.meter.tokens_per_step, self.outputs.wandb_id,
+                                              memory))
 
-                signum, late = watcher.poll(device)
-                want_save = bool(ck.save and ck.save_interval and step % ck.save_interval == 0)
-                if signum is not None:
-                    status = "interrupted"
-                    if ck.save and (signum != signal.SIGINT or ck.save_on_interrupt):
-                        want_save = True
-                elif step >= t.train_iters:
-                    status, want_save = "completed", want_save or bool(ck.save)
-                elif late:
-                    status, want_save = "exit_duration", want_save or bool(ck.save)
-                elif t.exit_interval and job_steps >= t.exit_interval:
-                    status, want_save = "exit_interval", want_save or bool(ck.save)
-                if want_save:
-                    saved = save(step)
-                if status != "running":
-                    break
-    except TrainingDivergedError as e:
-        status, error = "diverged", str(e)
-        raise
-    except BaseException as e:
-        if status == "running":
-            status, error = "failed", f"{type(e).__name__}: {e}"
-        raise
-    finally:
-        log.stop()
-        elapsed = time.perf_counter() - t_job
-        if metrics is not None:
-            metrics.close()
-        memory = engine.memory_breakdown()  # local arithmetic on live buffers, no collective
-        summary = _finish(cfg, out, metrics.records if metrics else [], status, step, start_iter,
-                          job_steps, elapsed, tokens_per_step, saved, error, signum, wandb_run,
-                          wandb_id, main, log, memory)
-    if signum is not None:
-        raise TrainingInterrupted(signum, summary)
-    return summary
+    def _finish(self, summary: RunSummary) -> dict[str, Any]:
+        """Summary, plots and W&B close-out (main rank writes); returns the summary."""
+        result = summary.to_dict()
+        if not self.engine.is_main:
+            return result
+        out = self.out
+        files = [out / "resolved_config.yaml", out / "metrics.jsonl", out / "summary.json"]
+        (out / "summary.json").write_text(json.dumps(result, indent=2) + "\n")
+        if self.cfg.logging.plots and self.outputs.records:
+            from lptrain.train.plots import write_plots
 
-
-def _finish(cfg: LPTrainConfig, out: Path, records: list[dict[str, Any]], status: str, step: int,
-            start_iter: int, job_steps: int, elapsed: float, tokens_per_step: int,
-            saved: Path | None, error: str | None, signum: int | None, wandb_run: Any,
-            wandb_id: str | None, main: bool, log: _Log,
-            memory: dict[str, int] | None = None) -> dict[str, Any]:
-    """Summary, plots and W&B close-out (main rank writes); returns the summary."""
-    losses = [r["loss"] for r in records if r.get("loss") is not None]
-    evals = [r["val_loss"] for r in records if r.get("val_loss") is not None]
-    summary: dict[str, Any] = {
-        "status": status,
-        "steps": step,
-        "resumed_from_step": start_iter or None,
-        "steps_this_job": job_steps,
-        "first_loss": losses[0] if losses else None,
-        "final_loss": losses[-1] if losses else None,
-        "val_loss": evals[-1] if evals and records and "val_loss" in records[-1] else None,
-        "tokens_per_s": tokens_per_step * job_steps / elapsed if elapsed > 0 else None,
-        "seconds": elapsed,
-        "checkpoint": str(saved) if saved else None,
-        "wandb_run_id": wandb_id,
-        "memory_breakdown_bytes": memory,  # this rank's buffers/optimizer (engine.memory_breakdown)
-    }
-    if error:
-        summary["error"] = error
-    if signum is not None:
-        summary["signal"] = signal_name(signum)
-    if not main:
-        return summary
-    files = [out / "resolved_config.yaml", out / "metrics.jsonl", out / "summary.json"]
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    if cfg.logging.plots and records:
-        from lptrain.train.plots import write_plots
-
-        files += write_plots(out)
-    if wandb_run is not None:
-        wandb_run.summary.update({k: v for k, v in summary.items() if v is not None})
-        wandb_run.finish()
-        files.append(out / "wandb")
-    if status == "diverged":
-        log.line(f"stopped: {error}; metrics up to the previous step in {out}")
-        return summary
-    fl, ll = summary["first_loss"], summary["final_loss"]
-    what = {"completed": "done", "interrupted": f"stopped by {summary.get('signal')}",
-            "exit_interval": "stopped (train.exit_interval)",
-            "exit_duration": "stopped (train.exit_duration_mins)"}.get(status, status)
-    parts = [f"{what} at step {step} in {elapsed:.1f}s"]
-    if fl is not None and ll is not None:
-        parts.append(f"loss {fl:.3f} -> {ll:.3f}")
-    if summary["val_loss"] is not None:
-        parts.append(f"val {summary['val_loss']:.3f}")
-    if summary["tokens_per_s"]:
-        parts.append(f"{summary['tokens_per_s']:.0f} tokens/s")
-    log.line(", ".join(parts))
-    log.line("wrote " + ", ".join(p.name for p in files if p.exists()) + f" in {out}")
-    if saved:
-        how = ("train further: the same command with a larger train.train_iters"
-               if status == "completed" else "resume: the same command again")
-        log.line(f"checkpoint: {saved} ({how}, without --overwrite)")
-    return summary
+            files += write_plots(out)
+        if self.outputs.finish_wandb(result):
+            files.append(out / "wandb")
+        written = [p.name for p in files if p.exists()]
+        for line in summary.closing_lines(out, written):
+            self.log.line(line)
+        return result

@@ -16,10 +16,14 @@ import json
 import math
 import resource
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, Optional, TextIO
 
 import torch
+
+if TYPE_CHECKING:
+    from lptrain.train.engine import StepResult
 
 # Dense peak TFLOP/s per device name fragment and compute class (bf16, fp8, fp4).
 _PEAK_TFLOPS: dict[str, dict[str, float]] = {
@@ -89,6 +93,39 @@ class MetricsWriter:
 
     def close(self) -> None:
         self._f.close()
+
+
+@dataclass(frozen=True)
+class StepMeter:
+    """Turns one step's result and time into its ``metrics.jsonl`` line; the keys and their
+    order are what readers of the file (and the tests) expect."""
+
+    tokens_per_step: int
+    flops_per_token: float
+    peak_flops: Optional[float]  # of the device, for the compute class; None: no MFU
+    world_size: int
+    device: torch.device
+
+    def record(self, step: int, res: StepResult, step_time_s: float,
+               consumed_samples: int) -> dict[str, Any]:
+        tps = self.tokens_per_step / step_time_s
+        peak = self.peak_flops
+        rec: dict[str, Any] = {
+            "step": step,
+            "loss": finite_or_none(res.loss),
+            "lr": next(iter(res.lrs.values())),
+            "lrs": res.lrs,
+            "grad_norm": finite_or_none(res.grad_norm),
+            "tokens_per_s": tps,
+            "step_time_s": step_time_s,
+            "mem_gib": memory_gib(self.device),
+            "mfu": self.flops_per_token * tps / (peak * self.world_size) if peak else None,
+            "consumed_samples": consumed_samples,
+            **res.extra,
+        }
+        if res.skipped:
+            rec["skipped"] = True
+        return rec
 
 
 def format_log_line(rec: dict[str, Any], total_steps: int, tokens_per_s: float, step_time_s: float) -> str:

@@ -1,4 +1,4 @@
-"""PNG plots of a run folder (``lptrain plot RUN_DIR``, see :mod:`lptrain.plot_command`; also
+"""PNG plots of a run folder (``lptrain plot RUN_DIR``, see :mod:`lptrain.cli.plot`; also
 written at the end of a run).
 
 Read from ``metrics.jsonl`` (and ``summary.json`` for the memory breakdown), so a run killed
@@ -39,13 +39,21 @@ def write_plots(run_dir: str | Path) -> list[Path]:
     written: list[Path] = []
     if not recs:
         return written
-
-    def save(fig: Any, name: str) -> None:
+    figures = [("loss.png", lambda: _loss_figure(plt, recs)), ("lr.png", lambda: _lr_figure(plt, recs)),
+               ("grad_norm.png", lambda: _grad_norm_figure(plt, recs))]
+    breakdown = _memory_breakdown(run_dir)
+    if breakdown:
+        figures.append(("memory.png", lambda: _memory_figure(plt, breakdown)))
+    for name, draw in figures:  # one figure open at a time
+        fig = draw()
         fig.tight_layout()
         fig.savefig(run_dir / name, dpi=110)
         plt.close(fig)
         written.append(run_dir / name)
+    return written
 
+
+def _loss_figure(plt: Any, recs: list[dict[str, Any]]) -> Any:
     train = [(r["step"], r["loss"]) for r in recs if r.get("loss") is not None]
     evals = [(r["step"], r["val_loss"]) for r in recs if r.get("val_loss") is not None]
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -57,8 +65,10 @@ def write_plots(run_dir: str | Path) -> list[Path]:
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.legend()
     ax.grid(alpha=0.3)
-    save(fig, "loss.png")
+    return fig
 
+
+def _lr_figure(plt: Any, recs: list[dict[str, Any]]) -> Any:
     fig, ax = plt.subplots(figsize=(6, 4))
     groups = sorted({g for r in recs for g in (r.get("lrs") or {})})
     for g in groups:
@@ -70,8 +80,10 @@ def write_plots(run_dir: str | Path) -> list[Path]:
     ax.set_ylabel("learning rate")
     ax.legend()
     ax.grid(alpha=0.3)
-    save(fig, "lr.png")
+    return fig
 
+
+def _grad_norm_figure(plt: Any, recs: list[dict[str, Any]]) -> Any:
     gn = [(r["step"], r["grad_norm"]) for r in recs if r.get("grad_norm") is not None]
     fig, ax = plt.subplots(figsize=(6, 4))
     if gn:
@@ -81,27 +93,26 @@ def write_plots(run_dir: str | Path) -> list[Path]:
     ax.set_yscale("log" if gn and min(v for _, v in gn) > 0 else "linear")
     ax.legend()
     ax.grid(alpha=0.3)
-    save(fig, "grad_norm.png")
+    return fig
 
-    breakdown = _memory_breakdown(run_dir)
-    if breakdown:
-        # "padding" is already inside grads/param_buffer and "total" excludes it (see
-        # lptrain.distributed.memory): bars for the categories, the total in the title.
-        total = breakdown.pop("total", None)
-        if total is None:
-            total = sum(v for k, v in breakdown.items() if k != "padding")
-        unit, scale = ("GiB", 2**30) if total >= 2**30 else ("MiB", 2**20)
-        fig, ax = plt.subplots(figsize=(6.5, 4))
-        names = list(breakdown)
-        labels = ["padding\n(in grads/param_buffer)" if n == "padding" else n for n in names]
-        bars = ax.bar(labels, [breakdown[n] / scale for n in names],
-                      color=["0.6" if n == "padding" else "C0" for n in names])
-        ax.bar_label(bars, fmt="%.3g")
-        ax.set_ylabel(f"{unit} (rank 0)")
-        ax.set_title(f"memory: {total / scale:.3g} {unit} in buffers and optimizer (no activations)")
-        ax.tick_params(axis="x", rotation=30)
-        save(fig, "memory.png")
-    return written
+
+def _memory_figure(plt: Any, breakdown: dict[str, float]) -> Any:
+    """Bars for the categories, the total in the title. "padding" is already inside
+    grads/param_buffer and "total" leaves it out (the engine's memory breakdown)."""
+    total = breakdown.pop("total", None)
+    if total is None:
+        total = sum(v for k, v in breakdown.items() if k != "padding")
+    unit, scale = ("GiB", 2**30) if total >= 2**30 else ("MiB", 2**20)
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    names = list(breakdown)
+    labels = ["padding\n(in grads/param_buffer)" if n == "padding" else n for n in names]
+    bars = ax.bar(labels, [breakdown[n] / scale for n in names],
+                  color=["0.6" if n == "padding" else "C0" for n in names])
+    ax.bar_label(bars, fmt="%.3g")
+    ax.set_ylabel(f"{unit} (rank 0)")
+    ax.set_title(f"memory: {total / scale:.3g} {unit} in buffers and optimizer (no activations)")
+    ax.tick_params(axis="x", rotation=30)
+    return fig
 
 
 def _memory_breakdown(run_dir: Path) -> dict[str, float] | None:

@@ -9,7 +9,9 @@
   the new run is known to start (:func:`start_run`, after the engine is built).
 
 Only :func:`start_run` modifies the folder, so a refused or crashed-at-startup run leaves the
-previous one untouched.
+previous one untouched. (``lptrain pretrain`` writes ``resolved_config.yaml`` before it calls
+the loop, so that the file is there even when the start-up fails; :func:`write_resolved_config`
+makes that the run's one write of it.)
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ from lptrain.errors import OutputDirError
 
 RUN_FILES = ("metrics.jsonl", "summary.json")
 PLOT_FILES = ("loss.png", "lr.png", "grad_norm.png", "memory.png")
+RESOLVED_CONFIG = "resolved_config.yaml"
+OUTPUT_DIR_KEY = "run.output_dir"
+OUTPUT_DIR_FIX = "choose a writable folder with --output-dir (or run.output_dir)"
 
 
 class RunDirRefused(OutputDirError):
@@ -105,7 +110,24 @@ def start_run(plan: RunPlan, cfg: Any, resumed_iteration: int, config_yaml: str)
                 shutil.rmtree(p, ignore_errors=True)
             (Path(save) / LATEST).unlink(missing_ok=True)
     trim_metrics(out / "metrics.jsonl", resumed_iteration)
-    (out / "resolved_config.yaml").write_text(config_yaml)
+    write_resolved_config(out, config_yaml)
+
+
+def write_resolved_config(out: Path, config_yaml: str) -> Path:
+    """``out/resolved_config.yaml`` holding ``config_yaml``; returns its path.
+
+    Written once per run: a file that already holds this text (the CLI wrote it before
+    calling the loop) is left as it is. An OS failure is :class:`OutputDirError` (exit 2).
+    """
+    path = out / RESOLVED_CONFIG
+    try:
+        if not (path.is_file() and path.read_text() == config_yaml):
+            path.write_text(config_yaml)
+    except OSError as e:
+        raise OutputDirError(
+            f"cannot write {path}: {e.strerror or e}", key=OUTPUT_DIR_KEY, fix=OUTPUT_DIR_FIX
+        ) from None
+    return path
 
 
 def trim_metrics(path: Path, last_step: int) -> None:
@@ -141,7 +163,3 @@ def rebase_on_output_dir(cfg: Any, out: str | Path) -> Any:
     run = dataclasses.replace(cfg.run, output_dir=str(new))
     return dataclasses.replace(cfg, run=run, checkpoint=ck)
 
-
-def check_output_dir(cfg: Any, out: str | Path, overwrite: bool = False) -> None:
-    """The CLI's early check (before it writes anything): raises :class:`RunDirRefused`."""
-    plan_run(cfg, out, overwrite)

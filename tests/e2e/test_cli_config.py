@@ -171,13 +171,6 @@ def test_pretrain_writes_resolved_config_then_trains(
     assert passed_out == out and cfg.train.train_iters == 3 and cfg.model.num_query_groups == 4
 
 
-def test_pretrain_without_training_loop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delattr("lptrain.train.pretrain")
-    r = run("pretrain", "--output-dir", str(tmp_path / "run"))
-    assert r.exit_code == 0 and "not training" in r.output
-    assert (tmp_path / "run" / "resolved_config.yaml").exists()
-
-
 def test_help_lists_commands_and_documented_options() -> None:
     r = run("--help")
     assert r.exit_code == 0

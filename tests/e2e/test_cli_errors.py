@@ -19,7 +19,7 @@ import typer
 from typer.testing import CliRunner
 
 from lptrain.cli import app
-from lptrain.cli_errors import LPTrainGroup, root_callback
+from lptrain.cli.errors import LPTrainGroup, root_callback
 from lptrain.data.indexed import MAGIC, bin_path, encode_index, idx_path, read_index
 from lptrain.data.prepare import prepare_dataset
 from lptrain.errors import RunFailedError

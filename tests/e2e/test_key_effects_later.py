@@ -120,7 +120,7 @@ def test_save_on_interrupt_saves_on_sigint(cache_dir: Path, tmp_path: Path,
 
 
 def test_wandb_project_and_mode_reach_wandb(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from lptrain.train.loop import _start_wandb
+    from lptrain.train.outputs import start_wandb as _start_wandb
 
     seen: dict = {}
     fake = types.SimpleNamespace(init=lambda **kw: seen.update(kw) or "run")
@@ -141,7 +141,7 @@ def test_plots_switch(cache_dir: Path, tmp_path: Path, plots: bool) -> None:
 
 @pytest.mark.parametrize("progress", [True, False])
 def test_progress_bar_on_a_terminal(monkeypatch: pytest.MonkeyPatch, progress: bool) -> None:
-    from lptrain.train.loop import _Log
+    from lptrain.train.console import RunLog as _Log
 
     monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
     cfg = compose("tiny_cpu.yaml", [f"logging.progress={str(progress).lower()}"])

@@ -17,16 +17,14 @@ from typing import Optional
 from lptrain.config.schema import LPTrainConfig
 from lptrain.config.world import World
 from lptrain.errors import OutputDirError
-
-_OUT_KEY = "run.output_dir"
-_OUT_FIX = "choose a writable folder with --output-dir (or run.output_dir)"
+from lptrain.train.run_dir import OUTPUT_DIR_FIX, OUTPUT_DIR_KEY
 
 
-def check_output_dir(out: Path) -> None:
+def check_writable(out: Path) -> None:
     """Raise :class:`OutputDirError` unless ``out`` is, or could be created as, a writable
     folder. Creates nothing (used by ``--dry-run``)."""
     if out.exists() and not out.is_dir():
-        raise OutputDirError(f"run folder {out} is a file, not a folder", key=_OUT_KEY, fix=_OUT_FIX)
+        raise OutputDirError(f"run folder {out} is a file, not a folder", key=OUTPUT_DIR_KEY, fix=OUTPUT_DIR_FIX)
     probe = out
     while not probe.exists():
         if probe.parent == probe:
@@ -34,11 +32,11 @@ def check_output_dir(out: Path) -> None:
         probe = probe.parent
     if probe.exists() and not probe.is_dir():
         raise OutputDirError(
-            f"cannot create run folder {out}: {probe} is a file", key=_OUT_KEY, fix=_OUT_FIX
+            f"cannot create run folder {out}: {probe} is a file", key=OUTPUT_DIR_KEY, fix=OUTPUT_DIR_FIX
         )
     if not os.access(probe, os.W_OK | os.X_OK):
         raise OutputDirError(
-            f"cannot create run folder {out}: {probe} is not writable", key=_OUT_KEY, fix=_OUT_FIX
+            f"cannot create run folder {out}: {probe} is not writable", key=OUTPUT_DIR_KEY, fix=OUTPUT_DIR_FIX
         )
 
 
@@ -47,7 +45,7 @@ def prepare_output_dir(out: Path) -> None:
 
     A real write, not ``os.access``: read-only mounts and root's permissions fool the latter.
     """
-    check_output_dir(out)
+    check_writable(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / f".lptrain-write-test-{os.getpid()}"
@@ -55,17 +53,7 @@ def prepare_output_dir(out: Path) -> None:
         probe.unlink()
     except OSError as e:
         raise OutputDirError(
-            f"cannot write to run folder {out}: {e.strerror or e}", key=_OUT_KEY, fix=_OUT_FIX
-        ) from None
-
-
-def write_text(path: Path, text: str) -> None:
-    """Write a run-folder file; an OS failure becomes :class:`OutputDirError`."""
-    try:
-        path.write_text(text)
-    except OSError as e:
-        raise OutputDirError(
-            f"cannot write {path}: {e.strerror or e}", key=_OUT_KEY, fix=_OUT_FIX
+            f"cannot write to run folder {out}: {e.strerror or e}", key=OUTPUT_DIR_KEY, fix=OUTPUT_DIR_FIX
         ) from None
 
 

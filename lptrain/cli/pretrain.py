@@ -1,0 +1,120 @@
+"""``lptrain pretrain``: validate, then train (or ``--dry-run``, or start N local ranks).
+
+The rules run before torch is imported; a refused config never touches the run folder. With
+``--nproc-per-node N`` outside an existing world this command validates for N ranks and then
+starts N copies of itself (torch's elastic launcher), each of which joins the world and trains.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+import typer
+
+from lptrain.cli.common import (
+    DpOpt,
+    OverridesArg,
+    RecipeOpt,
+    Target,
+    TargetOpt,
+    TeOpt,
+    console,
+    detect_world,
+    load_recipe,
+    report_violations,
+)
+
+if TYPE_CHECKING:
+    from lptrain.config.schema import LPTrainConfig
+
+
+def pretrain(
+    overrides: Optional[list[str]] = OverridesArg,
+    recipe: str = RecipeOpt,
+    output_dir: Optional[str] = typer.Option(
+        None, "--output-dir", "-o", help="Run folder (default: run.output_dir of the recipe)."
+    ),
+    dp: Optional[int] = DpOpt,
+    target: Optional[Target] = TargetOpt,
+    te_version: Optional[str] = TeOpt,
+    dry_run: bool = typer.Option(
+        False, "--dry-run",
+        help="Validate, build the model on the meta device, open the data, then exit (writes nothing).",
+    ),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="Replace a run already in the run folder instead of refusing."
+    ),
+    nproc_per_node: int = typer.Option(
+        1, "--nproc-per-node", min=1,
+        help="Start N local ranks (torch's elastic launcher, as torchrun does); under an existing "
+        "torchrun/SLURM world ($WORLD_SIZE set) the run joins that world instead.",
+    ),
+) -> None:
+    """Validate, write resolved_config.yaml into the run folder, then train.
+
+    Refuses to start (exit 1, same report as validate-config) when any rule fails; exit 2 when
+    the recipe, data or run folder cannot be used, 3 when the run starts and fails.
+    """
+    from lptrain.config.check import check, has_errors
+    from lptrain.config.derive import derive
+    from lptrain.launch.local import launch_local, world_from_env
+
+    all_overrides = list(overrides or [])
+    if output_dir is not None:
+        all_overrides.append(f"run.output_dir={output_dir}")
+    composed = load_recipe(recipe, all_overrides)
+    rank, env_world, _ = world_from_env()
+    spawn = nproc_per_node > 1 and env_world == 1 and not dry_run
+    world = detect_world(dp or (nproc_per_node if spawn else None), target, te_version)
+    violations = check(composed.cfg, world)
+    if has_errors(violations):
+        report_violations(violations, Path(recipe).name, world, as_json=False)
+        console().print("[red]refusing to start: fix the errors above[/red]")
+        raise typer.Exit(1)
+    if violations and rank == 0:
+        report_violations(violations, Path(recipe).name, world, as_json=False)
+    if spawn:  # validated for the real world size; each rank runs this command again
+        args = _rank_args(recipe, overrides, output_dir, target, te_version, overwrite)
+        raise typer.Exit(launch_local(nproc_per_node, args))
+    cfg = derive(composed.cfg, world)
+    if rank != 0:  # rank 0 owns the run folder; the others only train
+        _train(cfg, overwrite)
+        return
+    from lptrain.cli import preflight
+    from lptrain.config.render import config_yaml
+    from lptrain.train.run_dir import plan_run, write_resolved_config
+
+    out = Path(cfg.run.output_dir)
+    plan_run(cfg, out, overwrite)  # resume, or refuse a folder holding another run (exit 2)
+    if dry_run:
+        preflight.check_writable(out)
+        for line in preflight.dry_run(cfg, world).lines():
+            typer.echo(line)
+        raise typer.Exit(0)
+    preflight.prepare_output_dir(out)  # OutputDirError (exit 2) before anything is written
+    typer.echo(f"wrote {write_resolved_config(out, config_yaml(cfg))}")
+    _train(cfg, overwrite)
+
+
+def _rank_args(recipe: str, overrides: Optional[list[str]], output_dir: Optional[str],
+               target: Optional[Target], te_version: Optional[str], overwrite: bool) -> list[str]:
+    """This command line again, for each local rank (the spawn itself left out)."""
+    args = ["pretrain", "--recipe", recipe, *(overrides or [])]
+    if output_dir is not None:
+        args += ["--output-dir", output_dir]
+    if target is not None:
+        args += ["--target", target.value]
+    if te_version is not None:
+        args += ["--te-version", te_version]
+    if overwrite:
+        args.append("--overwrite")
+    return args
+
+
+def _train(cfg: LPTrainConfig, overwrite: bool) -> None:
+    """Run the loop into ``run.output_dir``. Looked up on :mod:`lptrain.train` at call time
+    (tests replace it there); ``overwrite`` is passed only when set."""
+    from lptrain.train import pretrain as run_pretrain
+
+    run_pretrain(cfg, Path(cfg.run.output_dir), **({"overwrite": True} if overwrite else {}))
