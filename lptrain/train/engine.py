@@ -69,8 +69,7 @@ class TrainEngine:
         from lptrain.launch.local import init_process_group_from_env
         from lptrain.model import build_model
         from lptrain.model.build import resolve_device
-        from lptrain.optim.chained import ChainedOptimizer
-        from lptrain.optim.distributed import ShardedMasterOptimizer
+        from lptrain.optim.chained import build_optimizer
         from lptrain.precision.factory import build_factory
 
         self.cfg = cfg
@@ -98,24 +97,9 @@ class TrainEngine:
             cfg, factory, expert_model_parallel_rank=self.groups.ep.rank, device=self.device
         )
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-        layer_wise = bool(cfg.optimizer.use_layer_wise_optimizer)
         self.layout = plan_run_layout(cfg, run_param_specs(cfg, named), self.groups.intra.size)
         self.ddp = DataParallel(self.model, self.layout, cfg.ddp, self.groups, device=self.device)
-        if layer_wise:
-            from lptrain.optim.layerwise import build_layer_wise_children
-
-            children = build_layer_wise_children(self.ddp.buffers, cfg.optimizer, ep=self.groups.ep)
-        else:
-            dense = [b for b in self.ddp.buffers if not b.key.is_expert]
-            expert = [b for b in self.ddp.buffers if b.key.is_expert]
-            children = [ShardedMasterOptimizer(dense, cfg.optimizer, label="dense")]
-            if expert:
-                from lptrain.distributed.expert_state import ExpertShardedMasterOptimizer
-
-                children.append(
-                    ExpertShardedMasterOptimizer(expert, cfg.optimizer, label="expert", ep=self.groups.ep)
-                )
-        self.optimizer = ChainedOptimizer(children, cfg.optimizer.clip_grad)
+        self.optimizer = build_optimizer(self.ddp.buffers, cfg.optimizer, ep=self.groups.ep)
         # With the grad buffer reused as the gather area and gathers overlapped with the next
         # forward, masters can only be staged after that step has zeroed the grad buffer.
         self.defer_staging = bool(cfg.ddp.overlap_param_gather) and any(
@@ -315,7 +299,7 @@ class TrainEngine:
         optim: dict[str, dict[str, torch.Tensor]] = {}
         for child in self.optimizer.children:
             full = child.full_state()
-            if child.label == "expert":  # each expert once, under its global canonical name
+            if child.holds_experts:  # each expert once, under its global canonical name
                 full = self._global_expert_state(full)
             for name, entry in full.items():
                 model[name] = entry.pop("master")
@@ -345,7 +329,7 @@ class TrainEngine:
         g = state["global"]
         for child in self.optimizer.children:
             entries = {}
-            if child.label == "expert":
+            if child.holds_experts:
                 entries = self._local_expert_entries(child, g)
             else:
                 for buf in child.buffers:
