@@ -94,7 +94,8 @@ class TrainEngine:
             recipe.seed = cfg.train.seed * 65_537 + self.rank
         seed_device_rng(cfg.train.seed, self.rank, self.device)  # TE draws its SR bits there
         self.model = build_model(
-            cfg, factory, expert_model_parallel_rank=self.groups.ep.rank, device=self.device
+            cfg, factory, expert_model_parallel_rank=self.groups.ep.rank,
+            expert_parallel_group=self.groups.ep, device=self.device,
         )
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.layout = plan_run_layout(cfg, run_param_specs(cfg, named), self.groups.intra.size)
