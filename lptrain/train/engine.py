@@ -65,8 +65,8 @@ class TrainEngine:
     def __init__(self, cfg: LPTrainConfig) -> None:
         from lptrain.distributed.ddp import DataParallel
         from lptrain.distributed.groups import build_groups
+        from lptrain.distributed.launch_env import init_process_group_from_env
         from lptrain.distributed.layout import plan_run_layout, run_param_specs
-        from lptrain.launch.local import init_process_group_from_env
         from lptrain.model import build_model
         from lptrain.model.build import resolve_device
         from lptrain.optim.chained import build_optimizer
