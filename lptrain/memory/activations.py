@@ -22,7 +22,7 @@ MoE layers use the same SwiGLU terms for ``router_topk`` expert passes per token
 routing) plus the permuted tokens and fp32 router scores. With full recomputation only each
 layer's input (``a*h``) stays, plus one layer's activations while it is recomputed.
 
-``tests/unit/test_estimate_memory.py`` holds the result to 25% of the bytes a CPU forward
+``tests/unit/memory/test_estimate_memory.py`` holds the result to 25% of the bytes a CPU forward
 really leaves allocated (torch.profiler's memory timeline).
 """
 

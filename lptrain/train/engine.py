@@ -344,12 +344,13 @@ class TrainEngine:
         load_rank_state(self.model, state.get("local") or {}, self._quantizer_recipe())
 
     def memory_breakdown(self) -> dict[str, int]:
-        """Bytes this rank holds, by category, measured on the live buffers and optimizer
-        (:func:`lptrain.distributed.memory.measured_memory`, the same categories as the
-        analytic model: ``params``, ``param_buffer``, ``grads``, ``masters``, ``moments``,
-        ``padding`` -- already inside ``grads``/``param_buffer`` -- and ``total``, which
-        excludes it). Activations are not included (they exist only inside a step); call it
-        after a step, optimizer state is created lazily. Local: no collective."""
-        from lptrain.distributed.memory import measured_memory
+        """Bytes this rank holds, measured on the live buffers and optimizer
+        (:func:`lptrain.memory.measure.measured_memory`) and reported under the keys
+        ``params``, ``param_buffer``, ``grads``, ``masters``, ``moments``, ``padding`` --
+        already inside ``grads``/``param_buffer`` -- and ``total``, which excludes it
+        (:meth:`lptrain.memory.breakdown.MemoryBreakdown.engine_report`). Activations are not
+        included (they exist only inside a step); call it after a step, optimizer state is
+        created lazily. Local: no collective."""
+        from lptrain.memory.measure import measured_memory
 
-        return measured_memory(self.model, self.ddp.buffers, self.optimizer.children).as_dict()
+        return measured_memory(self.model, self.ddp.buffers, self.optimizer.children).engine_report()

@@ -214,12 +214,12 @@ def forced_sync(rank: int, world: int, remove_fix: bool) -> str | None:
 
 def memory(rank: int, world: int, cases: dict[str, Sequence[str]]) -> dict[str, Any]:
     """``{case: (measured breakdown, analytic breakdown of this rank)}`` after one step."""
-    from lptrain.distributed.memory import (
+    from lptrain.memory.analytic import (
         analytic_memory,
         describe_params,
-        measured_memory,
         quantized_bytes_per_element,
     )
+    from lptrain.memory.measure import measured_memory
     from lptrain.precision.param_storage import is_quantized, staging_dtype
 
     out: dict[str, Any] = {}
