@@ -81,7 +81,7 @@ def _timed_rank(rank: int, world: int, repeats: int) -> dict[str, Any]:
     times: dict[str, list[float]] = {k: [] for k in engines}
     for step in range(1, repeats + 3):
         for name, (engine, batches) in engines.items():
-            opt_step, after = engine.optimizer.step, engine._after_step
+            opt_step, after = engine.optimizer.step, engine.ddp.end_step
             spent = [0.0]
 
             def timed(f: Any, spent: list[float] = spent) -> Any:
@@ -92,9 +92,9 @@ def _timed_rank(rank: int, world: int, repeats: int) -> dict[str, Any]:
                     return out
                 return g
 
-            engine.optimizer.step, engine._after_step = timed(opt_step), timed(after)
+            engine.optimizer.step, engine.ddp.end_step = timed(opt_step), timed(after)
             engine.train_step(batches(), step)
-            engine.optimizer.step, engine._after_step = opt_step, after
+            engine.optimizer.step, engine.ddp.end_step = opt_step, after
             if step > 2:  # warm-up
                 times[name].append(spent[0])
     memory = {}
