@@ -45,10 +45,8 @@ import torch
 from lptrain.config.schema import LPTrainConfig
 from lptrain.distributed.layout import BufferLayout, ParamSpec
 from lptrain.memory.accounting import OptimizerLayout, Sharding, StoredParam, rank_memory
-from lptrain.memory.breakdown import PERSISTENT
+from lptrain.memory.breakdown import PERSISTENT as PERSISTENT  # the categories listed above
 
-# PERSISTENT (lptrain.memory.breakdown): the categories a real engine's buffers and states hold
-CATEGORIES = (*PERSISTENT, "weight_copies", "activations")
 _WEIGHT_NAME = re.compile(r"weight\d*")
 _EXACT_NUMEL = 1 << 22  # quantize shapes up to 4M elements whole; larger ones by row slabs
 _SLAB_ROWS = (256, 512)
