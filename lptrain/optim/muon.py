@@ -47,6 +47,8 @@ __all__ = [
     "SCALE_MODES",
     "Muon",
     "MuonWithAdamW",
+    "build_muon",
+    "muon_hparams",
     "muon_momentum_",
     "muon_scale",
     "muon_update",
@@ -392,7 +394,9 @@ def _names_and_tensors(
 
 class MuonWithAdamW(_UpdateRMS, NamedStateMixin, torch.optim.Optimizer):
     """Muon for ``muon_params`` and AdamW (or Lion) for ``adamw_params``: one
-    ``torch.optim.Optimizer``.
+    ``torch.optim.Optimizer``, lptrain's Muon for a training loop of your own (one process;
+    docs/muon.md shows one). lptrain's trainer uses the distributed children instead
+    (:mod:`lptrain.optim.distributed`, :mod:`lptrain.optim.layerwise`).
 
     Three param groups, always present (possibly empty) and always in this order, each tagged
     ``group["name"]`` and ``group["optimizer"]``:
