@@ -114,28 +114,17 @@ def orthogonalize(
 
 
 def muon_update(
-    grad: torch.Tensor,
-    momentum_buf: torch.Tensor,
-    *,
-    beta: float,
-    nesterov: bool,
-    ns_steps: int,
-    coefficients: CoefficientsArg,
-    scale_mode: str,
-    extra_scale_factor: float = 1.0,
-    qkv_split_shapes: Optional[Sequence[int]] = None,
-    eps: float = NS_EPS,
+    grad: torch.Tensor, momentum_buf: torch.Tensor, *, beta: float, nesterov: bool, **ortho: Any
 ) -> torch.Tensor:
     """Momentum + scaled orthogonalization for one 2-D matrix: the update to subtract times lr.
 
-    Mutates ``momentum_buf`` (fp32). Returns ``s * extra_scale_factor * NS(U)`` in fp32;
-    pass ``qkv_split_shapes`` only when the QKV split is wanted.
+    Mutates ``momentum_buf`` (fp32). ``ortho`` are :func:`orthogonalize`'s keyword arguments
+    (``ns_steps``, ``coefficients``, ``scale_mode``, ``extra_scale_factor``, ``eps``, and
+    ``qkv_split_shapes`` only when the QKV split is wanted). Returns
+    ``s * extra_scale_factor * NS(U)`` in fp32.
     """
     u = muon_momentum_(grad.float(), momentum_buf, beta=beta, nesterov=nesterov)
-    return orthogonalize(
-        u, ns_steps=ns_steps, coefficients=coefficients, scale_mode=scale_mode,
-        extra_scale_factor=extra_scale_factor, qkv_split_shapes=qkv_split_shapes, eps=eps,
-    )
+    return orthogonalize(u, **ortho)
 
 
 def _validate_hparams(group: dict[str, Any]) -> None:
