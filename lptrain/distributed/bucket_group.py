@@ -16,7 +16,7 @@ gather is in flight.
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, Any, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Optional, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -44,6 +44,7 @@ class ParamState(enum.Enum):
     GATHERING = "gathering"
 
 
+@runtime_checkable
 class ParamSyncHook(Protocol):
     """A bucket's own param sync, replacing the sharded all-gather (compact layer-wise Muon
     buckets: every param comes whole from its owner). The bucket calls ``start`` on

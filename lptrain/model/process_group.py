@@ -11,9 +11,10 @@ passes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 
+@runtime_checkable
 class ProcessGroup(Protocol):
     """A process group with this process's place in it."""
 

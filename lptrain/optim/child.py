@@ -15,13 +15,14 @@ and the torch optimizers stepping those masters.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Optional, Protocol
+from typing import Optional, Protocol, runtime_checkable
 
 import torch
 
 from lptrain.distributed.buffers import ParamAndGradBuffer
 
 
+@runtime_checkable
 class Piece(Protocol):
     """A part of a parameter this rank keeps an fp32 master of."""
 
@@ -36,6 +37,7 @@ class Piece(Protocol):
         ...
 
 
+@runtime_checkable
 class OptimizerChild(Protocol):
     """One optimizer over a set of buffers: a child of the chained optimizer.
 
