@@ -30,7 +30,7 @@ from rich.table import Table
 from lptrain.testing.dist import run_distributed
 
 
-def _layer(ep: int, rank: int, a: argparse.Namespace) -> Any:
+def _layer(ep: int, rank: int, a: argparse.Namespace, group: Any) -> Any:
     from lptrain.config import World, compose, derive
     from lptrain.model import build_model
 
@@ -44,7 +44,8 @@ def _layer(ep: int, rank: int, a: argparse.Namespace) -> Any:
     if a.mxfp8:
         ov += ["precision.fp8_format=e4m3", "precision.fp8_recipe=mxfp8"]
     cfg = derive(compose(None, ov), World(dp=2))
-    model = build_model(cfg, expert_model_parallel_rank=rank if ep > 1 else 0, device="cpu")
+    model = build_model(cfg, expert_model_parallel_rank=rank if ep > 1 else 0,
+                        expert_parallel_group=group, device="cpu")
     return model, model.layers[0].mlp
 
 
@@ -71,8 +72,8 @@ def _rank(rank: int, world: int, a: argparse.Namespace) -> dict[str, Any]:
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(a.tokens, a.hidden, generator=g)
     for ep in (1, 2):
-        build_groups(1, ep=ep)
-        model, layer = _layer(ep, rank, a)
+        groups = build_groups(1, ep=ep)
+        model, layer = _layer(ep, rank, a, groups.ep)
         times = []
         for i in range(a.warmup + a.iters):
             for k in moved:

@@ -7,10 +7,11 @@ Not a test: prints two tables.
    param sync -- for distributed AdamW, layer-wise Muon compact (both gather strategies:
    ``pad`` = one padded all-gather then trim, ``broadcast`` = one broadcast per owner) and
    padded. Variants are interleaved per repeat so load drift hits them alike; medians.
-2. **Memory per rank** (item 3 of the Muon issue): params (FP8 copies included), param
-   buffer, grads, masters, moments and padding, for AdamW vs Muon, compact vs padded, FP8
-   param gather (mxfp8) on/off: measured on the live tiny_cpu engine (rank 0) next to the
-   analytic model, and the analytic model alone for a 1B layout (nothing allocated).
+2. **Memory per rank**: the memory model's persistent categories (:mod:`lptrain.memory.plan`:
+   weights, quantized weights, grads, masters, optimizer states, padding, param-gather
+   staging), for AdamW vs Muon, compact vs padded, FP8 param gather (mxfp8) on/off: measured
+   on the live tiny_cpu engine (rank 0) next to the analytic model, and the analytic model
+   alone for a 1B layout (nothing allocated).
    Target: compact Muon + FP8 param gather <= distributed AdamW + FP8 param gather.
 
     .venv/bin/python bench/optim.py [--repeats 20] [--dp 2]
@@ -70,7 +71,7 @@ def _engine(overrides: list[str]) -> tuple[Any, Any]:
 
 
 def _timed_rank(rank: int, world: int, repeats: int) -> dict[str, Any]:
-    from lptrain.distributed.memory import measured_memory
+    from lptrain.memory.measure import measured_memory
     from lptrain.optim import layerwise
 
     engines = {}
@@ -80,7 +81,7 @@ def _timed_rank(rank: int, world: int, repeats: int) -> dict[str, Any]:
     times: dict[str, list[float]] = {k: [] for k in engines}
     for step in range(1, repeats + 3):
         for name, (engine, batches) in engines.items():
-            opt_step, after = engine.optimizer.step, engine._after_step
+            opt_step, after = engine.optimizer.step, engine.ddp.end_step
             spent = [0.0]
 
             def timed(f: Any, spent: list[float] = spent) -> Any:
@@ -91,9 +92,9 @@ def _timed_rank(rank: int, world: int, repeats: int) -> dict[str, Any]:
                     return out
                 return g
 
-            engine.optimizer.step, engine._after_step = timed(opt_step), timed(after)
+            engine.optimizer.step, engine.ddp.end_step = timed(opt_step), timed(after)
             engine.train_step(batches(), step)
-            engine.optimizer.step, engine._after_step = opt_step, after
+            engine.optimizer.step, engine.ddp.end_step = opt_step, after
             if step > 2:  # warm-up
                 times[name].append(spent[0])
     memory = {}
@@ -108,7 +109,7 @@ def _descs(overrides: list[str], device: str = "cpu") -> tuple[list[Any], float]
     """Param descriptions of a config (built on ``device``), and the quantized bytes/elem."""
     from lptrain.config import World, derive
     from lptrain.config.compose import load
-    from lptrain.distributed.memory import describe_params, quantized_bytes_per_element
+    from lptrain.memory.analytic import describe_params, quantized_bytes_per_element
     from lptrain.model import build_model
     from lptrain.precision.factory import build_factory
     from lptrain.precision.param_storage import is_quantized
@@ -130,7 +131,7 @@ def _analytic_1b(dp: int) -> dict[str, Any]:
 
     import yaml
 
-    from lptrain.distributed.memory import analytic_memory
+    from lptrain.memory.analytic import analytic_memory
 
     spec = yaml.safe_load(Path("lptrain/_configs/model/gpt_1b.yaml").read_text())
     ov = [f"model.{k}={v}" for k, v in spec.items() if not isinstance(v, dict)]
@@ -158,7 +159,8 @@ def _analytic_1b(dp: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    from lptrain.distributed.memory import CATEGORIES, analytic_memory
+    from lptrain.memory.analytic import analytic_memory
+    from lptrain.memory.breakdown import PERSISTENT
     from lptrain.testing.dist import run_distributed
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -177,7 +179,7 @@ def main() -> None:
         t.add_row(k, f"{1e3 * v:.2f}", f"{v / ref:.2f}x")
     console.print(t)
 
-    cols = [*CATEGORIES, "padding", "total"]
+    cols = [*PERSISTENT, "total"]
 
     def table(title: str, rows: dict[str, Any], unit: float, unit_name: str) -> Table:
         tb = Table(title=title)

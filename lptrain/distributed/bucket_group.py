@@ -16,7 +16,7 @@ gather is in flight.
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -44,6 +44,27 @@ class ParamState(enum.Enum):
     GATHERING = "gathering"
 
 
+@runtime_checkable
+class ParamSyncHook(Protocol):
+    """A bucket's own param sync, replacing the sharded all-gather (compact layer-wise Muon
+    buckets: every param comes whole from its owner). The bucket calls ``start`` on
+    ``start_param_sync`` and ``finish`` on ``finish_param_sync`` (before the buffer's params
+    are loaded from staging), so the hook runs inside the state machine like a gather."""
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a started sync awaits :meth:`finish`."""
+        ...
+
+    def start(self, *, async_op: bool) -> None:
+        """Launch the sync's collectives (``async_op``: return before they complete)."""
+        ...
+
+    def finish(self) -> None:
+        """Wait for the collectives and write the gathered values into the params."""
+        ...
+
+
 class Bucket:
     """Bucket ``index`` of ``buffer``: elements ``[start, end)``, its params, its two states."""
 
@@ -66,8 +87,8 @@ class Bucket:
         self.local_sum: Optional[torch.Tensor] = None
         self.next_in_forward: Optional[Bucket] = None
         # Layer-wise (compact Muon) buckets: whole-param uneven gather, set by the optimizer
-        # (lptrain.optim.layerwise.CompactGather: start(async_op), finish(), in_flight).
-        self.param_sync_hook: Optional[Any] = None
+        # (lptrain.optim.layerwise.CompactGather).
+        self.param_sync_hook: Optional[ParamSyncHook] = None
 
     def __repr__(self) -> str:
         return (

@@ -1,11 +1,15 @@
 """``DataParallel``: buffers, backward hooks, bucketed grad reduction and param sync.
 
-Per step the engine calls ``zero_grad_buffer()``, runs the micro-batches (all but the last
-inside ``no_sync()``), then ``finish_grad_sync()``; the optimizer reads the reduced grads
-(``main_grad`` views), writes its masters into the staging slices and marks buckets staged;
-``sync_params()`` (or, with ``ddp.overlap_param_gather``, the forward pre-hooks of the next
-step) gathers them. ``params_synced()`` is the single forced-sync entry point for eval,
-checkpoint save and shutdown.
+Per step the engine calls ``begin_step(stage)`` (zero the grad buffers), runs the
+micro-batches (all but the last inside ``no_sync()``, ``after_first_forward()`` right after
+the first forward), then ``finish_grad_sync()``; the optimizer reads the reduced grads
+(``main_grad`` views) and steps; ``end_step(stage)`` has it write its masters into the
+staging slices (marking buckets staged) and gathers them -- or, with
+``ddp.overlap_param_gather``, leaves the gather to the forward pre-hooks of the next step.
+``stage`` is the optimizer's (every child stages before any bucket is gathered). The order
+of these calls is this class's business, not the caller's: see :meth:`begin_step`.
+``params_synced()`` is the single forced-sync entry point for eval, checkpoint save and
+shutdown.
 
 Grad accumulation: a hook on each parameter's ``AccumulateGrad`` node adds ``p.grad`` into
 ``p.main_grad`` (skipped when a fused linear already accumulated straight into it and set
@@ -75,6 +79,11 @@ class DataParallel:
         for prev, nxt in zip(self.forward_order, self.forward_order[1:], strict=False):
             prev.next_in_forward = nxt
         self.grad_scale = 1.0 / groups.dp.size
+        # With a grad buffer reused as the gather area and gathers overlapped with the next
+        # forward, masters can only be staged after that step has zeroed the grad buffer.
+        self.defers_staging = bool(ddp_cfg.overlap_param_gather) and any(
+            b.reuses_grad_buffer for b in self.buffers
+        )
         self._is_last_microbatch = True
         self._pre_hooks_enabled = bool(ddp_cfg.overlap_param_gather)
         self._hooks: list[Any] = []
@@ -85,6 +94,29 @@ class DataParallel:
             for m in model.modules():
                 if any(True for _ in m.parameters(recurse=False)):
                     self._hooks.append(m.register_forward_pre_hook(self._make_pre_hook(m)))
+
+    # ---- the step's order ---------------------------------------------------------------------
+
+    def begin_step(self, stage: Callable[[], None]) -> None:
+        """Zero the grad buffers; when staging is deferred (:attr:`defers_staging`), stage
+        the masters now, into the zeroed buffer the overlapped gathers read."""
+        self.zero_grad_buffer()
+        if self.defers_staging:
+            stage()
+
+    def after_first_forward(self) -> None:
+        """Finish every pending gather before the first backward writes grads (a reused grad
+        buffer is zeroed as its bucket's params load, so no grad may land there first)."""
+        self.sync_params(self.pending_param_buckets())
+
+    def end_step(self, stage: Callable[[], None]) -> None:
+        """After the optimizer step (or a skipped one): stage the masters and gather them,
+        or leave the gather to the next forward (``ddp.overlap_param_gather``); nothing when
+        staging is deferred to :meth:`begin_step`."""
+        if not self.defers_staging:
+            stage()
+            if not self.cfg.overlap_param_gather:
+                self.sync_params()
 
     # ---- grads -------------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""Expert parameters under expert parallelism: the expert optimizer and its checkpoint form.
+"""Expert parameters under expert parallelism: their checkpoint form.
 
 Each expert-parallel (EP) rank holds ``L = num_experts / EP`` experts under *local* parameter
 names (``linear_fc1.weight`` ``[L, out, in]``, ``linear_fc1.weight<i>`` or
@@ -6,7 +6,7 @@ names (``linear_fc1.weight`` ``[L, out, in]``, ``linear_fc1.weight<i>`` or
 
 * the **gradient norm**: the expert optimizer's norm (reduced over its expert-data-parallel
   shard group) covers this rank's experts only; the squared norms of the EP ranks (disjoint
-  experts) are summed -- :class:`ExpertShardedMasterOptimizer`;
+  experts) are summed -- :class:`lptrain.optim.distributed.ExpertShardedMasterOptimizer`;
 * the **checkpoint**: experts are saved once, under the canonical per-expert names of
   ``lptrain.model.state_dict_adapter`` (``...experts.linear_fc1.weight.<e>``, ``e`` the global
   index) -- :func:`global_expert_state` gathers every EP rank's experts into that form
@@ -26,31 +26,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lptrain.config.schema import OptimizerConfig
-from lptrain.distributed.buffers import ParamAndGradBuffer
-from lptrain.distributed.groups import SINGLE, Group
+from lptrain.distributed.groups import Group
 from lptrain.model.state_dict_adapter import to_canonical
-from lptrain.optim.distributed import ShardedMasterOptimizer
 
 Entry = dict[str, torch.Tensor]
 _EXPERT_INDEX = re.compile(r"^(?P<pre>.*\.)(?P<e>\d+)$")
-
-
-class ExpertShardedMasterOptimizer(ShardedMasterOptimizer):
-    """The expert child of the chained optimizer: as the dense one, plus the EP-group sum
-    of the squared gradient norm (each EP rank holds different experts)."""
-
-    def __init__(
-        self, buffers: Sequence[ParamAndGradBuffer], cfg: OptimizerConfig, *, label: str, ep: Group = SINGLE
-    ) -> None:
-        super().__init__(buffers, cfg, label=label)
-        self.ep = ep
-
-    def grad_norm_sq(self) -> torch.Tensor:
-        sq = super().grad_norm_sq()
-        if self.ep.active:
-            dist.all_reduce(sq, group=self.ep.pg)
-        return sq
 
 
 def expert_offset(model: nn.Module) -> int:

@@ -14,9 +14,9 @@
   ``world / instances`` consecutive ranks, must hold whole EP groups: ``EP * instances``
   divides the world).
 
-The MoE layers reach the EP group at forward time through :func:`expert_parallel_group`
-(a one-entry registry that :func:`build_groups` fills): the model is built before and
-independently of the engine, and a process group cannot travel through a config.
+The MoE layers get the EP group when the model is built
+(``build_model(..., expert_parallel_group=groups.ep)``): a process group cannot travel
+through a config, and the model never looks one up.
 
 Without an initialised ``torch.distributed`` world everything is a single-rank group
 (``None``) and collectives are skipped, so world size 1 runs the same engine code.
@@ -83,20 +83,6 @@ class ParallelGroups:
         return BufferGroups(self.intra, self.inter, self.dp.size)
 
 
-_EXPERT_PARALLEL: Group = SINGLE
-
-
-def set_expert_parallel_group(group: Group) -> None:
-    """Register the expert-parallel group the MoE layers dispatch tokens over."""
-    global _EXPERT_PARALLEL
-    _EXPERT_PARALLEL = group
-
-
-def expert_parallel_group() -> Group:
-    """The registered expert-parallel group (:data:`SINGLE` when none was built)."""
-    return _EXPERT_PARALLEL
-
-
 def _check_sizes(world: int, num_instances: int, ep: int) -> None:
     from lptrain.config.errors import ConfigError
 
@@ -133,11 +119,9 @@ def _new_groups(rank: int, all_ranks: list[list[int]]) -> Group:
 
 
 def build_groups(num_instances: int = 1, ep: int = 1) -> ParallelGroups:
-    """Create (collectively, on every rank) the groups described in the module doc and
-    register the expert-parallel group for the MoE layers."""
+    """Create (collectively, on every rank) the groups described in the module doc."""
     if not (dist.is_available() and dist.is_initialized()):
         _check_sizes(1, num_instances, ep)
-        set_expert_parallel_group(SINGLE)
         return ParallelGroups(0, 1, SINGLE, SINGLE, SINGLE, SINGLE)
     world, rank = dist.get_world_size(), dist.get_rank()
     _check_sizes(world, num_instances, ep)
@@ -149,7 +133,6 @@ def build_groups(num_instances: int = 1, ep: int = 1) -> ParallelGroups:
         intra = _new_groups(rank, [list(range(i * per, (i + 1) * per)) for i in range(num_instances)])
         inter = _new_groups(rank, [list(range(j, world, per)) for j in range(per)])
     if ep == 1:
-        set_expert_parallel_group(SINGLE)
         return ParallelGroups(rank, world, dp, intra, inter, dp)
     ep_group = _new_groups(rank, [list(range(k, k + ep)) for k in range(0, world, ep)])
     expert_dp = _new_groups(rank, [list(range(e, world, ep)) for e in range(ep)])
@@ -160,7 +143,6 @@ def build_groups(num_instances: int = 1, ep: int = 1) -> ParallelGroups:
     if num_instances > 1:
         inter_sets = [list(range(e + q * ep, world, per)) for e in range(ep) for q in range(per // ep)]
         expert_inter = _new_groups(rank, inter_sets)
-    set_expert_parallel_group(ep_group)
     return ParallelGroups(
         rank, world, dp, intra, inter, expert_dp,
         expert_intra=expert_intra, expert_inter=expert_inter, ep=ep_group,

@@ -314,8 +314,8 @@ def param_specs(
 # Both key Muon buffers by the param's *logical* dtype, not by quantized storage: with FP8
 # param gather, keying FP8 Muon params apart from bf16 ones (e.g. the router) split Muon grads
 # into two all-reduce buffers where FP8-param-gather-off has one, and a collective's fp32
-# summation order depends on the buffer it runs on (upstream seed 002: ~1 ULP, amplified by
-# Newton-Schulz into visible loss drift).
+# summation order depends on the buffer it runs on (about 1 ULP, which Newton-Schulz amplifies
+# into visible loss drift).
 
 PADDED_SHARD_CAP = 1.3  # a shard may fill up to 1.3x the bucket's mean shard load
 

@@ -1,61 +1,24 @@
-"""Starting and joining a multi-process run on the engines that already exist.
+"""Starting a multi-process run on this host.
 
-* :func:`launch_local` is what ``lptrain pretrain --nproc-per-node N`` does: it runs N copies
-  of ``python -m lptrain pretrain ...`` through torch's elastic launcher (the API behind
-  ``torchrun``) with a c10d rendezvous on this host. When any rank fails, the agent ends the
-  others and the failure is reported with that rank's exit status.
-* :func:`init_process_group_from_env` joins the world a launcher described (``RANK``,
-  ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``, as set by torchrun, this
-  launcher or an sbatch script running torchrun): gloo on CPU, NCCL on CUDA. Idempotent.
+:func:`launch_local` is what ``lptrain pretrain --nproc-per-node N`` does: it runs N copies
+of ``python -m lptrain pretrain ...`` through torch's elastic launcher (the API behind
+``torchrun``) with a c10d rendezvous on this host. When any rank fails, the agent ends the
+others and the failure is reported with that rank's exit status. Each rank then joins the
+world from its environment (:mod:`lptrain.distributed.launch_env`, which also provides
+:func:`world_from_env`).
 """
 
 from __future__ import annotations
 
-import atexit
-import contextlib
-import datetime
 import os
 import sys
 import uuid
 from collections.abc import Sequence
 
-import torch
-
+from lptrain.distributed.launch_env import world_from_env
 from lptrain.errors import RunFailedError
 
-
-def world_from_env() -> tuple[int, int, int]:
-    """``(rank, world_size, local_rank)`` from the launcher's environment (0, 1, 0 without)."""
-    return (
-        int(os.environ.get("RANK", "0")),
-        int(os.environ.get("WORLD_SIZE", "1")),
-        int(os.environ.get("LOCAL_RANK", "0")),
-    )
-
-
-def init_process_group_from_env(device: torch.device, timeout_s: float = 600.0) -> bool:
-    """Join the launcher's world when ``WORLD_SIZE > 1``; returns whether a group exists."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        return True
-    _, world, local_rank = world_from_env()
-    if world <= 1:
-        return False
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if device.type == "cuda":
-        torch.cuda.set_device(local_rank)
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
-    atexit.register(_destroy)
-    return True
-
-
-def _destroy() -> None:
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
+__all__ = ["launch_local", "world_from_env"]
 
 
 def _free_port() -> int:

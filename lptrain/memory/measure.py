@@ -1,54 +1,81 @@
-"""The planner's persistent categories measured on a live :class:`TrainEngine`.
+"""The memory model's persistent categories measured on a live engine.
 
 Read from the real tensors -- the buffers' ``grad_data``/``param_data``, the parameters, the
-optimizers' masters and state -- so comparing it with :func:`lptrain.memory.plan.estimate_memory`
-checks the planner against what a run really allocates (call it after one step: optimizer
-state is created lazily).
+optimizer children's masters and state -- so comparing it with
+:func:`lptrain.memory.plan.estimate_memory` or :func:`lptrain.memory.analytic.analytic_memory`
+checks the model against what a run really allocates (call it after one step: optimizer
+state is created lazily). ``TrainEngine.memory_breakdown()`` is
+:meth:`~lptrain.memory.breakdown.MemoryBreakdown.engine_report` of the same measurement.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from lptrain.memory.plan import PERSISTENT
+from lptrain.distributed.buffers import ParamAndGradBuffer
+from lptrain.memory.breakdown import MemoryBreakdown
+from lptrain.optim.child import OptimizerChild
 
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def measure_engine(engine: Any) -> dict[str, int]:
-    """Bytes per persistent category on this rank (same definitions as the planner)."""
+def _buffer_bytes(m: MemoryBreakdown, buf: ParamAndGradBuffer) -> None:
+    used = sum(s.end - s.start for s in buf.spec.params)
+    es = buf.grad_data.element_size()
+    m.grads += used * es
+    m.grad_padding += (buf.grad_data.numel() - used) * es
+    m.padding += (buf.grad_data.numel() - used) * es
+    pd = buf.param_data
+    if pd is None:
+        return
+    pad = (pd.numel() - used) * pd.element_size()
+    if buf.reuses_grad_buffer:  # a view of the grad buffer: no bytes of its own
+        m.view_padding += pad
+        return
+    m.padding += pad
+    # a high-precision copy of the params that do not live in the buffer (quantized ones)
+    staged = sum(s.end - s.start for n, s in buf.slots.items() if not buf.aliased.get(n))
+    m.param_gather_staging += staged * pd.element_size()
+
+
+def measured_memory(
+    model: torch.nn.Module, buffers: Sequence[ParamAndGradBuffer], children: Sequence[OptimizerChild]
+) -> MemoryBreakdown:
+    """This rank's bytes from the live engine: ``model``, the ``DataParallel`` buffers and
+    the chained optimizer's children (call after one step: optimizer state is lazy)."""
     from lptrain.precision.param_storage import is_quantized, storage_bytes
 
-    out = dict.fromkeys(PERSISTENT, 0)
-    for p in engine.model.parameters():
+    m = MemoryBreakdown()
+    for p in model.parameters():
         if not p.requires_grad:
             continue
         if is_quantized(p):
-            out["quantized_weights"] += storage_bytes(p)
+            m.quantized_weights += storage_bytes(p)
         else:
-            out["weights"] += _nbytes(p)
-    for buf in engine.ddp.buffers:
-        used = sum(s.end - s.start for s in buf.spec.params)
-        es = buf.grad_data.element_size()
-        out["grads"] += used * es
-        out["padding"] += (buf.grad_data.numel() - used) * es
-        pd = buf.param_data
-        if pd is not None and not buf.reuses_grad_buffer:
-            out["padding"] += (pd.numel() - used) * pd.element_size()
-            if buf.key.quantized and pd.dtype != torch.uint8:
-                out["param_gather_staging"] += used * pd.element_size()
+            m.weights += _nbytes(p)
+    for buf in buffers:
+        _buffer_bytes(m, buf)
     seen: set[int] = set()
-    for child in engine.optimizer.children:
+    for child in children:
         for pc in child.pieces:
-            out["masters"] += _nbytes(pc.master)
+            m.masters += _nbytes(pc.master)
         for opt in child.optimizers:
             for state in opt.state.values():
                 for v in state.values():
                     if torch.is_tensor(v) and id(v) not in seen:
                         seen.add(id(v))
-                        out["optimizer_states"] += _nbytes(v)
-    return out
+                        m.optimizer_states += _nbytes(v)
+                        if v.dim() == 0:
+                            m.optimizer_scalars += _nbytes(v)
+    return m
+
+
+def measure_engine(engine: Any) -> dict[str, int]:
+    """Bytes per persistent category of a ``TrainEngine`` on this rank (the planner's
+    categories, :data:`lptrain.memory.breakdown.PERSISTENT`)."""
+    return measured_memory(engine.model, engine.ddp.buffers, engine.optimizer.children).categories()

@@ -6,8 +6,9 @@ device (no memory, any size) -- :func:`lptrain.distributed.layout.param_specs` /
 :mod:`lptrain.optim.layerwise`), the same bucket padding, the same shard ranges -- and sizes
 quantized primary weights through the :class:`~lptrain.precision.tensors.QuantizedTensor`
 interface (``nbytes()`` of a tensor the run's own weight quantizer produced), so
-``tests/unit/memory/test_estimate_memory.py`` can hold every persistent category to 1% of a real
-CPU engine.
+``tests/unit/memory/test_estimate_memory.py`` can hold every persistent category to 1% of a
+real CPU engine. The per-rank accounting itself is :func:`lptrain.memory.accounting.rank_memory`,
+the one the analytic model and the engine's report share.
 
 Categories (bytes on one rank; ``ranks`` holds every rank, ``worst`` the largest):
 
@@ -43,19 +44,9 @@ import torch
 
 from lptrain.config.schema import LPTrainConfig
 from lptrain.distributed.layout import BufferLayout, ParamSpec
+from lptrain.memory.accounting import OptimizerLayout, Sharding, StoredParam, rank_memory
+from lptrain.memory.breakdown import PERSISTENT as PERSISTENT  # the categories listed above
 
-CATEGORIES = (
-    "weights",
-    "quantized_weights",
-    "grads",
-    "masters",
-    "optimizer_states",
-    "padding",
-    "param_gather_staging",
-    "weight_copies",
-    "activations",
-)
-PERSISTENT = CATEGORIES[:7]  # the categories a real engine's buffers and states hold
 _WEIGHT_NAME = re.compile(r"weight\d*")
 _EXACT_NUMEL = 1 << 22  # quantize shapes up to 4M elements whole; larger ones by row slabs
 _SLAB_ROWS = (256, 512)
@@ -269,73 +260,29 @@ def _rank_in(group_size: int, rank: int, cfg: LPTrainConfig, dp: int, expert: bo
     return (rank // ep) % group_size
 
 
-def _persistent(
-    cfg: LPTrainConfig, dp: int, layout: BufferLayout, info: Sequence[_Param], rank: int
-) -> dict[str, int]:
-    from lptrain.optim.layerwise import plan_ownership, units_of_buffer
-
-    by_name = {p.name: p for p in info}
+def _sharding(cfg: LPTrainConfig, dp: int, rank: int) -> Sharding:
     dense_n, expert_n = _group_sizes(cfg, dp)
-    reuse = bool(cfg.ddp.reuse_grad_buf_for_mxfp8_param_ag)
-    layer_wise = bool(cfg.optimizer.use_layer_wise_optimizer)
-    out = dict.fromkeys(PERSISTENT, 0)
-    adam_elems = adam_pieces = muon_elems = masters = 0
-    muon_specs = [b for b in layout.buffers if b.key.is_muon] if layer_wise else []
-    owners = (
-        plan_ownership(muon_specs, dense_size=dense_n, expert_size=expert_n,
-                       param_layout=cfg.optimizer.layer_wise_param_layout)
-        if muon_specs else {}
-    )
-    for buf in layout.buffers:
-        size = expert_n if buf.key.is_expert else dense_n
-        slots = {s.name: s for s in buf.params}
-        me = _rank_in(size, rank, cfg, dp, buf.key.is_expert)
-        gbytes = buf.key.grad_dtype.itemsize
-        unpadded = buf.numel_unpadded
-        out["grads"] += unpadded * gbytes
-        out["padding"] += (buf.numel - unpadded) * gbytes
-        quant = buf.key.quantized
-        has_param_data = buf.sharded and not (reuse and quant)
-        pbytes = buf.key.param_dtype.itemsize
-        if has_param_data:
-            out["padding"] += (buf.numel - unpadded) * pbytes
-        for s in buf.params:
-            p = by_name[s.name]
-            if p.quantized_bytes:
-                out["quantized_weights"] += p.quantized_bytes
-                if has_param_data and buf.key.param_dtype != torch.uint8:
-                    out["param_gather_staging"] += p.numel * pbytes
-            else:
-                out["weights"] += p.numel * p.dtype.itemsize
-        # masters and optimizer state of this rank
-        if buf.key.is_muon and layer_wise:
-            for u in units_of_buffer(buf, member_level=cfg.optimizer.layer_wise_param_layout == "compact"):
-                if owners[u.key] == me:
-                    masters += u.numel
-                    muon_elems += u.numel
-            continue
-        for bucket in buf.buckets:
-            for name in bucket.params:
-                n = buf.overlap(bucket, slots[name], me, size)
-                if n <= 0:
-                    continue
-                masters += n
-                if buf.key.is_muon:
-                    muon_elems += n
-                else:
-                    adam_elems += n
-                    adam_pieces += 1
-    out["masters"] = masters * 4
-    # AdamW: exp_avg + exp_avg_sq (fp32) and a 4-byte step per piece; Lion (Muon's
-    # scalar_optimizer=lion): one fp32 exp_avg; Muon: fp32 momentum.
+    return Sharding(dense_n, _rank_in(dense_n, rank, cfg, dp, False),
+                    expert_n, _rank_in(expert_n, rank, cfg, dp, True))
+
+
+def _optimizer_layout(cfg: LPTrainConfig, dp: int, layout: BufferLayout) -> OptimizerLayout:
+    """The run's optimizer state placement (layer-wise Muon owners planned once)."""
+    from lptrain.optim.layerwise import plan_ownership
     from lptrain.optim.lion import scalar_optimizer_name
 
-    if scalar_optimizer_name(cfg.optimizer) == "lion":
-        scalar_bytes = adam_elems * 4
-    else:
-        scalar_bytes = adam_elems * 8 + adam_pieces * 4
-    out["optimizer_states"] = scalar_bytes + muon_elems * 4
-    return out
+    o = cfg.optimizer
+    layer_wise = bool(o.use_layer_wise_optimizer)
+    muon_specs = [b for b in layout.buffers if b.key.is_muon] if layer_wise else []
+    dense_n, expert_n = _group_sizes(cfg, dp)
+    owners = (plan_ownership(muon_specs, dense_size=dense_n, expert_size=expert_n,
+                             param_layout=o.layer_wise_param_layout) if muon_specs else {})
+    return OptimizerLayout(layer_wise, o.layer_wise_param_layout, owners, scalar_optimizer_name(o))
+
+
+def _stored(info: Sequence[_Param]) -> dict[str, StoredParam]:
+    return {p.name: StoredParam(p.numel, p.quantized_bytes or p.numel * p.dtype.itemsize,
+                                bool(p.quantized_bytes)) for p in info}
 
 
 def _transient_weight_copies(
@@ -388,9 +335,13 @@ def estimate_memory(cfg: LPTrainConfig, dp: int, target: str = "cpu") -> MemoryE
     act_bytes = activation_dtype_bytes(cfg, target)
     acts, acts_rc = activation_bytes(cfg, model, act_bytes, quantizers)
     copies = _transient_weight_copies(cfg, model, info, quantizers, act_bytes)
+    optimizer = _optimizer_layout(cfg, dp, layout)
+    stored = _stored(info)
+    reuse = bool(cfg.ddp.reuse_grad_buf_for_mxfp8_param_ag)
     ranks = []
     for r in _sampled_ranks(dp):
-        b = _persistent(cfg, dp, layout, info, r)
+        b = rank_memory(layout, stored, _sharding(cfg, dp, r), optimizer,
+                        reuse_grad_buffer=reuse).categories()
         b["weight_copies"] = copies
         b["activations"] = acts
         ranks.append(RankMemory(r, b))

@@ -20,6 +20,7 @@ from lptrain.errors import DeviceError
 from lptrain.model.build_context import BuildContext
 from lptrain.model.gpt import GPTModel
 from lptrain.model.params import tag_parameters
+from lptrain.model.process_group import SINGLE_RANK, ProcessGroup
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
@@ -90,6 +91,7 @@ def build_model(
     factory: Optional[Any] = None,
     *,
     expert_model_parallel_rank: int = 0,
+    expert_parallel_group: ProcessGroup = SINGLE_RANK,
     device: Union[str, torch.device, None] = None,
 ) -> GPTModel:
     """Build the tagged ``GPTModel`` with every parameter and buffer on the run's device.
@@ -101,7 +103,9 @@ def build_model(
 
     ``expert_model_parallel_rank`` selects which ``num_experts / EP`` experts this rank
     holds (``cfg.model.moe.expert_model_parallel_size``); their weights equal the same
-    experts of a single-rank model.
+    experts of a single-rank model; ``expert_parallel_group`` is the group of
+    ``expert_model_parallel_size`` ranks the MoE layers exchange tokens over (needed to run
+    a forward when EP > 1: the ``ep`` group of :func:`lptrain.distributed.groups.build_groups`).
 
     On the TE backend, layers built with fused wgrad accumulation
     (``train.gradient_accumulation_fusion``) get an fp32 zero ``main_grad`` on each GEMM
@@ -131,6 +135,7 @@ def build_model(
         params_dtype=dtype,
         expert_model_parallel_size=ep,
         expert_model_parallel_rank=expert_model_parallel_rank,
+        expert_parallel_group=expert_parallel_group,
     )
     compute_dtype = compute_dtype_for(target, dtype)
     if te_backend and target.type == "cuda":

@@ -10,6 +10,7 @@ import torch
 
 from lptrain.config.schema import ModelConfig
 from lptrain.model.init import InitMethod, grouped_normal_init, named_normal_init
+from lptrain.model.process_group import SINGLE_RANK, ProcessGroup
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,8 @@ class BuildContext:
     params_dtype: torch.dtype
     expert_model_parallel_size: int = 1
     expert_model_parallel_rank: int = 0
+    # the group the MoE layers dispatch tokens over (its size is the EP size when EP > 1)
+    expert_parallel_group: ProcessGroup = SINGLE_RANK
 
     @property
     def std(self) -> float:

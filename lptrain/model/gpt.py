@@ -172,8 +172,20 @@ class GPTModel(nn.Module):
         aux = {"lm_loss": lm_loss.detach(), **{k: v.detach() for k, v in totals.items()}}
         return loss, aux
 
+    def quantizer_recipe(self) -> Any:
+        """The recipe the factory's quantized layers run (None for an unquantized run):
+        whose quantizer random streams a checkpoint saves."""
+        return getattr(self.factory, "recipe", None)
+
     def routers(self) -> list[TopKRouter]:
+        """The MoE routers, in module order (empty for a dense model)."""
         return [m for m in self.modules() if isinstance(m, TopKRouter)]
+
+    def expert_bias_counts(self) -> list[torch.Tensor]:
+        """The live per-expert token counts (``local_tokens_per_expert``) that the routers
+        with an expert bias accumulate for :meth:`update_expert_bias`, in router order
+        (empty when no router keeps an expert bias)."""
+        return [r.local_tokens_per_expert for r in self.routers() if r.enable_expert_bias]
 
     def update_expert_bias(self) -> None:
         """Aux-loss-free balancing step for every router (call after the optimizer step).

@@ -25,8 +25,6 @@ from lptrain.model.attention import SelfAttention
 from lptrain.model.moe.experts import GroupedMLP, SequentialMLP
 from lptrain.model.norm import RMSNorm
 
-TAGS = ("is_embedding_or_output", "shared_embedding", "is_expert", "is_qkv", "use_muon")
-
 
 def tag_parameters(model: nn.Module) -> None:
     """Set the metadata attributes documented above on every parameter of ``model``."""
@@ -77,11 +75,6 @@ def named_expert_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 def named_dense_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(n, p) for n, p in model.named_parameters() if not getattr(p, "is_expert", False)]
-
-
-def count_parameters(model: nn.Module) -> int:
-    """Distinct parameter elements (a tied weight counts once)."""
-    return sum(p.numel() for p in model.parameters())
 
 
 def is_muon_param(p: torch.Tensor) -> bool:

@@ -19,7 +19,12 @@ from typing import Optional
 
 import torch
 
-from lptrain.optim.distributed import ShardedMasterOptimizer
+from lptrain.config.schema import OptimizerConfig
+from lptrain.distributed.buffers import ParamAndGradBuffer
+from lptrain.distributed.groups import SINGLE, Group
+from lptrain.optim.child import OptimizerChild
+from lptrain.optim.distributed import ExpertShardedMasterOptimizer, ShardedMasterOptimizer
+from lptrain.optim.layerwise import build_layer_wise_children
 
 
 @dataclass
@@ -29,8 +34,10 @@ class StepOutcome:
 
 
 class ChainedOptimizer:
-    def __init__(self, children: Sequence[ShardedMasterOptimizer], clip_grad: float) -> None:
-        self.children = list(children)
+    """The children (:class:`lptrain.optim.child.OptimizerChild`) stepping as one optimizer."""
+
+    def __init__(self, children: Sequence[OptimizerChild], clip_grad: float) -> None:
+        self.children: list[OptimizerChild] = list(children)
         self.clip_grad = clip_grad
 
     def prepare_grads(self) -> None:
@@ -52,8 +59,7 @@ class ChainedOptimizer:
         norm = self.grad_norm()
         if not math.isfinite(norm):
             for c in self.children:
-                for pc in c.pieces:
-                    pc.master.grad = None
+                c.discard_grads()
             return StepOutcome(norm, skipped=True)
         clip: Optional[float] = None
         if self.clip_grad > 0:
@@ -82,7 +88,7 @@ class ChainedOptimizer:
             rms = c.update_rms()
             if rms is None:
                 continue
-            n = sum(pc.master.numel() for pc in getattr(c, "pieces", [])) or 1
+            n = sum(pc.master.numel() for pc in c.pieces) or 1
             total += rms * rms * n
             count += n
         return (total / count) ** 0.5 if count else None
@@ -90,5 +96,24 @@ class ChainedOptimizer:
     def count_zeros(self) -> Optional[int]:
         """Zero gradient entries over the children that count them (reduced over the world
         by each child, every element once); None when none does."""
-        counts = [c.count_zeros() for c in self.children if hasattr(c, "count_zeros")]
+        counts = [n for n in (c.count_zeros() for c in self.children) if n is not None]
         return sum(counts) if counts else None
+
+
+def build_optimizer(
+    buffers: Sequence[ParamAndGradBuffer], cfg: OptimizerConfig, ep: Group = SINGLE
+) -> ChainedOptimizer:
+    """The run's optimizer over the data-parallel engine's buffers: the layer-wise children
+    (:func:`lptrain.optim.layerwise.build_layer_wise_children`) with
+    ``optimizer.use_layer_wise_optimizer``, else a byte-sharded child over the dense buffers
+    and, for MoE models, one over the expert buffers (adding the norm over ``ep``)."""
+    children: list[OptimizerChild]
+    if cfg.use_layer_wise_optimizer:
+        children = build_layer_wise_children(buffers, cfg, ep=ep)
+    else:
+        dense = [b for b in buffers if not b.key.is_expert]
+        expert = [b for b in buffers if b.key.is_expert]
+        children = [ShardedMasterOptimizer(dense, cfg, label="dense")]
+        if expert:
+            children.append(ExpertShardedMasterOptimizer(expert, cfg, label="expert", ep=ep))
+    return ChainedOptimizer(children, cfg.clip_grad)

@@ -22,7 +22,7 @@ masters). Nothing here knows a quantization format: writing into a parameter goe
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -32,6 +32,9 @@ import torch.distributed as dist
 from lptrain.config.schema import OptimizerConfig
 from lptrain.distributed.buffers import ParamAndGradBuffer
 from lptrain.distributed.groups import SINGLE, Group
+from lptrain.optim.child import MasterOptimizer
+from lptrain.optim.lion import scalar_optimizer
+from lptrain.optim.muon import Muon, build_muon
 from lptrain.optim.param_groups import copy_param_attributes
 from lptrain.precision.param_storage import (
     high_precision_value,
@@ -83,8 +86,9 @@ def _pieces(buffers: Sequence[ParamAndGradBuffer]) -> list[MasterPiece]:
     return out
 
 
-class ShardedMasterOptimizer:
-    """AdamW (and Muon for Muon-managed whole matrices) over one set of buffers."""
+class ShardedMasterOptimizer(MasterOptimizer):
+    """AdamW (and Muon for Muon-managed whole matrices) over one set of buffers; an
+    :class:`lptrain.optim.child.OptimizerChild`."""
 
     def __init__(
         self,
@@ -99,47 +103,27 @@ class ShardedMasterOptimizer:
         # where this optimizer's scalars live: its buffers' device (NCCL reduces CUDA tensors)
         self.device = self.buffers[0].grad_data.device if self.buffers else torch.device("cpu")
         self.label = label
-        self.pieces = _pieces(self.buffers)
+        self.holds_experts = any(b.key.is_expert for b in self.buffers)
+        self.pieces: list[MasterPiece] = _pieces(self.buffers)
         for buf in self.buffers:
             for p in buf.params.values():
                 release_high_precision_init(p)
         adam = [pc for pc in self.pieces if not pc.buffer.key.is_muon]
         muon = [pc for pc in self.pieces if pc.buffer.key.is_muon]
         self.optimizers: list[torch.optim.Optimizer] = []
+        self.muon: Optional[Muon] = None
         if adam:
-            from lptrain.optim.lion import scalar_optimizer
-
             decay = [pc.master for pc in adam if pc.param.dim() >= 2]
             no_decay = [pc.master for pc in adam if pc.param.dim() < 2]
             # AdamW, or Lion for Muon's non-matrix params (optimizer.muon.scalar_optimizer)
             self.optimizers.append(scalar_optimizer(decay, no_decay, cfg))
         if muon:
-            from lptrain.optim.muon import Muon
-
             if any(not pc.whole for pc in muon):
                 raise RuntimeError("Muon params must be whole on a rank (unsharded Muon buffers)")
-            m = cfg.muon
-            self.optimizers.append(
-                Muon(
-                    [{"params": [pc.master for pc in muon], "name": "muon"}],
-                    lr=cfg.lr,
-                    weight_decay=cfg.weight_decay,
-                    momentum=m.momentum,
-                    nesterov=m.nesterov,
-                    ns_steps=m.ns_steps,
-                    coefficients=m.coefficients,
-                    scale_mode=m.scale_mode,
-                    extra_scale_factor=m.extra_scale_factor,
-                    split_qkv=m.split_qkv,
-                )
-            )
+            self.muon = build_muon([pc.master for pc in muon], cfg)
+            self.optimizers.append(self.muon)
 
-    # ---- the step protocol --------------------------------------------------------------------
-
-    def prepare_grads(self) -> None:
-        for pc in self.pieces:
-            g = pc.grad_view()
-            pc.master.grad = g if g.dtype == torch.float32 else g.float()
+    # ---- the step (prepare_grads, step, lr_by_group: MasterOptimizer) ------------------------
 
     def grad_norm_sq(self) -> torch.Tensor:
         """Squared norm of this optimizer's full gradient (fp64; reduced over its group for
@@ -156,17 +140,9 @@ class ShardedMasterOptimizer:
             dist.all_reduce(sharded, group=self.group.pg)
         return sharded + replicated
 
-    def step(self, lrs: Mapping[str, float], clip_coef: Optional[float]) -> None:
-        """Clip, then update every group at ``lrs[group name]``."""
-        if clip_coef is not None:
-            for pc in self.pieces:
-                pc.master.grad.mul_(clip_coef)  # type: ignore[union-attr]
-        for opt in self.optimizers:
-            for g in opt.param_groups:
-                g["lr"] = lrs[g["name"]]
-            opt.step()
-        for pc in self.pieces:
-            pc.master.grad = None
+    def count_zeros(self) -> Optional[int]:
+        """Not counted here: ``muon_grad_zeros`` is the layer-wise Muon's metric."""
+        return None
 
     def stage(self) -> None:
         """Masters -> params: the staging slices of sharded buffers (then marked staged for
@@ -193,15 +169,8 @@ class ShardedMasterOptimizer:
                 for bucket in buf.buckets:
                     bucket.mark_staged()
 
-    def lr_by_group(self) -> dict[str, float]:
-        return {g["name"]: float(g["lr"]) for opt in self.optimizers for g in opt.param_groups}
-
     def update_rms(self) -> Optional[float]:
-        for opt in self.optimizers:
-            rms = getattr(opt, "last_update_rms", None)
-            if rms is not None:
-                return rms
-        return None
+        return self.muon.last_update_rms if self.muon is not None else None
 
     # ---- checkpoint ---------------------------------------------------------------------------
 
@@ -294,3 +263,21 @@ class ShardedMasterOptimizer:
                         st[k] = v.to(torch.float32).clone()
                 if st:
                     opt.state[pc.master] = st
+
+
+class ExpertShardedMasterOptimizer(ShardedMasterOptimizer):
+    """The expert child of the chained optimizer under expert parallelism: as the dense one,
+    plus the sum of the squared gradient norm over the expert-parallel group ``ep`` (each EP
+    rank holds different experts)."""
+
+    def __init__(
+        self, buffers: Sequence[ParamAndGradBuffer], cfg: OptimizerConfig, *, label: str, ep: Group = SINGLE
+    ) -> None:
+        super().__init__(buffers, cfg, label=label)
+        self.ep = ep
+
+    def grad_norm_sq(self) -> torch.Tensor:
+        sq = super().grad_norm_sq()
+        if self.ep.active:
+            dist.all_reduce(sq, group=self.ep.pg)
+        return sq

@@ -10,8 +10,8 @@ drops its high-precision init copy and just receives the updated values.
 Ownership (:func:`assign_owners`) is LPT over the Newton-Schulz cost ``min^2 * max``, in the
 canonical order :func:`ownership_key` = (cost descending, parameter name, member): a total
 order that never depends on registration order, so every rank computes the same owners even
-when several matrices have equal shapes (upstream seed 002: sorting by numel alone let a
-stable sort fall back to each rank's registration order, and ranks disagreed on owners).
+when several matrices have equal shapes (sorting by numel alone lets a stable sort fall back
+to each rank's registration order, and ranks then disagree on who owns which matrix).
 
 Two layouts (``optimizer.layer_wise_param_layout``, planned in
 :func:`lptrain.distributed.layout.plan_layer_wise_layout`):
@@ -50,6 +50,9 @@ from lptrain.distributed.buffers import ParamAndGradBuffer
 from lptrain.distributed.collectives import all_gather_flat
 from lptrain.distributed.groups import SINGLE, Group
 from lptrain.distributed.layout import BufferSpec, ns_cost, padded_owner
+from lptrain.optim.child import MasterOptimizer, OptimizerChild
+from lptrain.optim.distributed import ExpertShardedMasterOptimizer, ShardedMasterOptimizer
+from lptrain.optim.muon import build_muon
 from lptrain.optim.param_groups import copy_param_attributes
 from lptrain.precision.param_storage import (
     high_precision_value,
@@ -88,7 +91,7 @@ class MuonUnit:
 
 def ownership_key(unit: MuonUnit) -> tuple[Any, ...]:
     """Canonical, rank-independent order for ownership: NS cost descending, then the
-    parameter's name and member (the fix for upstream's equal-numel ownership bug)."""
+    parameter's name and member (numel alone ties equal shapes, see the module doc)."""
     return (-ns_cost(unit.shape), unit.name, unit.member)
 
 
@@ -143,13 +146,13 @@ def plan_ownership(
 
 def transport_dtype(p: torch.Tensor) -> torch.dtype:
     """Dtype a compact-layout param travels in: its logical dtype (bf16 for bf16 and FP8
-    params, fp32 for fp32 params; upstream seed 002 downcast fp32 params to bf16)."""
+    params, fp32 for fp32 params: a bf16 transport would round fp32 params every step)."""
     return p.dtype
 
 
 def first_nonempty(per_rank: Sequence[Sequence[Any]]) -> Any:
-    """The first entry of the first non-empty per-rank list (upstream seed 002 read
-    ``per_rank[0][0]``, an IndexError whenever rank 0 owns nothing in the bucket)."""
+    """The first entry of the first non-empty per-rank list (reading ``per_rank[0][0]``
+    instead is an IndexError whenever rank 0 owns nothing in the bucket)."""
     for entries in per_rank:
         if entries:
             return entries[0]
@@ -259,9 +262,9 @@ class OwnedUnit:
         return self.buffer.grad_data[self.unit.lo : self.unit.hi].view(self.master.shape)
 
 
-class LayerWiseMuon:
-    """Muon over the Muon buffers, one owner per matrix (see the module doc). Implements the
-    :class:`lptrain.optim.chained.ChainedOptimizer` child protocol."""
+class LayerWiseMuon(MasterOptimizer):
+    """Muon over the Muon buffers, one owner per matrix (see the module doc); an
+    :class:`lptrain.optim.child.OptimizerChild`."""
 
     def __init__(
         self,
@@ -272,11 +275,10 @@ class LayerWiseMuon:
         gather_mode: Optional[str] = None,
         label: str = "muon",
     ) -> None:
-        from lptrain.optim.muon import Muon
-
         self.buffers = list(buffers)
         self.cfg = cfg
         self.label = label
+        self.holds_experts = any(b.key.is_expert for b in self.buffers)
         self.device = self.buffers[0].grad_data.device if self.buffers else torch.device("cpu")
         self.param_layout = param_layout
         dense = [b.groups.intra for b in self.buffers if not b.key.is_expert]
@@ -309,14 +311,8 @@ class LayerWiseMuon:
         for buf in self.buffers:  # owners copied theirs; nobody keeps the init copies
             for p in buf.params.values():
                 release_high_precision_init(p)
-        m = cfg.muon
-        self.optimizer = Muon(
-            [{"params": [pc.master for pc in self.pieces], "name": "muon"}],
-            lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=m.momentum, nesterov=m.nesterov,
-            ns_steps=m.ns_steps, coefficients=m.coefficients, scale_mode=m.scale_mode,
-            extra_scale_factor=m.extra_scale_factor, split_qkv=m.split_qkv,
-        )
-        self.optimizers = [self.optimizer]
+        self.optimizer = build_muon([pc.master for pc in self.pieces], cfg)
+        self.optimizers: list[torch.optim.Optimizer] = [self.optimizer]
         self._rms: Optional[float] = None
         self._stepped = False
         self.gathers: list[CompactGather] = []
@@ -330,12 +326,7 @@ class LayerWiseMuon:
                     bucket.param_sync_hook = gather
                     self.gathers.append(gather)
 
-    # ---- the chained-optimizer child protocol ----------------------------------------------
-
-    def prepare_grads(self) -> None:
-        for pc in self.pieces:
-            g = pc.grad_view()
-            pc.master.grad = g if g.dtype == torch.float32 else g.float()
+    # ---- the step (prepare_grads, lr_by_group: MasterOptimizer) ----------------------------
 
     def grad_norm_sq(self) -> torch.Tensor:
         """Squared norm of every Muon grad, each unit once (on its owner), over the world."""
@@ -352,24 +343,17 @@ class LayerWiseMuon:
         return int(_world_sum(local))
 
     def step(self, lrs: Mapping[str, float], clip_coef: Optional[float]) -> None:
-        if clip_coef is not None:
-            for pc in self.pieces:
-                pc.master.grad.mul_(clip_coef)  # type: ignore[union-attr]
-        for g in self.optimizer.param_groups:
-            g["lr"] = lrs[g["name"]]
-        self.optimizer.step()
+        super().step(lrs, clip_coef)
         self._stepped = True
-        for pc in self.pieces:
-            pc.master.grad = None
         # Update RMS over every unit of the world (each counted once): one tiny all-reduce.
-        sq = self.optimizer._rms_sumsq
+        sq, count = self.optimizer.last_update_stats
         stats = torch.zeros(2, dtype=torch.float64, device=self.device)
         if sq is not None:
             stats[0] = sq
-        stats[1] = float(self.optimizer._rms_count)
+        stats[1] = float(count)
         _world_sum(stats)
-        total, count = stats.tolist()  # the step's one host read of Muon's statistics
-        self._rms = math.sqrt(total / count) if count > 0 else None
+        total, n = stats.tolist()  # the step's one host read of Muon's statistics
+        self._rms = math.sqrt(total / n) if n > 0 else None
 
     def stage(self) -> None:
         """Masters -> the gather: packs (compact) or the owner's shard of the param buffer
@@ -386,9 +370,6 @@ class LayerWiseMuon:
         for buf in self.buffers:
             for bucket in buf.buckets:
                 bucket.mark_staged()
-
-    def lr_by_group(self) -> dict[str, float]:
-        return {g["name"]: float(g["lr"]) for g in self.optimizer.param_groups}
 
     def update_rms(self) -> Optional[float]:
         return self._rms
@@ -439,19 +420,16 @@ class LayerWiseMuon:
 
 def build_layer_wise_children(
     buffers: Sequence[ParamAndGradBuffer], cfg: OptimizerConfig, ep: Optional[Group] = None
-) -> list[Any]:
+) -> list[OptimizerChild]:
     """Chained-optimizer children for the layer-wise path: byte-sharded AdamW over the
     non-Muon buffers and a :class:`LayerWiseMuon` over the Muon buffers, for dense and for
-    expert params (each over its own group; labelled so the engine checkpoints experts
-    under their canonical per-expert names). The Muon children sum their norms over the
-    whole world (each unit counted once on its owner); the expert AdamW child adds the
-    expert-parallel sum (``ep``), as every EP rank holds different experts."""
-    from lptrain.distributed.expert_state import ExpertShardedMasterOptimizer
-    from lptrain.optim.distributed import ShardedMasterOptimizer
-
-    children: list[Any] = []
+    expert params (each over its own group; the expert children hold experts, which the
+    engine checkpoints under their canonical per-expert names). The Muon children sum their
+    norms over the whole world (each unit counted once on its owner); the expert AdamW child
+    adds the expert-parallel sum (``ep``), as every EP rank holds different experts."""
+    children: list[OptimizerChild] = []
     for expert in (False, True):
-        label = "expert" if expert else "dense"  # the engine checkpoints "expert" per expert
+        label = "expert" if expert else "dense"
         adam = [b for b in buffers if not b.key.is_muon and b.key.is_expert == expert]
         muon = [b for b in buffers if b.key.is_muon and b.key.is_expert == expert]
         if adam and expert:

@@ -68,6 +68,15 @@ def lion_group_step(group: dict[str, Any], state: Any) -> None:
                  weight_decay=group["weight_decay"])
 
 
+def closure_loss(closure: Optional[Callable[[], float]]) -> Optional[float]:
+    """torch's ``Optimizer.step(closure)`` contract: the loss the closure recomputes (with
+    grad enabled, as the closure runs a backward), or None without one."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 class Lion(torch.optim.Optimizer):
     """Lion as a ``torch.optim.Optimizer``: per-group ``lr``, ``betas`` and ``weight_decay``."""
 
@@ -82,10 +91,7 @@ class Lion(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             lion_group_step(group, self.state)
         return loss

@@ -38,7 +38,7 @@ import torch
 from lptrain.catalog.muon_scaling import SCALE_MODES, muon_scale
 from lptrain.catalog.ns_coefficients import ns_steps_problem
 from lptrain.config.schema import OptimizerConfig
-from lptrain.optim.lion import lion_group_step
+from lptrain.optim.lion import closure_loss, lion_group_step
 from lptrain.optim.named_state import NamedStateMixin
 from lptrain.optim.newton_schulz import NS_EPS, CoefficientsArg, newton_schulz, resolve_coefficients
 
@@ -47,6 +47,8 @@ __all__ = [
     "SCALE_MODES",
     "Muon",
     "MuonWithAdamW",
+    "build_muon",
+    "muon_hparams",
     "muon_momentum_",
     "muon_scale",
     "muon_update",
@@ -112,28 +114,17 @@ def orthogonalize(
 
 
 def muon_update(
-    grad: torch.Tensor,
-    momentum_buf: torch.Tensor,
-    *,
-    beta: float,
-    nesterov: bool,
-    ns_steps: int,
-    coefficients: CoefficientsArg,
-    scale_mode: str,
-    extra_scale_factor: float = 1.0,
-    qkv_split_shapes: Optional[Sequence[int]] = None,
-    eps: float = NS_EPS,
+    grad: torch.Tensor, momentum_buf: torch.Tensor, *, beta: float, nesterov: bool, **ortho: Any
 ) -> torch.Tensor:
     """Momentum + scaled orthogonalization for one 2-D matrix: the update to subtract times lr.
 
-    Mutates ``momentum_buf`` (fp32). Returns ``s * extra_scale_factor * NS(U)`` in fp32;
-    pass ``qkv_split_shapes`` only when the QKV split is wanted.
+    Mutates ``momentum_buf`` (fp32). ``ortho`` are :func:`orthogonalize`'s keyword arguments
+    (``ns_steps``, ``coefficients``, ``scale_mode``, ``extra_scale_factor``, ``eps``, and
+    ``qkv_split_shapes`` only when the QKV split is wanted). Returns
+    ``s * extra_scale_factor * NS(U)`` in fp32.
     """
     u = muon_momentum_(grad.float(), momentum_buf, beta=beta, nesterov=nesterov)
-    return orthogonalize(
-        u, ns_steps=ns_steps, coefficients=coefficients, scale_mode=scale_mode,
-        extra_scale_factor=extra_scale_factor, qkv_split_shapes=qkv_split_shapes, eps=eps,
-    )
+    return orthogonalize(u, **ortho)
 
 
 def _validate_hparams(group: dict[str, Any]) -> None:
@@ -227,14 +218,36 @@ def _update_matrix(
 
 
 class _UpdateRMS:
-    """Keeps the Muon update RMS of the last step (a tensor until read: no device sync)."""
+    """Keeps the Muon update statistics of the last step (tensors until read: no device sync)
+    and runs the Muon groups of a step."""
 
     _rms_sumsq: Optional[torch.Tensor] = None
     _rms_count: int = 0
+    param_groups: list[dict[str, Any]]
+    state: Any
 
-    def _record_rms(self, sq: list[torch.Tensor], count: int) -> None:
+    def _step_groups(self, is_muon: Callable[[dict[str, Any]], bool]) -> None:
+        """One step of every param group: Muon where ``is_muon(group)``, else the group's
+        scalar optimizer (``group["optimizer"]``); records the Muon update statistics."""
+        sq: list[torch.Tensor] = []
+        count = 0
+        for group in self.param_groups:
+            if is_muon(group):
+                s, n = _muon_group_step(group, self.state)
+                if s is not None:
+                    sq.append(s)
+                    count += n
+            else:
+                _SCALAR_KINDS[group["optimizer"]](group, self.state)
         self._rms_sumsq = torch.stack(sq).sum() if sq else None
         self._rms_count = count
+
+    @property
+    def last_update_stats(self) -> tuple[Optional[torch.Tensor], int]:
+        """``(sum of squared entries, number of entries)`` of the last step's Muon update
+        ``s * extra * O`` (before lr), the sum still on the device (``None`` before the first
+        step or when no Muon param had a grad): what a distributed caller sums over ranks."""
+        return self._rms_sumsq, self._rms_count
 
     @property
     def last_update_rms(self) -> Optional[float]:
@@ -244,6 +257,17 @@ class _UpdateRMS:
         if self._rms_sumsq is None or self._rms_count == 0:
             return None
         return math.sqrt(float(self._rms_sumsq) / self._rms_count)
+
+
+def muon_hparams(cfg: OptimizerConfig) -> dict[str, Any]:
+    """The Muon hyperparameters of a config (``optimizer.lr``, ``optimizer.weight_decay`` and
+    ``optimizer.muon.*``), as :class:`Muon`'s keyword arguments and group defaults."""
+    m = cfg.muon
+    return dict(
+        lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=m.momentum, nesterov=m.nesterov,
+        ns_steps=m.ns_steps, coefficients=m.coefficients, scale_mode=m.scale_mode,
+        extra_scale_factor=m.extra_scale_factor, split_qkv=m.split_qkv, eps=NS_EPS,
+    )
 
 
 class Muon(_UpdateRMS, NamedStateMixin, torch.optim.Optimizer):
@@ -286,19 +310,15 @@ class Muon(_UpdateRMS, NamedStateMixin, torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        sq: list[torch.Tensor] = []
-        count = 0
-        for group in self.param_groups:
-            s, n = _muon_group_step(group, self.state)
-            if s is not None:
-                sq.append(s)
-                count += n
-        self._record_rms(sq, count)
+        loss = closure_loss(closure)
+        self._step_groups(lambda group: True)
         return loss
+
+
+def build_muon(masters: Sequence[torch.Tensor], cfg: OptimizerConfig) -> Muon:
+    """Muon over ``masters`` (one group named ``muon``) with the config's settings: the
+    optimizer of every distributed Muon path (byte-sharded and layer-wise)."""
+    return Muon([{"params": list(masters), "name": "muon"}], **muon_hparams(cfg))
 
 
 def _adamw_group_step(group: dict[str, Any], state: Any) -> None:
@@ -363,7 +383,9 @@ def _names_and_tensors(
 
 class MuonWithAdamW(_UpdateRMS, NamedStateMixin, torch.optim.Optimizer):
     """Muon for ``muon_params`` and AdamW (or Lion) for ``adamw_params``: one
-    ``torch.optim.Optimizer``.
+    ``torch.optim.Optimizer``, lptrain's Muon for a training loop of your own (one process;
+    docs/muon.md shows one). lptrain's trainer uses the distributed children instead
+    (:mod:`lptrain.optim.distributed`, :mod:`lptrain.optim.layerwise`).
 
     Three param groups, always present (possibly empty) and always in this order, each tagged
     ``group["name"]`` and ``group["optimizer"]``:
@@ -416,11 +438,7 @@ class MuonWithAdamW(_UpdateRMS, NamedStateMixin, torch.optim.Optimizer):
                 raise ValueError("MuonWithAdamW: a tensor was passed twice (or to both lists)")
             seen.add(id(p))
         self._kind_defaults: dict[str, dict[str, Any]] = {
-            "muon": dict(
-                lr=o.lr, weight_decay=o.weight_decay, momentum=m.momentum, nesterov=m.nesterov,
-                ns_steps=m.ns_steps, coefficients=m.coefficients, scale_mode=m.scale_mode,
-                extra_scale_factor=m.extra_scale_factor, split_qkv=m.split_qkv, eps=NS_EPS,
-            ),
+            "muon": muon_hparams(o),
             "adamw": dict(
                 lr=o.lr, weight_decay=o.weight_decay, betas=(o.adam_beta1, o.adam_beta2),
                 eps=o.adam_eps, amsgrad=False, maximize=False, foreach=None, capturable=False,
@@ -473,19 +491,6 @@ class MuonWithAdamW(_UpdateRMS, NamedStateMixin, torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        sq: list[torch.Tensor] = []
-        count = 0
-        for group in self.param_groups:
-            if group["optimizer"] == "muon":
-                s, n = _muon_group_step(group, self.state)
-                if s is not None:
-                    sq.append(s)
-                    count += n
-            else:
-                _SCALAR_KINDS[group["optimizer"]](group, self.state)
-        self._record_rms(sq, count)
+        loss = closure_loss(closure)
+        self._step_groups(lambda group: group["optimizer"] == "muon")
         return loss

@@ -107,19 +107,3 @@ def newton_schulz(
         X = X.mT.contiguous()
     return X
 
-
-def polynomial_singular_values(
-    s: torch.Tensor,
-    steps: int = 5,
-    coefficients: CoefficientsArg = "quintic",
-    eps: float = NS_EPS,
-) -> torch.Tensor:
-    """What ``newton_schulz`` does to singular values ``s`` (1-D, any float dtype).
-
-    NS applies an odd polynomial, so ``NS(U diag(s) V^T) = U diag(f(s)) V^T`` exactly in exact
-    arithmetic; this scalar map ``f`` is the reference the tests compare against.
-    """
-    y = s / torch.linalg.vector_norm(s).clamp_min(eps)
-    for a, b, c in coefficients_per_step(coefficients, steps):
-        y = a * y + b * y**3 + c * y**5
-    return y

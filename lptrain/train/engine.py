@@ -18,7 +18,13 @@ Interface used by the loop and the checkpoint code:
 * ``params_synced()`` -- the one forced-sync entry point (eval, checkpoint save, shutdown);
 * ``checkpoint_state()`` / ``load_checkpoint_state(state)`` -- a plain nested dict of tensors
   and Python values, identical on every rank for replicated entries and keyed by canonical
-  parameter names, so it reshards across DP sizes.
+  parameter names, so it reshards across DP sizes;
+* ``memory_breakdown()`` -- this rank's buffer and optimizer bytes (the memory model of
+  :mod:`lptrain.memory`, measured).
+
+The order inside a step that data parallelism needs (when masters are staged, when gathers
+must be finished) belongs to :class:`lptrain.distributed.ddp.DataParallel`
+(``begin_step`` / ``after_first_forward`` / ``end_step``); the engine names the steps.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import contextlib
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -40,6 +46,11 @@ from lptrain.precision.model_state import (
     scaling_state,
     seed_device_rng,
 )
+
+if TYPE_CHECKING:
+    from lptrain.model.gpt import GPTModel
+    from lptrain.optim.chained import StepOutcome
+    from lptrain.optim.child import OptimizerChild
 
 
 class TrainingDivergedError(RunFailedError):
@@ -65,15 +76,13 @@ class TrainEngine:
     def __init__(self, cfg: LPTrainConfig) -> None:
         from lptrain.distributed.ddp import DataParallel
         from lptrain.distributed.groups import build_groups
+        from lptrain.distributed.launch_env import init_process_group_from_env
         from lptrain.distributed.layout import plan_run_layout, run_param_specs
-        from lptrain.launch.local import init_process_group_from_env
-        from lptrain.model import build_model
         from lptrain.model.build import resolve_device
-        from lptrain.optim.chained import ChainedOptimizer
-        from lptrain.optim.distributed import ShardedMasterOptimizer
-        from lptrain.precision.factory import build_factory
+        from lptrain.optim.chained import build_optimizer
 
         self.cfg = cfg
+        # (resolved again after joining: joining selects this rank's CUDA device)
         init_process_group_from_env(resolve_device(cfg))
         moe = cfg.model.moe
         ep = moe.expert_model_parallel_size if moe.num_experts else 1
@@ -83,44 +92,30 @@ class TrainEngine:
         self.is_main = self.rank == 0
         self.device = resolve_device(cfg)
         torch.manual_seed(cfg.train.seed)
-        factory = build_factory(
-            cfg.precision,
-            num_layers=cfg.model.num_layers,
-            fuse_wgrad_accumulation=cfg.train.gradient_accumulation_fusion,
-            run_cfg=cfg,
-        )
-        recipe = getattr(factory, "recipe", None)
-        if recipe is not None and hasattr(recipe, "seed"):
-            # Stochastic-rounding streams: distinct per rank, reproducible from (seed, rank).
-            recipe.seed = cfg.train.seed * 65_537 + self.rank
-        seed_device_rng(cfg.train.seed, self.rank, self.device)  # TE draws its SR bits there
-        self.model = build_model(
-            cfg, factory, expert_model_parallel_rank=self.groups.ep.rank, device=self.device
-        )
+        self.model = self._build_model()
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-        layer_wise = bool(cfg.optimizer.use_layer_wise_optimizer)
         self.layout = plan_run_layout(cfg, run_param_specs(cfg, named), self.groups.intra.size)
         self.ddp = DataParallel(self.model, self.layout, cfg.ddp, self.groups, device=self.device)
-        if layer_wise:
-            from lptrain.optim.layerwise import build_layer_wise_children
+        self.optimizer = build_optimizer(self.ddp.buffers, cfg.optimizer, ep=self.groups.ep)
 
-            children = build_layer_wise_children(self.ddp.buffers, cfg.optimizer, ep=self.groups.ep)
-        else:
-            dense = [b for b in self.ddp.buffers if not b.key.is_expert]
-            expert = [b for b in self.ddp.buffers if b.key.is_expert]
-            children = [ShardedMasterOptimizer(dense, cfg.optimizer, label="dense")]
-            if expert:
-                from lptrain.distributed.expert_state import ExpertShardedMasterOptimizer
+    def _build_model(self) -> GPTModel:
+        """The run's model with this rank's experts, its quantizers' random streams seeded
+        per rank (stochastic rounding: distinct per rank, reproducible from (seed, rank))."""
+        from lptrain.model import build_model, default_factory
 
-                children.append(
-                    ExpertShardedMasterOptimizer(expert, cfg.optimizer, label="expert", ep=self.groups.ep)
-                )
-        self.optimizer = ChainedOptimizer(children, cfg.optimizer.clip_grad)
-        # With the grad buffer reused as the gather area and gathers overlapped with the next
-        # forward, masters can only be staged after that step has zeroed the grad buffer.
-        self.defer_staging = bool(cfg.ddp.overlap_param_gather) and any(
-            b.reuses_grad_buffer for b in self.ddp.buffers
-        )
+        cfg = self.cfg
+        factory = default_factory(cfg)
+        if factory.recipe is not None and hasattr(factory.recipe, "seed"):  # SR recipes only
+            factory.recipe.seed = cfg.train.seed * 65_537 + self.rank
+        seed_device_rng(cfg.train.seed, self.rank, self.device)  # TE draws its SR bits there
+        return build_model(cfg, factory, expert_model_parallel_rank=self.groups.ep.rank,
+                           expert_parallel_group=self.groups.ep, device=self.device)
+
+    @property
+    def defer_staging(self) -> bool:
+        """Whether masters are staged at the start of the next step (a reused grad buffer
+        with overlapped gathers: :attr:`lptrain.distributed.ddp.DataParallel.defers_staging`)."""
+        return self.ddp.defers_staging
 
     # ---- steps --------------------------------------------------------------------------------
 
@@ -145,6 +140,23 @@ class TrainEngine:
             )
         return out
 
+    def train_step(self, micro_batches: Sequence[dict[str, torch.Tensor]], step: int) -> StepResult:
+        """One optimizer step over this rank's micro-batches (see the module doc)."""
+        self.ddp.begin_step(self.optimizer.stage)
+        local = self._forward_backward(micro_batches)
+        losses = self._gather_losses(local, self.ddp.finish_grad_sync())
+        moe_metrics = self._moe_metrics()
+        lrs = self.lr_for_step(step)
+        bad = self._nonfinite(losses, step)
+        self._reduce_router_counts()
+        zeros = self.optimizer.count_zeros()  # before the step: reused grad buffers are restaged after it
+        if bad is None:
+            outcome = self.optimizer.step(lrs)
+            if not outcome.skipped:
+                return self._finish_step(outcome, lrs, losses, moe_metrics, zeros)
+            bad = f"step {step}: global gradient norm is {outcome.grad_norm}"
+        return self._skip_step(bad, losses, lrs)
+
     def _to_device(self, b: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self.device.type == "cpu":
             return b
@@ -162,8 +174,8 @@ class TrainEngine:
             with ctx:
                 with model.autocast():
                     loss, aux = model(b["tokens"], labels=b["labels"])
-                if i == 0:  # every bucket gathered (and a reused one zeroed) before grads land
-                    ddp.sync_params(ddp.pending_param_buckets())
+                if i == 0:
+                    ddp.after_first_forward()
                 (loss / n).backward()
             sums[0] += aux["lm_loss"].detach().double() / n
             sums[1] += loss.detach().double() / n
@@ -182,54 +194,56 @@ class TrainEngine:
             dist.all_reduce(out, group=g.pg)
         return out.cpu()
 
-    def train_step(self, micro_batches: Sequence[dict[str, torch.Tensor]], step: int) -> StepResult:
+    def _nonfinite(self, losses: torch.Tensor, step: int) -> str | None:
+        """Why this step cannot be taken (a rank's non-finite gradient, else a non-finite
+        loss), or None. Every rank reads the same gathered ``losses``: all decide alike."""
         from lptrain.distributed.ddp import NonFiniteGradError
 
-        ddp, opt = self.ddp, self.optimizer
-        ddp.zero_grad_buffer()
-        if self.defer_staging:
-            opt.stage()
-        local = self._forward_backward(micro_batches)
-        bad: str | None = None
-        losses = self._gather_losses(local, ddp.finish_grad_sync())
         try:
-            ddp.raise_on_nonfinite([int(c) for c in losses[:, 2].tolist()])
+            self.ddp.raise_on_nonfinite([int(c) for c in losses[:, 2].tolist()])
         except NonFiniteGradError as e:
-            bad = f"step {step}, rank {e.rank}: gradient of '{e.param}' is not finite"
-        moe_metrics = self._moe_metrics()
-        loss = float(losses[:, 0].mean())
-        total = float(losses[:, 1].mean())
-        lrs = self.lr_for_step(step)
-        if bad is None and not math.isfinite(total):
+            return f"step {step}, rank {e.rank}: gradient of '{e.param}' is not finite"
+        if not math.isfinite(float(losses[:, 1].mean())):
             r = int((~torch.isfinite(losses[:, 1])).nonzero()[0])
-            bad = f"step {step}, rank {r}: loss is {float(losses[r, 1])}"
-        self._reduce_router_counts()
-        zeros = opt.count_zeros()  # before the step: reused grad buffers are restaged after it
-        if bad is None:
-            outcome = opt.step(lrs)
-            if outcome.skipped:
-                bad = f"step {step}: global gradient norm is {outcome.grad_norm}"
-        if bad is not None:
-            if self.cfg.train.on_nonfinite != "skip":
-                raise TrainingDivergedError(
-                    f"{bad}; stopping (train.on_nonfinite=stop; 'skip' skips such steps)"
-                )
-            self._after_step()
-            return StepResult(
-                loss=loss, grad_norm=float("nan"), lrs=lrs, skipped=True,
-                note=f"{bad}; step skipped (train.on_nonfinite=skip)",
+            return f"step {step}, rank {r}: loss is {float(losses[r, 1])}"
+        return None
+
+    def _skip_step(self, bad: str, losses: torch.Tensor, lrs: dict[str, float]) -> StepResult:
+        """``train.on_nonfinite``: stop with :class:`TrainingDivergedError`, or skip the
+        update (the params keep their values, restaged and gathered as after any step)."""
+        if self.cfg.train.on_nonfinite != "skip":
+            raise TrainingDivergedError(
+                f"{bad}; stopping (train.on_nonfinite=stop; 'skip' skips such steps)"
             )
-        self._after_step()
+        self.ddp.end_step(self.optimizer.stage)
+        return StepResult(
+            loss=float(losses[:, 0].mean()), grad_norm=float("nan"), lrs=lrs, skipped=True,
+            note=f"{bad}; step skipped (train.on_nonfinite=skip)",
+        )
+
+    def _finish_step(self, outcome: StepOutcome, lrs: dict[str, float], losses: torch.Tensor,
+                     moe_metrics: dict[str, float], zeros: int | None) -> StepResult:
+        """After an update: params synced (or left to the next forward), the expert bias
+        stepped, the step's result with its extra metrics."""
+        self.ddp.end_step(self.optimizer.stage)
         self.model.update_expert_bias()
+        extra = self._step_extras(moe_metrics, zeros, losses)
+        return StepResult(loss=float(losses[:, 0].mean()), grad_norm=outcome.grad_norm, lrs=lrs,
+                          extra=extra)
+
+    def _step_extras(self, moe_metrics: dict[str, float], zeros: int | None,
+                     losses: torch.Tensor) -> dict[str, float]:
+        """MoE metrics, the Muon update RMS and zero-grad count, and the auxiliary loss."""
         extra = dict(moe_metrics)
-        rms = opt.update_rms()
+        rms = self.optimizer.update_rms()
         if rms is not None:
             extra["muon_update_rms"] = rms
         if zeros is not None:
             extra["muon_grad_zeros"] = float(zeros)
+        loss, total = float(losses[:, 0].mean()), float(losses[:, 1].mean())
         if total != loss:
             extra["aux_loss"] = total - loss
-        return StepResult(loss=loss, grad_norm=outcome.grad_norm, lrs=lrs, extra=extra)
+        return extra
 
     def _moe_metrics(self) -> dict[str, float]:
         """Tokens per expert (min/mean/max over the global batch) and the load-balancing
@@ -239,30 +253,20 @@ class TrainEngine:
 
         return moe_step_metrics(self.model, self.groups.dp)
 
-    def _after_step(self) -> None:
-        """Masters -> params: stage every child first, then gather once (or leave the gather
-        to the next forward's pre-hooks with ``ddp.overlap_param_gather``)."""
-        if not self.defer_staging:
-            self.optimizer.stage()
-            if not self.cfg.ddp.overlap_param_gather:
-                self.ddp.sync_params()
-
     def _reduce_router_counts(self) -> None:
         """The expert-bias update sees global token counts (summed over data-parallel ranks)."""
         import torch.distributed as dist
 
         g = self.groups.dp
-        routers = self.model.routers() if hasattr(self.model, "routers") else []
-        if not g.active or not routers:
+        counts = self.model.expert_bias_counts()
+        if not g.active or not counts:
             return
-        counts = [r.local_tokens_per_expert for r in routers if hasattr(r, "local_tokens_per_expert")]
-        if counts:
-            flat = torch.cat([c.reshape(-1) for c in counts])
-            dist.all_reduce(flat, group=g.pg)
-            off = 0
-            for c in counts:
-                c.copy_(flat[off : off + c.numel()].view_as(c))
-                off += c.numel()
+        flat = torch.cat([c.reshape(-1) for c in counts])
+        dist.all_reduce(flat, group=g.pg)
+        off = 0
+        for c in counts:
+            c.copy_(flat[off : off + c.numel()].view_as(c))
+            off += c.numel()
 
     def evaluate(self, batches: Iterator[dict[str, torch.Tensor]], n: int) -> float:
         """Mean LM loss over ``n`` batches per rank, averaged over ranks; leaves training
@@ -271,8 +275,7 @@ class TrainEngine:
 
         model = self.model
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        routers = model.routers() if hasattr(model, "routers") else []
-        counts = [r.local_tokens_per_expert.clone() for r in routers if hasattr(r, "local_tokens_per_expert")]
+        counts = [c.clone() for c in model.expert_bias_counts()]
         with self.params_synced(), torch.no_grad():
             model.eval()
             try:
@@ -283,9 +286,8 @@ class TrainEngine:
                     total += aux["lm_loss"].double()
             finally:
                 model.train()
-                with_counts = [r for r in routers if hasattr(r, "local_tokens_per_expert")]
-                for r, c in zip(with_counts, counts, strict=True):
-                    r.local_tokens_per_expert.copy_(c)
+                for live, c in zip(model.expert_bias_counts(), counts, strict=True):
+                    live.copy_(c)
         g = self.groups.dp
         if g.active:
             dist.all_reduce(total, group=g.pg)
@@ -311,60 +313,51 @@ class TrainEngine:
         per-module scaling state: :mod:`lptrain.precision.model_state`); absent on load when
         written at another world size.
         """
+        from lptrain.distributed.expert_state import global_expert_state
+
         model: dict[str, torch.Tensor] = {}
         optim: dict[str, dict[str, torch.Tensor]] = {}
         for child in self.optimizer.children:
             full = child.full_state()
-            if child.label == "expert":  # each expert once, under its global canonical name
-                full = self._global_expert_state(full)
+            if child.holds_experts:  # each expert once, under its global canonical name
+                full = global_expert_state(full, self.model, self.groups.ep)
             for name, entry in full.items():
                 model[name] = entry.pop("master")
                 optim[name] = entry
         return {
             "global": {"model": model, "optimizer": optim, "scaling": scaling_state(self.model)},
-            "local": rank_state(self.model, self._quantizer_recipe(), self.device),
+            "local": rank_state(self.model, self.model.quantizer_recipe(), self.device),
         }
 
-    def _quantizer_recipe(self) -> Any:
-        return getattr(getattr(self.model, "factory", None), "recipe", None)
-
-    # Expert parameters are checkpointed under canonical per-expert names, gathered over the
-    # expert-parallel group, so a checkpoint loads at any EP size and expert layout.
-    def _global_expert_state(self, full: dict[str, dict[str, torch.Tensor]]) -> dict[str, dict[str, torch.Tensor]]:
-        from lptrain.distributed.expert_state import global_expert_state
-
-        return global_expert_state(full, self.model, self.groups.ep)
-
-    def _local_expert_entries(self, child: Any, g: dict[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
+    def _child_entries(self, child: OptimizerChild, g: dict[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
+        """``child``'s ``load_full_state`` input from a checkpoint's global part: experts
+        picked out of their canonical per-expert entries (any EP size and expert layout)."""
         from lptrain.distributed.expert_state import expert_offset, local_expert_entries
 
-        names = [(n, p.shape) for buf in child.buffers for n, p in buf.params.items()]
-        return local_expert_entries(names, g["model"], g["optimizer"], expert_offset(self.model))
+        if child.holds_experts:
+            names = [(n, p.shape) for buf in child.buffers for n, p in buf.params.items()]
+            return local_expert_entries(names, g["model"], g["optimizer"], expert_offset(self.model))
+        return {name: {"master": g["model"][name], **g["optimizer"].get(name, {})}
+                for buf in child.buffers for name in buf.params}
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
         g = state["global"]
         for child in self.optimizer.children:
-            entries = {}
-            if child.label == "expert":
-                entries = self._local_expert_entries(child, g)
-            else:
-                for buf in child.buffers:
-                    for name in buf.params:
-                        entries[name] = {"master": g["model"][name], **g["optimizer"].get(name, {})}
-            child.load_full_state(entries)
+            child.load_full_state(self._child_entries(child, g))
         load_scaling_state(self.model, g.get("scaling") or {})
         with self.params_synced():  # push the loaded masters into the params
             pass
         # absent when written at another world size: the streams start from (seed, rank)
-        load_rank_state(self.model, state.get("local") or {}, self._quantizer_recipe())
+        load_rank_state(self.model, state.get("local") or {}, self.model.quantizer_recipe())
 
     def memory_breakdown(self) -> dict[str, int]:
-        """Bytes this rank holds, by category, measured on the live buffers and optimizer
-        (:func:`lptrain.distributed.memory.measured_memory`, the same categories as the
-        analytic model: ``params``, ``param_buffer``, ``grads``, ``masters``, ``moments``,
-        ``padding`` -- already inside ``grads``/``param_buffer`` -- and ``total``, which
-        excludes it). Activations are not included (they exist only inside a step); call it
-        after a step, optimizer state is created lazily. Local: no collective."""
-        from lptrain.distributed.memory import measured_memory
+        """Bytes this rank holds, measured on the live buffers and optimizer
+        (:func:`lptrain.memory.measure.measured_memory`) and reported under the keys
+        ``params``, ``param_buffer``, ``grads``, ``masters``, ``moments``, ``padding`` --
+        already inside ``grads``/``param_buffer`` -- and ``total``, which excludes it
+        (:meth:`lptrain.memory.breakdown.MemoryBreakdown.engine_report`). Activations are not
+        included (they exist only inside a step); call it after a step, optimizer state is
+        created lazily. Local: no collective."""
+        from lptrain.memory.measure import measured_memory
 
-        return measured_memory(self.model, self.ddp.buffers, self.optimizer.children).as_dict()
+        return measured_memory(self.model, self.ddp.buffers, self.optimizer.children).engine_report()

@@ -68,7 +68,7 @@ def run_config_variants(
     }
 
 
-def run_seed000(rank: int, world: int, overrides: Sequence[str], remove_fix: bool) -> dict[str, Any]:
+def run_stale_dispatch(rank: int, world: int, overrides: Sequence[str], remove_fix: bool) -> dict[str, Any]:
     """Train-only vs train-eval-train. With ``remove_fix``, restaging right after a forced
     sync no longer resets the bucket's dispatch state: the upstream stale
     ``param_gather_dispatched`` flag, reproduced on lptrain's state machine."""
@@ -112,7 +112,7 @@ def run_seed000(rank: int, world: int, overrides: Sequence[str], remove_fix: boo
     return out
 
 
-def run_seed001(rank: int, world: int, overrides: Sequence[str]) -> dict[str, Any]:
+def run_deferred_param_sync(rank: int, world: int, overrides: Sequence[str]) -> dict[str, Any]:
     """Dense + expert optimizers, MXFP8 reuse, overlap off: the fixed chained step, a step
     that syncs after the first child (refused by the state machine), and the same with the
     state check bypassed (what upstream did: expert weights receive zeros)."""

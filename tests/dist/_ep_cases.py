@@ -129,7 +129,8 @@ def layer_checks(rank: int, extra: Sequence[str] = ()) -> dict[str, Any]:
 
     ov = [*MOE, "model.moe.router_topk=1", *extra]
     groups = build_groups(1, ep=2)
-    m2 = build_model(_cfg([*ov, *EP2]), expert_model_parallel_rank=groups.ep.rank, device="cpu")
+    m2 = build_model(_cfg([*ov, *EP2]), expert_model_parallel_rank=groups.ep.rank,
+                     expert_parallel_group=groups.ep, device="cpu")
     m1 = build_model(_cfg(ov), device="cpu")
     x = torch.randn(2, 8, m1.cfg.hidden_size, generator=torch.Generator().manual_seed(rank))
     res = {}

@@ -130,8 +130,8 @@ def ownership_orders(rank: int, world: int) -> dict[str, Any]:
             "owned": sum(1 for _, r in fixed if r == rank)}
 
 
-def seed002_regressions(rank: int, world: int) -> dict[str, Any]:
-    """Each seed-002 fix removed in turn (and kept, as the control)."""
+def layer_wise_regressions(rank: int, world: int) -> dict[str, Any]:
+    """Each layer-wise fix removed in turn (and kept, as the control)."""
     from lptrain.distributed import layout
     from lptrain.optim import layerwise
 
@@ -186,7 +186,8 @@ def seed002_regressions(rank: int, world: int) -> dict[str, Any]:
 def forced_sync(rank: int, world: int, remove_fix: bool) -> str | None:
     """Overlapped layer-wise gather, then a forced sync: every param must hold its master
     (bf16-rounded) inside ``params_synced``. ``remove_fix``: the forced sync ignores
-    layer-wise buckets (upstream seed 002: force_sync bypassed a pending LayerWise gather)."""
+    layer-wise buckets (a forced sync that only finalizes sharded buckets leaves a pending
+    layer-wise gather unfinished, and params stale)."""
     from lptrain.distributed.ddp import DataParallel
 
     problems: list[str] = []
@@ -214,12 +215,12 @@ def forced_sync(rank: int, world: int, remove_fix: bool) -> str | None:
 
 def memory(rank: int, world: int, cases: dict[str, Sequence[str]]) -> dict[str, Any]:
     """``{case: (measured breakdown, analytic breakdown of this rank)}`` after one step."""
-    from lptrain.distributed.memory import (
+    from lptrain.memory.analytic import (
         analytic_memory,
         describe_params,
-        measured_memory,
         quantized_bytes_per_element,
     )
+    from lptrain.memory.measure import measured_memory
     from lptrain.precision.param_storage import is_quantized, staging_dtype
 
     out: dict[str, Any] = {}

@@ -144,35 +144,35 @@ def test_train_eval_train_and_forced_sync_equal_train_only() -> None:
     _assert_same(single, single_eval, "delayed DP=1: eval")
 
 
-def test_seed000_stale_dispatch_state_after_forced_sync() -> None:
-    """Seed 000 (upstream PR 5487): with the grad buffer reused for the MXFP8 param gather and
+def test_stale_dispatch_state_after_forced_sync() -> None:
+    """With the grad buffer reused for the MXFP8 param gather and
     overlapped gathers, a forced sync (eval) left the bucket marked as gathered; the next
     step's restaged bf16 masters were never gathered, stayed in the shared buffer, and the
     backward accumulated on top of them: a grad-norm spike. The fix: restaging always resets
     the dispatch state (``Bucket.mark_staged``). Removing it must reproduce the spike."""
     ov = [*C.DISTOPT, *C.OVERLAP, *C.MXFP8, *C.FP8_PG, *C.REUSE]
-    fixed = run_distributed(C.run_seed000, 2, args=(ov, False), timeout_s=240)[0]
-    broken = run_distributed(C.run_seed000, 2, args=(ov, True), timeout_s=240)[0]
+    fixed = run_distributed(C.run_stale_dispatch, 2, args=(ov, False), timeout_s=240)[0]
+    broken = run_distributed(C.run_stale_dispatch, 2, args=(ov, True), timeout_s=240)[0]
     _assert_same(fixed["train"], fixed["eval"], "with the fix")
     spike = max(b / a for a, b in zip(fixed["train"]["grad_norms"], broken["eval"]["grad_norms"], strict=True))
     assert spike > 1.5, (fixed["train"]["grad_norms"], broken["eval"]["grad_norms"])
 
 
-def test_seed001_chained_optimizer_defers_param_sync() -> None:
-    """Seed 001 (upstream PR 4800): MXFP8 reuse, overlap off, dense + expert optimizers on
+def test_chained_optimizer_defers_param_sync() -> None:
+    """MXFP8 reuse, overlap off, dense + expert optimizers on
     one model: syncing params right after the dense optimizer staged would gather the expert
     buckets' unstaged slices (zeros) into the expert weights. With the fix (every child stages
     before one sync) experts train; with it removed, expert weights are zeroed -- and the
     bucket state machine refuses such a sync outright."""
     ov = [*C.DISTOPT, *C.NO_OVERLAP, *C.MXFP8, *C.FP8_PG, *C.REUSE, *C.MOE]
-    out = run_distributed(C.run_seed001, 2, args=(ov,), timeout_s=240)[0]
+    out = run_distributed(C.run_deferred_param_sync, 2, args=(ov,), timeout_s=240)[0]
     assert out["fixed_expert_zero_fraction"] == 0.0
     assert "IllegalTransition" in out["strict_error"] and "has not staged this bucket" in out["strict_error"]
     assert out["unchecked_expert_zero_fraction"] == 1.0
 
 
-def test_single_grouped_equals_discrete_seed000_matrix() -> None:
-    """Seed 000 part 1: single grouped expert weights in the buffers train exactly like
+def test_single_grouped_equals_discrete_matrix() -> None:
+    """Single grouped expert weights in the buffers train exactly like
     discrete ones at DP=2 with the distributed optimizer, across bf16 / mxfp8 / nvfp4 x
     primary-weight gather on/off x gradient-accumulation fusion on/off."""
     cases: dict[str, list[str]] = {}

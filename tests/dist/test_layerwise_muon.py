@@ -7,7 +7,9 @@
   different orders;
 * FP8 param gather ON == OFF bitwise on the compact layout (blockwise and mxfp8, overlap on
   and off, dense and MoE; lr 0.01, large for spectral Muon);
-* upstream seed 002's four bugs, each with its fix monkeypatched away, plus the forced sync
+* the layer-wise optimizer's fixes, each monkeypatched away to show the bug it prevents
+  (ownership by numel alone, ``per_rank[0][0]`` on an empty rank-0 slot, fp32 params
+  gathered in bf16, FP8 and bf16 Muon grads split into two buffers), plus the forced sync
   finalizing a pending layer-wise gather;
 * the memory report: measured (live buffers) == analytic (no allocation).
 """
@@ -51,7 +53,7 @@ def _dp2(rank: int, world: int) -> dict:
         "equiv": equiv,
         "fp8": fp8,
         "ownership": C.ownership_orders(rank, world),
-        "seed002": C.seed002_regressions(rank, world),
+        "regressions": C.layer_wise_regressions(rank, world),
         "forced_sync": (C.forced_sync(rank, world, False), C.forced_sync(rank, world, True)),
         "memory": C.memory(rank, world, {
             "adamw_fp8": ["ddp.use_distributed_optimizer=true", *C.MXFP8, *C.FP8_PG],
@@ -127,8 +129,8 @@ def test_fp8_param_gather_on_equals_off_bitwise(dp2: list[dict]) -> None:
     assert not bad, bad
 
 
-def test_seed002_regressions(dp2: list[dict]) -> None:
-    s = dp2[0]["seed002"]
+def test_layer_wise_fixes_removed_reproduce_their_bugs(dp2: list[dict]) -> None:
+    s = dp2[0]["regressions"]
     # empty rank-0 slot in the gather helper
     assert s["empty_slot_fixed"] is None, s["empty_slot_fixed"]
     assert isinstance(s["empty_slot_broken"], str) and "IndexError" in s["empty_slot_broken"]

@@ -28,7 +28,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from lptrain.distributed.groups import SINGLE, Group
+from lptrain.model.process_group import SINGLE_RANK, ProcessGroup
 
 
 class _AllToAll(torch.autograd.Function):
@@ -85,7 +85,7 @@ def dispatch(
     indices: torch.Tensor,
     num_experts: int,
     alignment: int = 1,
-    group: Group = SINGLE,
+    group: ProcessGroup = SINGLE_RANK,
 ) -> tuple[torch.Tensor, DispatchState]:
     """Token rows ``x [T, H]`` routed by ``indices [T, k]`` (global expert ids) -> the rows
     of this rank's ``num_experts / group.size`` local experts, one padded block each."""

@@ -2,8 +2,8 @@
 
 The token movement is :mod:`lptrain.model.moe.dispatcher`: assignments ``(token, expert)``
 are stably sorted by expert, sent to the expert-parallel rank owning the expert (an
-all-to-all over :func:`lptrain.distributed.groups.expert_parallel_group`; nothing moves at
-``EP = 1``), and laid out as one contiguous block per local expert (``m_splits``), padded
+all-to-all over the expert-parallel group the model was built with, ``build_model(...,
+expert_parallel_group=...)``; nothing moves at ``EP = 1``), and laid out as one contiguous block per local expert (``m_splits``), padded
 with zero rows to ``factory.grouped_alignment`` for quantized grouped GEMMs. Zero rows give
 zero outputs and are dropped before the combine, so they never reach the result or the
 gradients. Combine brings the rows back and scatter-adds each, times its routing
@@ -20,12 +20,12 @@ from typing import Optional
 import torch
 from torch import nn
 
-from lptrain.distributed.groups import SINGLE, Group, expert_parallel_group
 from lptrain.model.build_context import BuildContext
 from lptrain.model.mlp import ffn_hidden_size
 from lptrain.model.moe.dispatcher import DispatchState, combine, dispatch
 from lptrain.model.moe.experts import GroupedMLP, SequentialMLP
 from lptrain.model.moe.router import TopKRouter
+from lptrain.model.process_group import SINGLE_RANK, ProcessGroup
 
 __all__ = ["DispatchState", "MoELayer", "combine", "dispatch"]
 
@@ -43,6 +43,7 @@ class MoELayer(nn.Module):
         self.num_local_experts = moe.num_experts // ep
         self.expert_offset = rank * self.num_local_experts
         self.expert_model_parallel_size = ep
+        self.expert_parallel_group = ctx.expert_parallel_group
         self.alignment = int(getattr(ctx.factory, "grouped_alignment", 1) or 1)
         self.router = TopKRouter(
             ctx.cfg.hidden_size,
@@ -61,16 +62,17 @@ class MoELayer(nn.Module):
             self.experts = SequentialMLP(ctx, eprefix, self.num_local_experts, self.expert_offset, ffn)
         self.reset_metrics()
 
-    def _ep_group(self) -> Group:
+    def _ep_group(self) -> ProcessGroup:
         ep = self.expert_model_parallel_size
         if ep == 1:
-            return SINGLE
-        group = expert_parallel_group()
+            return SINGLE_RANK
+        group = self.expert_parallel_group
         if group.size != ep:
             raise RuntimeError(
-                f"this MoE layer was built for expert_model_parallel_size={ep} but the registered "
-                f"expert-parallel group has {group.size} rank(s); build the groups first "
-                "(lptrain.distributed.groups.build_groups(..., ep=EP), as TrainEngine does)"
+                f"this MoE layer was built for expert_model_parallel_size={ep} but its "
+                f"expert-parallel group has {group.size} rank(s); build the model with "
+                "build_model(..., expert_parallel_group=groups.ep) (the ep group of "
+                "lptrain.distributed.groups.build_groups(..., ep=EP)), as TrainEngine does"
             )
         return group
 

@@ -19,15 +19,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lptrain.distributed.groups import Group
 from lptrain.model.moe.layer import MoELayer
+from lptrain.model.process_group import ProcessGroup
 
 
 def moe_layers(model: nn.Module) -> list[MoELayer]:
     return [m for m in model.modules() if isinstance(m, MoELayer)]
 
 
-def moe_step_metrics(model: nn.Module, group: Group) -> dict[str, float]:
+def moe_step_metrics(model: nn.Module, group: ProcessGroup) -> dict[str, float]:
     """The metrics in the module doc for the forwards since the last call (``{}`` for a
     dense model); resets the accumulators. Collective over ``group``."""
     layers = moe_layers(model)

@@ -1,5 +1,6 @@
 """Buffers at DP=1 (no processes): storage placement, main_grad views, the bucket state
-machine, and the aliasing the upstream remapping bugs were about (seed 000 part 1)."""
+machine, and the aliasing of params into buffer storage (a param remapped into a buffer must
+be a view of it, and a grouped quantized weight cannot be)."""
 
 from __future__ import annotations
 
@@ -98,7 +99,7 @@ def test_state_machine_refuses_illegal_transitions() -> None:
 
 
 def test_grouped_mxfp8_primary_weights_need_grad_buffer_reuse() -> None:
-    """Seed 000: grouped MXFP8 primary weights cannot be remapped into a flat buffer; the rule
+    """Grouped MXFP8 primary weights cannot be remapped into a flat buffer; the rule
     catalog refuses them without grad-buffer reuse, before anything is built."""
     from lptrain.config.check import check, has_errors
 

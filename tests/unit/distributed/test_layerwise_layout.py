@@ -17,7 +17,7 @@ from lptrain.distributed.layout import (
     plan_layer_wise_layout,
     plan_layout,
 )
-from lptrain.distributed.memory import ParamDesc, analytic_memory
+from lptrain.memory.analytic import ParamDesc, analytic_memory
 from lptrain.optim.layerwise import MuonUnit, assign_owners, plan_ownership, units_of_buffer
 
 BF16, FP32 = torch.bfloat16, torch.float32

@@ -279,3 +279,26 @@ def test_fp32_momentum_survives_loading_onto_bf16_params() -> None:
     assert torch.equal(buf, saved["state"][0]["momentum_buffer"])
     assert not torch.equal(buf, buf.bfloat16().float())  # bf16 would have lost bits
     assert math.isfinite(buf.abs().sum().item())
+
+
+def test_the_docs_example_trains_a_plain_torch_model() -> None:
+    """docs/muon.md's MuonWithAdamW example, run as written: the loss of its fixed batch
+    falls (30 steps memorise 8 sequences: 4.62 -> 3.24 here; a broken optimizer stays near
+    ln(100) = 4.6), and the update RMS is the spectral scale's ~1 (0.2: RMS of an
+    orthogonalised 32x64 / 64x32 update times the scale, measured 1.002)."""
+    import re
+
+    from lptrain.config.compose import repo_root
+
+    page = (repo_root() / "docs" / "muon.md").read_text()
+    section = page.split("## MuonWithAdamW in your own training loop", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S)
+    assert code is not None, "docs/muon.md: the example's code block is missing"
+    ns: dict[str, object] = {}
+    exec(compile(code.group(1), "docs/muon.md", "exec"), ns)
+    opt, losses = ns["opt"], ns["losses"]
+    assert isinstance(opt, MuonWithAdamW)
+    assert set(opt.lr_by_group()) == {"muon", "adamw_decay", "adamw_no_decay"}
+    assert [len(g["params"]) for g in opt.param_groups] == [1, 2, 2]  # fc1 | emb, head | biases
+    assert losses[-1] < 0.8 * losses[0], losses
+    assert opt.last_update_rms == pytest.approx(1.0, abs=0.2)

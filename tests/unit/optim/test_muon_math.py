@@ -10,8 +10,10 @@ import torch
 from lptrain.optim.muon import muon_momentum_, muon_scale, muon_update, orthogonalize
 from lptrain.optim.newton_schulz import (
     COEFFICIENT_SETS,
+    NS_EPS,
+    CoefficientsArg,
+    coefficients_per_step,
     newton_schulz,
-    polynomial_singular_values,
     resolve_coefficients,
 )
 
@@ -23,6 +25,20 @@ SHAPES = [(32, 64), (64, 32), (48, 48)]  # wide, tall, square
 # [0.95, 1.06]. Distance to the exact polar factor U V^T in spectral norm is then bounded by
 # the band's worst deviation from 1.
 BANDS = {"simple": (0.65, 1.2), "quintic": (0.95, 1.06)}
+
+
+def polynomial_singular_values(
+    s: torch.Tensor, steps: int = 5, coefficients: CoefficientsArg = "quintic", eps: float = NS_EPS
+) -> torch.Tensor:
+    """What ``newton_schulz`` does to singular values ``s`` (1-D, any float dtype).
+
+    NS applies an odd polynomial, so ``NS(U diag(s) V^T) = U diag(f(s)) V^T`` exactly in exact
+    arithmetic; this scalar map ``f`` is the reference the tests compare against.
+    """
+    y = s / torch.linalg.vector_norm(s).clamp_min(eps)
+    for a, b, c in coefficients_per_step(coefficients, steps):
+        y = a * y + b * y**3 + c * y**5
+    return y
 
 
 def _conditioned(m: int, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

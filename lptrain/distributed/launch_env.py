@@ -1,0 +1,51 @@
+"""Joining the world a launcher described in the environment.
+
+``torchrun``, :func:`lptrain.launch.local.launch_local` and an sbatch script running torchrun
+all describe a rank by ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``MASTER_ADDR`` /
+``MASTER_PORT``. :func:`init_process_group_from_env` joins that world (gloo on CPU, NCCL on
+CUDA) so the engine can build its groups; it is idempotent, and a single process
+(``WORLD_SIZE`` 1 or unset) joins nothing.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import datetime
+import os
+
+import torch
+
+
+def world_from_env() -> tuple[int, int, int]:
+    """``(rank, world_size, local_rank)`` from the launcher's environment (0, 1, 0 without)."""
+    return (
+        int(os.environ.get("RANK", "0")),
+        int(os.environ.get("WORLD_SIZE", "1")),
+        int(os.environ.get("LOCAL_RANK", "0")),
+    )
+
+
+def init_process_group_from_env(device: torch.device, timeout_s: float = 600.0) -> bool:
+    """Join the launcher's world when ``WORLD_SIZE > 1``; returns whether a group exists."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return True
+    _, world, local_rank = world_from_env()
+    if world <= 1:
+        return False
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    atexit.register(_destroy)
+    return True
+
+
+def _destroy() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()

@@ -1,0 +1,143 @@
+"""The per-rank accounting of persistent bytes from a buffer layout: the one memory model.
+
+:func:`rank_memory` walks a :class:`~lptrain.distributed.layout.BufferLayout` the way the
+engine allocates it -- grad buffers, param buffers (or their reuse of the grad buffer),
+this rank's shard of every bucket (or the Muon matrices it owns under the layer-wise
+optimizer) -- and returns a :class:`~lptrain.memory.breakdown.MemoryBreakdown`. The planner
+(:mod:`lptrain.memory.plan`, from a config) and the analytic model
+(:mod:`lptrain.memory.analytic`, from parameter descriptions) both call it; what a live
+engine holds is measured by :mod:`lptrain.memory.measure` in the same categories.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from lptrain.distributed.layout import BufferLayout, BufferSpec
+from lptrain.memory.breakdown import MemoryBreakdown
+from lptrain.optim.layerwise import units_of_buffer
+
+MASTER_BYTES = 4  # fp32 masters
+MUON_STATE_BYTES = 4  # fp32 momentum per element
+ADAMW_STATE_BYTES = 8  # fp32 exp_avg + exp_avg_sq per element
+ADAMW_STEP_BYTES = 4  # one fp32 0-dim step per optimized piece
+LION_STATE_BYTES = 4  # fp32 exp_avg per element
+
+
+@dataclass(frozen=True)
+class StoredParam:
+    """A parameter as the accounting sees it: its elements and its own storage's bytes
+    (``numel * itemsize``, or the quantized primary weight's data and scales)."""
+
+    numel: int
+    nbytes: int
+    quantized: bool
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """Where this rank sits in the shard groups its buffers reduce over: the dense buffers'
+    group (``dense_size`` ranks, this one ``dense_rank``) and the expert buffers'."""
+
+    dense_size: int
+    dense_rank: int
+    expert_size: int
+    expert_rank: int
+
+    def of(self, spec: BufferSpec) -> tuple[int, int]:
+        """``(group size, rank in it)`` of the group ``spec`` shards over."""
+        if spec.key.is_expert:
+            return self.expert_size, self.expert_rank
+        return self.dense_size, self.dense_rank
+
+
+@dataclass(frozen=True)
+class OptimizerLayout:
+    """What decides the optimizer state a rank keeps: the layer-wise Muon (``layer_wise``,
+    its ``param_layout``, ``owners`` from :func:`lptrain.optim.layerwise.plan_ownership`),
+    and ``scalar_optimizer`` (``adamw`` or ``lion``) for the params Muon does not take."""
+
+    layer_wise: bool = False
+    param_layout: str = "compact"
+    owners: Mapping[tuple[str, int], int] | None = None
+    scalar_optimizer: str = "adamw"
+
+
+def _buffers_bytes(m: MemoryBreakdown, layout: BufferLayout, params: Mapping[str, StoredParam],
+                   reuse_grad_buffer: bool) -> None:
+    """The grad and param buffers and the parameters' own storage (the same on every rank)."""
+    for buf in layout.buffers:
+        pad = buf.numel - buf.numel_unpadded
+        gbytes = buf.key.grad_dtype.itemsize
+        m.grads += buf.numel_unpadded * gbytes
+        m.grad_padding += pad * gbytes
+        m.padding += pad * gbytes
+        pbytes = buf.key.param_dtype.itemsize
+        own_param_buffer = buf.sharded and not (reuse_grad_buffer and buf.key.quantized)
+        if own_param_buffer:
+            m.padding += pad * pbytes
+        elif buf.sharded:  # the param view lies inside the grad buffer
+            m.view_padding += pad * pbytes
+        for s in buf.params:
+            p = params[s.name]
+            if not p.quantized:
+                m.weights += p.nbytes
+                continue
+            m.quantized_weights += p.nbytes
+            if own_param_buffer and buf.key.param_dtype != torch.uint8:  # a high-precision copy
+                m.param_gather_staging += p.numel * pbytes
+
+
+def _optimizer_bytes(m: MemoryBreakdown, layout: BufferLayout, sharding: Sharding,
+                     optimizer: OptimizerLayout) -> None:
+    """This rank's fp32 masters and optimizer states."""
+    adam_elems = adam_pieces = muon_elems = masters = 0
+    for buf in layout.buffers:
+        size, me = sharding.of(buf)
+        if buf.key.is_muon and optimizer.layer_wise:
+            owners = optimizer.owners or {}
+            member_level = optimizer.param_layout == "compact"
+            mine = sum(u.numel for u in units_of_buffer(buf, member_level=member_level)
+                       if owners[u.key] == me)
+            masters += mine
+            muon_elems += mine
+            continue
+        slots = {s.name: s for s in buf.params}
+        for bucket in buf.buckets:
+            for name in bucket.params:
+                n = buf.overlap(bucket, slots[name], me, size)
+                if n <= 0:
+                    continue
+                masters += n
+                if buf.key.is_muon:
+                    muon_elems += n
+                else:
+                    adam_elems += n
+                    adam_pieces += 1
+    m.masters = masters * MASTER_BYTES
+    if optimizer.scalar_optimizer == "lion":
+        scalar = adam_elems * LION_STATE_BYTES
+    else:
+        m.optimizer_scalars = adam_pieces * ADAMW_STEP_BYTES
+        scalar = adam_elems * ADAMW_STATE_BYTES + m.optimizer_scalars
+    m.optimizer_states = scalar + muon_elems * MUON_STATE_BYTES
+
+
+def rank_memory(
+    layout: BufferLayout,
+    params: Mapping[str, StoredParam],
+    sharding: Sharding,
+    optimizer: OptimizerLayout,
+    *,
+    reuse_grad_buffer: bool = False,
+) -> MemoryBreakdown:
+    """Persistent bytes of one rank: ``params`` describes every parameter of the layout;
+    ``reuse_grad_buffer`` is ``ddp.reuse_grad_buf_for_mxfp8_param_ag`` (a quantized sharded
+    buffer then stages its gather in its own grad buffer)."""
+    m = MemoryBreakdown()
+    _buffers_bytes(m, layout, params, reuse_grad_buffer)
+    _optimizer_bytes(m, layout, sharding, optimizer)
+    return m

@@ -1,0 +1,138 @@
+"""What the chained optimizer and the checkpoint code ask of each child optimizer.
+
+:class:`OptimizerChild` is the protocol: :class:`lptrain.optim.chained.ChainedOptimizer`
+runs a step over a list of children (``prepare_grads``, ``grad_norm_sq``, ``count_zeros``,
+``step``, ``stage``, ``discard_grads`` on a skipped step, ``lr_by_group`` and
+``update_rms`` for the logs), :class:`lptrain.train.engine.TrainEngine` checkpoints them
+(``full_state`` / ``load_full_state``, ``holds_experts`` choosing the per-expert checkpoint
+form), and :mod:`lptrain.memory.measure` counts their ``pieces`` and ``optimizers``.
+
+:class:`MasterOptimizer` is the part every child implements the same way: a list of pieces,
+each an fp32 master whose ``.grad`` is pointed at (an fp32 view of) its reduced gradient,
+and the torch optimizers stepping those masters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Optional, Protocol, runtime_checkable
+
+import torch
+
+from lptrain.distributed.buffers import ParamAndGradBuffer
+
+
+@runtime_checkable
+class Piece(Protocol):
+    """A part of a parameter this rank keeps an fp32 master of."""
+
+    @property
+    def master(self) -> torch.Tensor: ...
+
+    @property
+    def param(self) -> torch.nn.Parameter: ...
+
+    def grad_view(self) -> torch.Tensor:
+        """The reduced gradient of the piece, in the master's shape (the grad buffer's dtype)."""
+        ...
+
+
+@runtime_checkable
+class OptimizerChild(Protocol):
+    """One optimizer over a set of buffers: a child of the chained optimizer.
+
+    ``holds_experts``: the params are routed experts under this rank's local names; the
+    checkpoint saves them once per expert under global canonical names
+    (:mod:`lptrain.distributed.expert_state`). ``label`` names the child in logs.
+    """
+
+    @property
+    def label(self) -> str: ...
+
+    @property
+    def holds_experts(self) -> bool: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def buffers(self) -> Sequence[ParamAndGradBuffer]: ...
+
+    @property
+    def pieces(self) -> Sequence[Piece]: ...
+
+    @property
+    def optimizers(self) -> Sequence[torch.optim.Optimizer]: ...
+
+    def prepare_grads(self) -> None:
+        """Point every master's ``.grad`` at its reduced gradient."""
+        ...
+
+    def discard_grads(self) -> None:
+        """Drop the masters' ``.grad`` (after a step, or instead of a skipped one)."""
+        ...
+
+    def grad_norm_sq(self) -> torch.Tensor:
+        """Squared norm of the child's whole gradient (fp64 on ``device``; each element once
+        over the ranks that share it). Collective for sharded children."""
+        ...
+
+    def count_zeros(self) -> Optional[int]:
+        """Zero gradient entries over the world (each once), or None if the child does not
+        count them. Collective when it counts."""
+        ...
+
+    def step(self, lrs: Mapping[str, float], clip_coef: Optional[float]) -> None:
+        """Scale the grads by ``clip_coef`` (None: no clipping), update every group at
+        ``lrs[group name]``, drop the grads."""
+        ...
+
+    def stage(self) -> None:
+        """Masters -> params (or the gather's staging area), marking buckets staged."""
+        ...
+
+    def lr_by_group(self) -> dict[str, float]: ...
+
+    def update_rms(self) -> Optional[float]:
+        """RMS of the last Muon update (None for a child without Muon)."""
+        ...
+
+    def full_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """``{param name: {"master": ..., <optimizer state>: ...}}``, full tensors, identical
+        on every rank of the child's group. Collective."""
+        ...
+
+    def load_full_state(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Inverse of :meth:`full_state`, for any shard layout."""
+        ...
+
+
+class MasterOptimizer:
+    """The gradient and update mechanics every child shares: ``pieces`` (each with ``master``
+    and ``grad_view()``) stepped by ``optimizers`` whose param groups are named."""
+
+    pieces: Sequence[Piece]
+    optimizers: list[torch.optim.Optimizer]
+
+    def prepare_grads(self) -> None:
+        for pc in self.pieces:
+            g = pc.grad_view()
+            pc.master.grad = g if g.dtype == torch.float32 else g.float()
+
+    def discard_grads(self) -> None:
+        for pc in self.pieces:
+            pc.master.grad = None
+
+    def step(self, lrs: Mapping[str, float], clip_coef: Optional[float]) -> None:
+        """Clip, then update every group at ``lrs[group name]``."""
+        if clip_coef is not None:
+            for pc in self.pieces:
+                pc.master.grad.mul_(clip_coef)  # type: ignore[union-attr]
+        for opt in self.optimizers:
+            for g in opt.param_groups:
+                g["lr"] = lrs[g["name"]]
+            opt.step()
+        self.discard_grads()
+
+    def lr_by_group(self) -> dict[str, float]:
+        return {g["name"]: float(g["lr"]) for opt in self.optimizers for g in opt.param_groups}
