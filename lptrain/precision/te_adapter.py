@@ -28,10 +28,11 @@ import functools
 import importlib.util
 import os
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Optional
+from typing import Any, Optional, TypedDict
 
 import torch
 from torch import nn
+from typing_extensions import Unpack
 
 from lptrain.catalog.recipes import SINGLE_GROUPED_WEIGHT_MIN_TE, RecipeSpec
 from lptrain.config.schema import BACKENDS, one_of
@@ -206,54 +207,39 @@ def _call(cls: Any, *args: Any, **kw: Any) -> Any:
     return cls(*args, **kw)
 
 
-def _te_module(
-    cls: Any,
-    *args: Any,
-    params_dtype: torch.dtype,
-    init_method: Optional[Callable[[torch.Tensor], None]],
-    fuse_wgrad_accumulation: bool,
-    name: str,
-    **kw: Any,
-) -> nn.Module:
+class LayerArgs(TypedDict, total=False):
+    """The arguments every lptrain TE layer takes (the factory fills them from the run)."""
+
+    params_dtype: torch.dtype
+    init_method: Optional[Callable[[torch.Tensor], None]]
+    fuse_wgrad_accumulation: bool
+    name: str
+
+
+def _te_module(cls: Any, *args: Any, layer: LayerArgs, **kw: Any) -> nn.Module:
     """One TE module on the current CUDA device with the arguments every lptrain TE layer
-    shares (dtype, init, fused wgrad accumulation, optional name); ``kw`` adds the rest.
-    Under a caller's ``with torch.device("meta")`` (a dry run) TE builds it on meta."""
+    shares (dtype -- bf16 by default --, init, fused wgrad accumulation, optional name);
+    ``kw`` adds the rest. Under a caller's ``with torch.device("meta")`` (a dry run) TE
+    builds it on meta."""
     device = "meta" if torch.get_default_device().type == "meta" else "cuda"
     return _call(
         cls,
         *args,
-        init_method=init_method,
-        params_dtype=params_dtype,
-        fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+        init_method=layer.get("init_method"),
+        params_dtype=layer.get("params_dtype", torch.bfloat16),
+        fuse_wgrad_accumulation=layer.get("fuse_wgrad_accumulation", False),
         device=device,
-        name=name or None,
+        name=layer.get("name") or None,
         **kw,
     )
 
 
-def te_linear(
-    in_features: int,
-    out_features: int,
-    *,
-    bias: bool = False,
-    params_dtype: torch.dtype = torch.bfloat16,
-    init_method: Optional[Callable[[torch.Tensor], None]] = None,
-    fuse_wgrad_accumulation: bool = False,
-    name: str = "",
-) -> nn.Module:
+def te_linear(in_features: int, out_features: int, *, bias: bool = False,
+              **layer: Unpack[LayerArgs]) -> nn.Module:
     """A ``te.pytorch.Linear`` on the current CUDA device."""
     import transformer_engine.pytorch as te
 
-    return _te_module(
-        te.Linear,
-        in_features,
-        out_features,
-        bias=bias,
-        params_dtype=params_dtype,
-        init_method=init_method,
-        fuse_wgrad_accumulation=fuse_wgrad_accumulation,
-        name=name,
-    )
+    return _te_module(te.Linear, in_features, out_features, bias=bias, layer=layer)
 
 
 @functools.cache
@@ -311,17 +297,8 @@ def _single_param_env(enabled: bool) -> Iterator[None]:
             os.environ[SINGLE_PARAM_ENV] = old
 
 
-def te_grouped_linear(
-    num_gemms: int,
-    in_features: int,
-    out_features: int,
-    *,
-    single_grouped_weight: bool = False,
-    params_dtype: torch.dtype = torch.bfloat16,
-    init_method: Optional[Callable[[torch.Tensor], None]] = None,
-    fuse_wgrad_accumulation: bool = False,
-    name: str = "",
-) -> nn.Module:
+def te_grouped_linear(num_gemms: int, in_features: int, out_features: int, *,
+                      single_grouped_weight: bool = False, **layer: Unpack[LayerArgs]) -> nn.Module:
     """A ``te.pytorch.GroupedLinear`` (bias-free) with lptrain's ``member_weight`` accessor.
 
     ``single_grouped_weight`` is passed with what each TE release needs to honour it (the
@@ -340,21 +317,10 @@ def te_grouped_linear(
         kw["single_grouped_weight"] = True
         kw["use_grouped_tensor"] = True
     with _single_param_env(single_grouped_weight):
-        module = _te_module(
-            cls,
-            num_gemms,
-            in_features,
-            out_features,
-            bias=False,
-            params_dtype=params_dtype,
-            init_method=init_method,
-            fuse_wgrad_accumulation=fuse_wgrad_accumulation,
-            name=name,
-            **kw,
-        )
+        module = _te_module(cls, num_gemms, in_features, out_features, bias=False, layer=layer, **kw)
     if single_grouped_weight and not getattr(module, "single_grouped_weight", False):
         raise BackendUnavailableError(
-            f"{name or 'GroupedLinear'}: Transformer Engine {_version_text()} built per-expert "
+            f"{layer.get('name') or 'GroupedLinear'}: Transformer Engine {_version_text()} built per-expert "
             "weights although single_grouped_weight=True was requested; set "
             "model.moe.single_grouped_weight=false"
         )

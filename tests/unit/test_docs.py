@@ -79,3 +79,23 @@ def test_readme_rule_count_is_current() -> None:
             f"warnings, {count['derived']} derived value")
     assert want in text, f"README.md: update the rule count to: {want!r}"
 
+
+
+def test_no_tracked_file_holds_merge_conflict_markers() -> None:
+    """A merge that left ``<<<<<<<`` / ``>>>>>>>`` lines behind (it happened once, in README)."""
+    import subprocess
+
+    root = Path(__file__).parents[2]
+    try:
+        files = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True,
+                               check=True).stdout.split()
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    bad = []
+    for name in files:
+        path = root / name
+        if path.suffix in (".py", ".md", ".yaml", ".toml", ".sbatch", ".sh", ".txt", "") and path.is_file():
+            for i, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+                if line.startswith(("<<<<<<< ", ">>>>>>> ")):
+                    bad.append(f"{name}:{i}")
+    assert bad == []

@@ -102,7 +102,7 @@ def test_amax_epsilon_floors_only_small_blocks() -> None:
 
 def test_guard_regression_naive_scale_produces_nan(monkeypatch: pytest.MonkeyPatch) -> None:
     """Remove the zero-amax guard (naive fp8_max / amax) and show the NaN appears: the tests
-    above would catch a regression of seed 003."""
+    above would catch the bug of all-zero gradient blocks turning into NaN scales (0/0)."""
 
     def naive(amax: torch.Tensor, fp8_max: float, *args: object, **kwargs: object) -> torch.Tensor:
         return torch.full_like(amax, fp8_max) / amax
