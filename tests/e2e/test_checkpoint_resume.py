@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -121,7 +122,10 @@ def test_exit_interval_then_resume_is_bitwise(
         assert run_id and second["wandb_run_id"] == run_id
         assert read_train_state(out / "ckpt" / f"iter_{N // 2:07d}")["wandb_run_id"] == run_id
         runs = sorted((out / "wandb").glob("offline-run-*"))
-        assert runs and all(r.name.endswith(run_id) for r in runs)
+        # W&B names a folder offline-run-<second>-<id>; a resume within the same second gets a
+        # "-N" suffix, so the id is matched as a name component rather than as the last one.
+        pattern = re.compile(rf"offline-run-\d{{8}}_\d{{6}}-{re.escape(run_id)}(-\d+)?")
+        assert runs and all(pattern.fullmatch(r.name) for r in runs), [r.name for r in runs]
         assert all(list(r.glob("*.wandb")) for r in runs), "no W&B event file written"
 
 
