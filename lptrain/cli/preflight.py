@@ -85,11 +85,14 @@ def checkpoint_bytes(cfg: LPTrainConfig) -> Optional[int]:
     return int(worst.get("masters", 0) + worst.get("optimizer_states", 0))
 
 
-def check_paths(cfg: LPTrainConfig, out: Path) -> list[str]:
+def check_paths(cfg: LPTrainConfig, out: Path, room_is_error: bool = True) -> list[str]:
     """Before start (``pretrain`` and ``--dry-run``): the run folder and ``checkpoint.save``
     are writable, their paths fit the filesystem, and ``checkpoint.save`` has room for a
     checkpoint (the planner's size). Raises :class:`OutputDirError` (exit 2); returns
-    warning lines (room for one checkpoint but not for ``keep_latest + 1`` of them)."""
+    warning lines (room for one checkpoint but not for ``keep_latest + 1`` of them).
+
+    ``room_is_error=False`` (a dry run for another machine, ``--target``): too little room
+    here is a warning, as the run's disk is the other machine's."""
     import shutil
 
     check_writable(out)
@@ -103,10 +106,13 @@ def check_paths(cfg: LPTrainConfig, out: Path) -> list[str]:
         return []
     free = shutil.disk_usage(_existing_ancestor(Path(os.path.abspath(folder)))).free
     if free < size:
-        raise OutputDirError(
+        err = OutputDirError(
             f"checkpoint folder {folder}: {free / 2**20:.1f} MiB free, a checkpoint needs about "
             f"{size / 2**20:.1f} MiB (memory planner: fp32 masters and optimizer state)",
             key=CHECKPOINT_KEY, fix="free space there or point checkpoint.save at a larger filesystem")
+        if room_is_error:
+            raise err
+        return [f"warning: {err} (on this machine; the run's machine may have room)"]
     peak = (cfg.checkpoint.keep_latest + 1) * size
     if free < peak:
         return [f"warning: checkpoint folder {folder}: {free / 2**20:.1f} MiB free; "

@@ -87,7 +87,8 @@ def pretrain(
     from lptrain.train.run_lock import locked_by, refusal, run_lock
 
     out = Path(cfg.run.output_dir)
-    notes = preflight.check_paths(cfg, out)  # writable, path lengths, room (exit 2)
+    # writable, path lengths, room (exit 2); a dry run for another machine only warns of room
+    notes = preflight.check_paths(cfg, out, room_is_error=not (dry_run and target is not None))
     if dry_run:
         holder = locked_by(out)
         if holder is not None:

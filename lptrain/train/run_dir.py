@@ -114,7 +114,17 @@ def _as_dict(cfg: Any) -> Any:
 
 def start_run(plan: RunPlan, cfg: Any, resumed_iteration: int, config_yaml: str) -> None:
     """The new run is starting: apply ``--overwrite``, trim metrics past the resumed step,
-    write ``resolved_config.yaml``. Main rank only."""
+    write ``resolved_config.yaml``. Main rank only; a filesystem error is
+    :class:`OutputDirError` (exit 2, the run has not started)."""
+    try:
+        _start_run(plan, cfg, resumed_iteration, config_yaml)
+    except OSError as e:
+        raise OutputDirError(f"cannot prepare run folder {plan.out}: {e.strerror or e}"
+                             + (f" ({e.filename})" if e.filename else ""),
+                             key=OUTPUT_DIR_KEY, fix=OUTPUT_DIR_FIX) from None
+
+
+def _start_run(plan: RunPlan, cfg: Any, resumed_iteration: int, config_yaml: str) -> None:
     out = plan.out
     out.mkdir(parents=True, exist_ok=True)
     if plan.overwrite:

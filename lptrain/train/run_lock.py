@@ -108,15 +108,20 @@ def run_lock(out: str | Path, note: Callable[[str], None] = print) -> Iterator[N
         finally:
             _release(key)
         return
-    out.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise OutputDirError(f"cannot create the lock file {path}: {e.strerror or e}",
+                             key="run.output_dir", fix="choose a writable --output-dir") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
         os.close(fd)
         if e.errno in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
             raise refusal(out, Holder.read(path)) from None
-        raise
+        raise OutputDirError(f"cannot lock {path}: {e.strerror or e}", key="run.output_dir",
+                             fix="put the run folder on a filesystem with flock support") from None
     stale = Holder.read(path)
     if stale is not None and stale.pid != os.getpid():
         here = stale.host == socket.gethostname()
