@@ -83,6 +83,8 @@ def plan_run(cfg: Any, out: str | Path, overwrite: bool = False) -> RunPlan:
     previous = _existing_run_files(out)
     if plan.source == "fresh" and previous and not overwrite:
         where = f"checkpoint.save={ck.save} holds none" if ck.save else "checkpoint.save is not set"
+        if plan.notes:
+            where += " valid: " + "; ".join(plan.notes)
         raise RunDirRefused(
             f"{out} already holds a run ({', '.join(previous)}) with no checkpoint to resume "
             f"from ({where}); pass --overwrite to replace it, or choose a new --output-dir"
