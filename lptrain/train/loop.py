@@ -10,12 +10,14 @@
    ones and saying so), or the Hugging Face weights;
 4. :func:`_claim` the folder (overwrite applied, metrics trimmed to the resumed step,
    ``resolved_config.yaml``);
-
-all of it under the run folder's lock (:mod:`~lptrain.train.run_lock`, main rank), taken
-before anything is written.
 5. :class:`_Job` trains: after each step the metrics line (flushed), the console line, eval,
    save and stop, each decided by a policy of :mod:`~lptrain.train.policies` (a stop saves
    before leaving); on every way out, :meth:`_Job.finish` writes the summary and plots.
+
+All of it runs under the run folder's lock (:mod:`~lptrain.train.run_lock`, main rank),
+taken before anything is written. A failed save or a full disk is one
+:class:`~lptrain.errors.RunFailedError` (exit 3) after the summary is written; a summary or
+plot that cannot be written is a line, and exit 3 once the rest is done.
 
 Eval and save go through ``engine.params_synced()`` and change no training state, so a run
 with them is bitwise the run without them. Only the main rank writes files or prints; every
@@ -144,7 +146,7 @@ def _resume(engine: TrainEngine, candidates: list[Path], log: RunLog,
             engine.load_checkpoint_state(state)
         except (CheckpointError, KeyError, RuntimeError, ValueError) as e:
             error = str(e)
-        error = _first_error(error, engine)
+        error = _first_error(error)
         if error is not None:
             failures.append(error)
             nxt = candidates[i + 1] if i + 1 < len(candidates) else None
@@ -165,7 +167,7 @@ def _resume(engine: TrainEngine, candidates: list[Path], log: RunLog,
     raise CheckpointError("no checkpoint could be loaded: " + "; ".join(failures))
 
 
-def _first_error(error: Optional[str], engine: TrainEngine) -> Optional[str]:
+def _first_error(error: Optional[str]) -> Optional[str]:
     """The first rank's error of this try (every rank gets the same answer)."""
     import torch.distributed as dist
 

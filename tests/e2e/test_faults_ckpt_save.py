@@ -23,6 +23,7 @@ from typer.testing import CliRunner
 from lptrain.checkpoint import store, validate, verify
 from lptrain.cli import app
 from lptrain.train import loop
+from lptrain.train.engine import TrainEngine
 
 N = 4
 
@@ -118,4 +119,28 @@ def test_unwritable_run_folder_at_the_end_exits_3(
     assert r.exit_code == 3 and f"cannot write {out}/summary.json: Permission denied" in line
     assert "fix:" in line and not (out / "summary.json").exists()
     assert len((out / "metrics.jsonl").read_text().splitlines()) == N // 2
+    assert validate(out / "ckpt" / "iter_0000002") is None
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through permission bits: the injected cases above hold")
+def test_checkpoint_folder_made_read_only_mid_run(
+    tmp_path: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The real thing where permission bits bind: ``chmod a-w`` on the checkpoint folder
+    after step 3, so the save of step 4 fails."""
+    real_step = TrainEngine.train_step
+    out = tmp_path / "run"
+
+    def step_then_chmod(self: TrainEngine, micro: Any, step: int) -> Any:
+        if step == 3:
+            (out / "ckpt").chmod(0o555)
+        return real_step(self, micro, step)
+
+    monkeypatch.setattr(TrainEngine, "train_step", step_then_chmod)
+    try:
+        r = _run(out, cache_dir)
+    finally:
+        (out / "ckpt").chmod(0o755)
+    line = _one_error_line(r)
+    assert r.exit_code == 3 and "Permission denied" in line and "iter_0000002 is still usable" in line
     assert validate(out / "ckpt" / "iter_0000002") is None
