@@ -6,6 +6,7 @@ See :mod:`lptrain.checkpoint.store`."""
 from lptrain.checkpoint.store import (
     Candidates,
     CheckpointError,
+    CheckpointSaveError,
     find_checkpoints,
     load_checkpoint,
     prune,
@@ -14,11 +15,13 @@ from lptrain.checkpoint.store import (
     step_dir_name,
     step_dirs,
     validate,
+    verify,
 )
 
 __all__ = [
     "Candidates",
     "CheckpointError",
+    "CheckpointSaveError",
     "find_checkpoints",
     "load_checkpoint",
     "prune",
@@ -27,4 +30,5 @@ __all__ = [
     "step_dir_name",
     "step_dirs",
     "validate",
+    "verify",
 ]

@@ -4,9 +4,13 @@ Every command (including those added by ``register(app)`` hooks) runs inside
 :meth:`LPTrainGroup.invoke`, so one place decides what a failure looks like:
 
 * an :class:`~lptrain.errors.LPTrainError` prints ``error: <one line>`` on stderr and exits
-  with its ``exit_code`` (2 unreadable input, 3 a run that failed, ...);
+  with its ``exit_code`` (2 unreadable input, 3 a run that failed, ...); one that lists
+  several independent problems (``lines``: each incompatible key of a resume) prints one
+  ``error:`` line per problem;
 * Ctrl-C exits 130, SIGTERM 143, each with one line;
-* anything else is a bug: its traceback, then one line asking for a bug report, exit 70.
+* anything else is a bug: its traceback, then one line asking for a bug report, exit 70 --
+  a ``BaseException`` that is neither a signal nor an exit (torch's ``CheckpointException``)
+  included.
 
 ``--debug`` (anywhere on the command line) or ``LPTRAIN_DEBUG=1`` adds the traceback to the
 expected errors too. Typer's own exits (``typer.Exit``, ``typer.Abort``, usage errors) pass through.
@@ -110,7 +114,8 @@ class LPTrainGroup(TyperGroup):
         except LPTrainError as exc:
             if debug_enabled(ctx):
                 _print_traceback(exc)
-            _echo_err(f"error: {exc}")
+            for line in getattr(exc, "lines", None) or [str(exc)]:
+                _echo_err(f"error: {' '.join(str(line).split())}")
             raise typer.Exit(exc.exit_code) from None
         except TerminatedError as exc:
             if debug_enabled(ctx):
@@ -122,7 +127,9 @@ class LPTrainGroup(TyperGroup):
                 _print_traceback(exc)
             _echo_err("error: interrupted (Ctrl-C)")
             raise typer.Exit(EXIT_SIGINT) from None
-        except Exception as exc:
+        except (SystemExit, GeneratorExit):
+            raise
+        except BaseException as exc:
             _print_traceback(exc)
             summary = " ".join(f"{type(exc).__name__}: {exc}".split())
             _echo_err(f"error: internal error ({summary[:300]}); {BUG_REPORT}")

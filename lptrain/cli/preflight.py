@@ -19,25 +19,106 @@ from lptrain.config.world import World
 from lptrain.errors import OutputDirError
 from lptrain.train.run_dir import OUTPUT_DIR_FIX, OUTPUT_DIR_KEY
 
+CHECKPOINT_KEY = "checkpoint.save"
+CHECKPOINT_FIX = "point checkpoint.save at a writable folder with room for the checkpoints"
+# The longest names lptrain creates under each folder (a temp file, a rank's local state).
+_LONGEST_IN_RUN = ".resolved_config.yaml.tmp4194304"
+_LONGEST_IN_SAVE = "iter_0000000/local/.rank_00000.pt.tmp4194304"
+
+
+def _existing_ancestor(path: Path) -> Path:
+    probe = path
+    while not os.path.lexists(probe) and probe.parent != probe:
+        probe = probe.parent
+    return probe
+
+
+def _check_folder(path: Path, what: str, key: str, fix: str, longest: str) -> None:
+    """``path`` is, or could be created as, a writable folder whose names fit the
+    filesystem's limits, else :class:`OutputDirError`. Creates nothing."""
+    absolute = Path(os.path.abspath(path))
+    anchor = _existing_ancestor(absolute)
+    try:
+        name_max = os.pathconf(anchor if anchor.is_dir() else anchor.parent, "PC_NAME_MAX")
+        path_max = os.pathconf(anchor if anchor.is_dir() else anchor.parent, "PC_PATH_MAX")
+    except (OSError, ValueError):
+        name_max, path_max = 255, 4096
+    for part in absolute.parts:
+        if len(part.encode()) > name_max:
+            raise OutputDirError(
+                f"{what} {path}: the path component {part[:40]}... has {len(part.encode())} "
+                f"bytes, more than this filesystem's limit of {name_max}", key=key, fix=fix)
+    if len(str(absolute / longest).encode()) >= path_max:
+        raise OutputDirError(f"{what} {path}: the path is too long for the files lptrain writes "
+                             f"in it (limit {path_max} bytes)", key=key, fix=fix)
+    if absolute.exists() and not absolute.is_dir():
+        raise OutputDirError(f"{what} {path} is a file, not a folder", key=key, fix=fix)
+    if anchor.exists() and not anchor.is_dir():
+        raise OutputDirError(f"cannot create {what} {path}: {anchor} is a file", key=key, fix=fix)
+    if not os.access(anchor, os.W_OK | os.X_OK):
+        why = "is on a read-only filesystem" if _read_only(anchor) else "is not writable"
+        raise OutputDirError(f"cannot write {what} {path}: {anchor} {why}", key=key, fix=fix)
+
+
+def _read_only(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
 
 def check_writable(out: Path) -> None:
     """Raise :class:`OutputDirError` unless ``out`` is, or could be created as, a writable
     folder. Creates nothing (used by ``--dry-run``)."""
-    if out.exists() and not out.is_dir():
-        raise OutputDirError(f"run folder {out} is a file, not a folder", key=OUTPUT_DIR_KEY, fix=OUTPUT_DIR_FIX)
-    probe = out
-    while not probe.exists():
-        if probe.parent == probe:
-            break
-        probe = probe.parent
-    if probe.exists() and not probe.is_dir():
-        raise OutputDirError(
-            f"cannot create run folder {out}: {probe} is a file", key=OUTPUT_DIR_KEY, fix=OUTPUT_DIR_FIX
-        )
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise OutputDirError(
-            f"cannot create run folder {out}: {probe} is not writable", key=OUTPUT_DIR_KEY, fix=OUTPUT_DIR_FIX
-        )
+    _check_folder(out, "run folder", OUTPUT_DIR_KEY, OUTPUT_DIR_FIX, _LONGEST_IN_RUN)
+
+
+def checkpoint_bytes(cfg: LPTrainConfig) -> Optional[int]:
+    """One checkpoint's size by the memory planner: every fp32 master and optimizer state
+    (what one rank holds at dp 1); None when the planner cannot size this config at dp 1."""
+    from lptrain.memory.plan import estimate_memory
+
+    try:
+        worst = estimate_memory(cfg, 1).worst.bytes
+    except Exception:  # e.g. an expert layout that needs dp > 1: no free-space check then
+        return None
+    return int(worst.get("masters", 0) + worst.get("optimizer_states", 0))
+
+
+def check_paths(cfg: LPTrainConfig, out: Path, room_is_error: bool = True) -> list[str]:
+    """Before start (``pretrain`` and ``--dry-run``): the run folder and ``checkpoint.save``
+    are writable, their paths fit the filesystem, and ``checkpoint.save`` has room for a
+    checkpoint (the planner's size). Raises :class:`OutputDirError` (exit 2); returns
+    warning lines (room for one checkpoint but not for ``keep_latest + 1`` of them).
+
+    ``room_is_error=False`` (a dry run for another machine, ``--target``): too little room
+    here is a warning, as the run's disk is the other machine's."""
+    import shutil
+
+    check_writable(out)
+    save = cfg.checkpoint.save
+    if not save:
+        return []
+    folder = Path(save)
+    _check_folder(folder, "checkpoint folder", CHECKPOINT_KEY, CHECKPOINT_FIX, _LONGEST_IN_SAVE)
+    size = checkpoint_bytes(cfg)
+    if not size:
+        return []
+    free = shutil.disk_usage(_existing_ancestor(Path(os.path.abspath(folder)))).free
+    if free < size:
+        err = OutputDirError(
+            f"checkpoint folder {folder}: {free / 2**20:.1f} MiB free, a checkpoint needs about "
+            f"{size / 2**20:.1f} MiB (memory planner: fp32 masters and optimizer state)",
+            key=CHECKPOINT_KEY, fix="free space there or point checkpoint.save at a larger filesystem")
+        if room_is_error:
+            raise err
+        return [f"warning: {err} (on this machine; the run's machine may have room)"]
+    peak = (cfg.checkpoint.keep_latest + 1) * size
+    if free < peak:
+        return [f"warning: checkpoint folder {folder}: {free / 2**20:.1f} MiB free; "
+                f"checkpoint.keep_latest={cfg.checkpoint.keep_latest} needs about "
+                f"{peak / 2**20:.1f} MiB at the peak of a save (a save that runs out fails with exit 3)"]
+    return []
 
 
 def prepare_output_dir(out: Path) -> None:

@@ -83,18 +83,28 @@ def pretrain(
         return
     from lptrain.cli import preflight
     from lptrain.config.render import config_yaml
-    from lptrain.train.run_dir import plan_run, write_resolved_config
+    from lptrain.train.run_dir import RESOLVED_CONFIG, plan_run, write_resolved_config
+    from lptrain.train.run_lock import locked_by, refusal, run_lock
 
     out = Path(cfg.run.output_dir)
-    plan_run(cfg, out, overwrite)  # resume, or refuse a folder holding another run (exit 2)
+    # writable, path lengths, room (exit 2); a dry run for another machine only warns of room
+    notes = preflight.check_paths(cfg, out, room_is_error=not (dry_run and target is not None))
     if dry_run:
-        preflight.check_writable(out)
-        for line in preflight.dry_run(cfg, world).lines():
+        holder = locked_by(out)
+        if holder is not None:
+            raise refusal(out, holder)
+        plan_run(cfg, out, overwrite)  # resume (a compatible config), or refuse the folder
+        for line in [*notes, *preflight.dry_run(cfg, world).lines()]:
             typer.echo(line)
         raise typer.Exit(0)
-    preflight.prepare_output_dir(out)  # OutputDirError (exit 2) before anything is written
-    typer.echo(f"wrote {write_resolved_config(out, config_yaml(cfg))}")
-    _train(cfg, overwrite)
+    with run_lock(out, note=typer.echo):  # one run per folder, before anything is written
+        plan_run(cfg, out, overwrite)  # resume, or refuse a folder holding another run (exit 2)
+        preflight.prepare_output_dir(out)  # OutputDirError (exit 2) before anything is written
+        for line in notes:
+            typer.echo(line)
+        if not (out / RESOLVED_CONFIG).exists():  # a resumed run's file changes only at start
+            typer.echo(f"wrote {write_resolved_config(out, config_yaml(cfg))}")
+        _train(cfg, overwrite)
 
 
 def _rank_args(recipe: str, overrides: Optional[list[str]], output_dir: Optional[str],

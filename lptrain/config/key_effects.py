@@ -88,6 +88,9 @@ LATER_KEYS: dict[str, LaterEffect] = {
     "checkpoint.init_from_hf": LaterEffect(
         "the Hugging Face folder a fresh run starts its weights from",
         "tests/e2e/test_hf_import.py::test_llama_import_first_step_matches_transformers_then_trains"),
+    "checkpoint.load_optimizer": LaterEffect(
+        "whether a resume loads the saved optimizer state or starts a fresh one from the saved weights",
+        "tests/e2e/test_faults_ckpt_resume.py::test_incompatible_resume_refused_and_fresh_optimizer_override"),
     "checkpoint.save_interval": LaterEffect("how often checkpoints are written",
                                             "tests/e2e/test_checkpoint_resume.py::test_crash_inside_writer_keeps_previous_checkpoint"),
     "checkpoint.keep_latest": LaterEffect("how many checkpoints are kept",

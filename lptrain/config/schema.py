@@ -303,6 +303,11 @@ class CheckpointConfig:
     save_on_interrupt: bool = opt(
         False, "Also save on SIGINT (Ctrl-C); SIGTERM/SIGUSR1 always save when save is set."
     )
+    load_optimizer: bool = opt(
+        True,
+        "Resume the optimizer state from the checkpoint; false keeps the saved weights, data "
+        "position and step, and starts a fresh optimizer (e.g. to switch optimizer.name).",
+    )
 
 
 @dataclass

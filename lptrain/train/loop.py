@@ -14,6 +14,11 @@
    save and stop, each decided by a policy of :mod:`~lptrain.train.policies` (a stop saves
    before leaving); on every way out, :meth:`_Job.finish` writes the summary and plots.
 
+All of it runs under the run folder's lock (:mod:`~lptrain.train.run_lock`, main rank),
+taken before anything is written. A failed save or a full disk is one
+:class:`~lptrain.errors.RunFailedError` (exit 3) after the summary is written; a summary or
+plot that cannot be written is a line, and exit 3 once the rest is done.
+
 Eval and save go through ``engine.params_synced()`` and change no training state, so a run
 with them is bitwise the run without them. Only the main rank writes files or prints; every
 rank takes part in saves and stop decisions. Steps are counted from 1 everywhere (metrics,
@@ -22,16 +27,20 @@ messages, checkpoint names).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from lptrain.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from lptrain.checkpoint.atomic import write_atomically
 from lptrain.config import World, derive
 from lptrain.config.render import config_yaml
 from lptrain.config.schema import LPTrainConfig
 from lptrain.data.loader import BatchIterator, data_state, load_data_state
+from lptrain.errors import RunFailedError
 from lptrain.model.flops import flops_per_token
 from lptrain.train.console import LogWindow, RunLog
 from lptrain.train.engine import TrainEngine, TrainingDivergedError
@@ -39,6 +48,7 @@ from lptrain.train.metrics import StepMeter, compute_class, format_log_line, pea
 from lptrain.train.outputs import RunOutputs
 from lptrain.train.policies import EvalPolicy, LogPolicy, SavePolicy, StopPolicy, StopReason
 from lptrain.train.run_dir import RunPlan, plan_run, rebase_on_output_dir, start_run
+from lptrain.train.run_lock import run_lock
 from lptrain.train.signals import StopWatcher, TrainingInterrupted
 from lptrain.train.summary import JobState, RunSummary
 
@@ -60,17 +70,19 @@ def pretrain(cfg: LPTrainConfig, output_dir: str | Path, *, overwrite: bool = Fa
     cfg = derive(cfg, World.detect())  # idempotent: the CLI already derived; direct callers may not
     out = Path(output_dir)
     cfg = rebase_on_output_dir(cfg, out)
-    plan = plan_run(cfg, out, overwrite)
-    hf_arch = _check_init_from_hf(cfg, plan)
-    engine = TrainEngine(cfg)
-    log = RunLog(engine.is_main, cfg)
-    for note in plan.notes:
-        log.line(f"warning: skipping checkpoint {note}")
-    loaders = _open_data(cfg, engine)
-    train_state = _restore(cfg, engine, plan, loaders, hf_arch, log)
-    resolved = config_yaml(cfg)
-    _claim(plan, cfg, int(train_state.get("iteration", 0)), resolved, engine.is_main)
-    return _Job(cfg, out, engine, log, loaders, train_state, resolved).run()
+    main = int(os.environ.get("RANK", "0")) == 0  # rank 0 owns the run folder (and its lock)
+    with run_lock(out) if main else contextlib.nullcontext():
+        plan = plan_run(cfg, out, overwrite)
+        hf_arch = _check_init_from_hf(cfg, plan)
+        engine = TrainEngine(cfg)
+        log = RunLog(engine.is_main, cfg)
+        for note in plan.notes:
+            log.line(f"warning: skipping checkpoint {note}")
+        loaders = _open_data(cfg, engine)
+        train_state = _restore(cfg, engine, plan, loaders, hf_arch, log)
+        resolved = config_yaml(cfg)
+        _claim(plan, cfg, int(train_state.get("iteration", 0)), resolved, engine.is_main)
+        return _Job(cfg, out, engine, log, loaders, train_state, resolved).run()
 
 
 def _check_init_from_hf(cfg: LPTrainConfig, plan: RunPlan) -> Optional[Architecture]:
@@ -103,7 +115,7 @@ def _restore(cfg: LPTrainConfig, engine: TrainEngine, plan: RunPlan, loaders: Lo
     """Resume from the plan's checkpoints (engine and data positions), or start from the
     Hugging Face weights; returns the checkpoint's train state (empty for a fresh run)."""
     if plan.candidates:
-        train_state = _resume(engine, plan.candidates, log)
+        train_state = _resume(engine, plan.candidates, log, cfg.checkpoint.load_optimizer)
         load_data_state(train_state["data"], *loaders)
         if cfg.checkpoint.init_from_hf:
             log.line(f"note: checkpoint.init_from_hf={cfg.checkpoint.init_from_hf} not read: the "
@@ -116,25 +128,54 @@ def _restore(cfg: LPTrainConfig, engine: TrainEngine, plan: RunPlan, loaders: Lo
     return {}
 
 
-def _resume(engine: TrainEngine, candidates: list[Path], log: RunLog) -> dict[str, Any]:
-    """Load the newest loadable checkpoint into the engine; returns its train state."""
+def _resume(engine: TrainEngine, candidates: list[Path], log: RunLog,
+            load_optimizer: bool = True) -> dict[str, Any]:
+    """Load the newest loadable checkpoint into the engine; returns its train state.
+
+    Any failure on any rank -- a checksum mismatch, an unreadable file, a load error -- falls
+    back to the next older checkpoint on every rank (they agree after each try), naming the
+    file and what failed. ``load_optimizer=False`` keeps the weights and drops the saved
+    optimizer state (``checkpoint.load_optimizer=false``)."""
     failures = []
     for i, folder in enumerate(candidates):
+        error = None
         try:
             state, train_state = load_checkpoint(folder, engine.rank, engine.world_size)
+            if not load_optimizer:
+                state["global"]["optimizer"] = {}
             engine.load_checkpoint_state(state)
         except (CheckpointError, KeyError, RuntimeError, ValueError) as e:
-            failures.append(f"{folder}: {e}")
+            error = str(e)
+        error = _first_error(error)
+        if error is not None:
+            failures.append(error)
             nxt = candidates[i + 1] if i + 1 < len(candidates) else None
-            log.line(f"warning: could not load checkpoint {folder} ({e}); "
+            log.line(f"warning: could not load checkpoint {folder} ({error}); "
                      + (f"falling back to {nxt}" if nxt else "no older valid checkpoint"))
             continue
+        if not state["verified"]:
+            log.line(f"note: {folder} has no checksums (written before lptrain recorded them): "
+                     "its files could not be verified")
         if state["local"] is None:
             log.line(f"note: {folder} was written at world size {train_state.get('world_size')}; "
                      "per-rank RNG streams start afresh")
+        if not load_optimizer:
+            log.line("note: checkpoint.load_optimizer=false: the optimizer starts fresh from the "
+                     "saved weights")
         log.line(f"resuming from {folder} (step {train_state['iteration']})")
         return train_state
     raise CheckpointError("no checkpoint could be loaded: " + "; ".join(failures))
+
+
+def _first_error(error: Optional[str]) -> Optional[str]:
+    """The first rank's error of this try (every rank gets the same answer)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return error
+    errors: list[Optional[str]] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return next((f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None), None)
 
 
 def _claim(plan: RunPlan, cfg: LPTrainConfig, start_iter: int, resolved: str, main: bool) -> None:
@@ -172,6 +213,8 @@ class _Job:
         self.saves = SavePolicy.from_config(cfg)
         self.stops = StopPolicy.from_config(cfg)
         self.window = LogWindow()
+        self.unwritten: list[str] = []  # files of the run's end that could not be written
+        self.unwritten_paths: set[str] = set()
         self.outputs = RunOutputs(cfg, out, engine.is_main, train_state.get("wandb_run_id"))
         start_iter = int(train_state.get("iteration", 0))
         self.state = JobState(step=start_iter, start_iter=start_iter)
@@ -205,12 +248,18 @@ class _Job:
         except TrainingDivergedError as e:
             state.status, state.error = "diverged", str(e)
             raise
+        except RunFailedError as e:  # a failed save, a full disk: one line, exit 3
+            state.status, state.error = "failed", str(e)
+            raise
         except BaseException as e:
             if state.status == "running":
                 state.status, state.error = "failed", f"{type(e).__name__}: {e}"
             raise
         finally:
             summary = self.finish()
+        if self.unwritten:
+            raise RunFailedError(self.unwritten[0], fix="free space on that filesystem or make "
+                                 "the run folder writable; the checkpoint and metrics are kept")
         if state.signum is not None:
             raise TrainingInterrupted(state.signum, summary)
         return summary
@@ -284,6 +333,17 @@ class _Job:
                                               self.meter.tokens_per_step, self.outputs.wandb_id,
                                               memory))
 
+    def _try_write(self, path: Path, write: Any) -> None:
+        """Run ``write``; a filesystem error becomes a line (and exit 3 once the rest of
+        the end is written), never a traceback over what the run already wrote."""
+        try:
+            write()
+        except OSError as e:
+            what = f"cannot write {e.filename or path}: {e.strerror or e}"
+            self.unwritten.append(what)
+            self.unwritten_paths.add(str(e.filename or path))
+            self.log.line(f"warning: {what}")
+
     def _finish(self, summary: RunSummary) -> dict[str, Any]:
         """Summary, plots and W&B close-out (main rank writes); returns the summary."""
         result = summary.to_dict()
@@ -291,14 +351,15 @@ class _Job:
             return result
         out = self.out
         files = [out / "resolved_config.yaml", out / "metrics.jsonl", out / "summary.json"]
-        (out / "summary.json").write_text(json.dumps(result, indent=2) + "\n")
+        self._try_write(out / "summary.json",
+                        lambda: write_atomically(out / "summary.json", json.dumps(result, indent=2) + "\n"))
         if self.cfg.logging.plots and self.outputs.records:
             from lptrain.train.plots import write_plots
 
-            files += write_plots(out)
+            self._try_write(out, lambda: files.extend(write_plots(out)))
         if self.outputs.finish_wandb(result):
             files.append(out / "wandb")
-        written = [p.name for p in files if p.exists()]
+        written = [p.name for p in files if p.exists() and str(p) not in self.unwritten_paths]
         for line in summary.closing_lines(out, written):
             self.log.line(line)
         return result

@@ -12,6 +12,7 @@ datacenter GPUs); on CPU and unknown devices it is ``null`` rather than a made-u
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import resource
@@ -21,6 +22,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, TextIO
 
 import torch
+
+from lptrain.errors import RunFailedError
 
 if TYPE_CHECKING:
     from lptrain.train.engine import StepResult
@@ -87,12 +90,22 @@ class MetricsWriter:
         self._f: TextIO = path.open("a")
 
     def write(self, rec: dict[str, Any]) -> None:
+        """Append one line; a filesystem error (a full disk) is :class:`RunFailedError`
+        naming the file (exit 3), the lines before it stay as written."""
         self.records.append(rec)
-        self._f.write(json.dumps(rec) + "\n")
-        self._f.flush()
+        try:
+            self._f.write(json.dumps(rec) + "\n")
+            self._f.flush()
+        except OSError as e:
+            raise RunFailedError(f"cannot append step {rec.get('step')} to {self.path}: "
+                                 f"{e.strerror or e}", fix=_FS_FIX) from None
 
     def close(self) -> None:
-        self._f.close()
+        with contextlib.suppress(OSError):  # a failed write already said so
+            self._f.close()
+
+
+_FS_FIX = "free space on that filesystem or make the run folder writable, then resume"
 
 
 @dataclass(frozen=True)

@@ -8,10 +8,15 @@
 * ``--overwrite`` starts over: the old run's files and checkpoints are removed, but only once
   the new run is known to start (:func:`start_run`, after the engine is built).
 
+* a resume whose config cannot load the checkpoint (another model shape, another optimizer,
+  precision state that does not carry over) is refused with one line per key
+  (:mod:`lptrain.checkpoint.compat`), before anything is loaded or written.
+
 Only :func:`start_run` modifies the folder, so a refused or crashed-at-startup run leaves the
 previous one untouched. (``lptrain pretrain`` writes ``resolved_config.yaml`` before it calls
-the loop, so that the file is there even when the start-up fails; :func:`write_resolved_config`
-makes that the run's one write of it.)
+the loop when the folder has none yet, so that a fresh run's file is there even when the
+start-up fails; :func:`write_resolved_config` makes that the run's one write of it.) Small
+files are replaced atomically (temp file + rename): a full disk never leaves a torn one.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lptrain.checkpoint.atomic import write_atomically
+from lptrain.checkpoint.compat import check_resume_compatible
 from lptrain.checkpoint.store import LATEST, find_checkpoints, read_train_state, step_dirs
 from lptrain.errors import OutputDirError
 
@@ -76,6 +83,8 @@ def plan_run(cfg: Any, out: str | Path, overwrite: bool = False) -> RunPlan:
     previous = _existing_run_files(out)
     if plan.source == "fresh" and previous and not overwrite:
         where = f"checkpoint.save={ck.save} holds none" if ck.save else "checkpoint.save is not set"
+        if plan.notes:
+            where += " valid: " + "; ".join(plan.notes)
         raise RunDirRefused(
             f"{out} already holds a run ({', '.join(previous)}) with no checkpoint to resume "
             f"from ({where}); pass --overwrite to replace it, or choose a new --output-dir"
@@ -92,12 +101,32 @@ def plan_run(cfg: Any, out: str | Path, overwrite: bool = False) -> RunPlan:
                 f"train.train_iters={cfg.train.train_iters}; raise train.train_iters to train "
                 "further, pass --overwrite to start over, or choose a new --output-dir"
             )
+        check_resume_compatible(newest, _as_dict(cfg))
     return plan
+
+
+def _as_dict(cfg: Any) -> Any:
+    """A config (dataclasses, or namespaces in tests) as nested dicts."""
+    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
+        return dataclasses.asdict(cfg)
+    if hasattr(cfg, "__dict__"):
+        return {k: _as_dict(v) for k, v in vars(cfg).items()}
+    return cfg
 
 
 def start_run(plan: RunPlan, cfg: Any, resumed_iteration: int, config_yaml: str) -> None:
     """The new run is starting: apply ``--overwrite``, trim metrics past the resumed step,
-    write ``resolved_config.yaml``. Main rank only."""
+    write ``resolved_config.yaml``. Main rank only; a filesystem error is
+    :class:`OutputDirError` (exit 2, the run has not started)."""
+    try:
+        _start_run(plan, cfg, resumed_iteration, config_yaml)
+    except OSError as e:
+        raise OutputDirError(f"cannot prepare run folder {plan.out}: {e.strerror or e}"
+                             + (f" ({e.filename})" if e.filename else ""),
+                             key=OUTPUT_DIR_KEY, fix=OUTPUT_DIR_FIX) from None
+
+
+def _start_run(plan: RunPlan, cfg: Any, resumed_iteration: int, config_yaml: str) -> None:
     out = plan.out
     out.mkdir(parents=True, exist_ok=True)
     if plan.overwrite:
@@ -122,7 +151,7 @@ def write_resolved_config(out: Path, config_yaml: str) -> Path:
     path = out / RESOLVED_CONFIG
     try:
         if not (path.is_file() and path.read_text() == config_yaml):
-            path.write_text(config_yaml)
+            write_atomically(path, config_yaml)
     except OSError as e:
         raise OutputDirError(
             f"cannot write {path}: {e.strerror or e}", key=OUTPUT_DIR_KEY, fix=OUTPUT_DIR_FIX
@@ -143,7 +172,9 @@ def trim_metrics(path: Path, last_step: int) -> None:
             continue
         if isinstance(rec, dict) and int(rec.get("step", 0)) <= last_step:
             keep.append(line)
-    path.write_text("".join(line + "\n" for line in keep))
+    text = "".join(line + "\n" for line in keep)
+    if text != path.read_text():
+        write_atomically(path, text)
 
 
 def rebase_on_output_dir(cfg: Any, out: str | Path) -> Any:

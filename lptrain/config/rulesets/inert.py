@@ -329,6 +329,15 @@ GATES: tuple[Gate, ...] = (
         fix="set checkpoint.save=<folder>",
     ),
     Gate(
+        rule_id="INERT-CKPT-NO-RESUME",
+        keys=("checkpoint.load_optimizer",),
+        context=("checkpoint.save", "checkpoint.load"),
+        idle=lambda c, w: not c.checkpoint.save and not c.checkpoint.load,
+        condition="checkpoint.save and checkpoint.load null -> load_optimizer at its default",
+        because="neither checkpoint.save nor checkpoint.load is set, so no checkpoint is resumed",
+        fix="set checkpoint.load=<folder> (or checkpoint.save) to resume from a checkpoint",
+    ),
+    Gate(
         rule_id="INERT-WANDB-KEYS", keys=("logging.wandb_project", "logging.wandb_mode"),
         context=("logging.wandb",), idle=lambda c, w: not c.logging.wandb,
         condition="logging.wandb=false -> wandb_project and wandb_mode at their defaults",

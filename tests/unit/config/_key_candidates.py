@@ -162,6 +162,7 @@ CANDIDATES: dict[str, Candidates] = {
                                         "fully_sharded_model_space"),
     "checkpoint.async_save": _flip,
     "checkpoint.save_on_interrupt": _flip,
+    "checkpoint.load_optimizer": _flip,
     "logging.wandb": _flip,
     "logging.wandb_project": _others("other-project"),
     "logging.wandb_mode": _others("online", "disabled", "offline"),

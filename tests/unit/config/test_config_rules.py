@@ -262,6 +262,8 @@ CASES: list[tuple[str, list[str], tuple[str, ...], list[str], World]] = [
      CPU_WITH_MISSING_DATA),
     ("INERT-CKPT-NO-SAVE", ["checkpoint.keep_latest=3"], ("checkpoint.keep_latest",),
      ["checkpoint.keep_latest=3", "checkpoint.save=/tmp/ckpt"], CPU),
+    ("INERT-CKPT-NO-RESUME", ["checkpoint.load_optimizer=false"], ("checkpoint.load_optimizer",),
+     ["checkpoint.load_optimizer=false", "checkpoint.load=/tmp/ckpt"], CPU),
     ("INERT-WANDB-KEYS", ["logging.wandb_mode=online"], ("logging.wandb_mode",),
      ["logging.wandb_mode=online", "logging.wandb=true"], CPU),
 ]
