@@ -76,6 +76,10 @@ OPTIMIZERS = ("adamw", "muon")
 LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
 LAYER_WISE_LAYOUTS = ("compact", "padded")
 ON_NONFINITE = ("stop", "skip")
+SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+RECOMPUTE_GRANULARITIES = (None, "selective", "full")
+RECOMPUTE_METHODS = ("uniform", "block")
+RECOMPUTE_MODULES = ("core_attn", "mlp_act", "mlp")
 SHARDING_TYPES = ("dp_reshardable", "fully_reshardable", "fully_sharded_model_space")
 WANDB_MODES = ("online", "offline", "disabled")
 
@@ -179,6 +183,13 @@ class DDPConfig:
         None, "Bucket size in elements; null = derived (max(40M, 1M*dp), one bucket w/o overlap)."
     )
     num_distributed_optimizer_instances: int = opt(1, "Partial sharding: optimizer instances.")
+    data_parallel_sharding_strategy: Optional[str] = choice(
+        None, (None, *SHARDING_STRATEGIES), "What is sharded over data-parallel ranks: {choices}.",
+        {None: "derived from use_distributed_optimizer: optim or no_shard",
+         "optim": "fp32 masters and moments (ZeRO-1)",
+         "optim_grads": "plus grads: each bucket keeps its reduced shard (ZeRO-2)",
+         "optim_grads_params": "plus params, gathered per bucket for forward and backward (ZeRO-3)"},
+    )
     reuse_grad_buf_for_mxfp8_param_ag: bool = opt(
         False, "MXFP8 param gather rides a bf16 view of the grad buffer."
     )

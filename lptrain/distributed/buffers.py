@@ -5,6 +5,13 @@
   *placed* in it (their ``.data`` becomes a view, so gathering updates the model in place);
   quantized primary weights keep their own storage and are staged here in their staging
   dtype, then requantized after the gather (see :mod:`lptrain.precision.param_storage`).
+* Sharded grads (``ddp.data_parallel_sharding_strategy=optim_grads``, ZeRO-2): there is no
+  buffer-long ``grad_data``. Each bucket has its own full grad tensor, allocated (zeroed)
+  at the bucket's first use in a backward and released (its storage resized to 0, so the
+  ``main_grad`` views stay valid objects) right after its reduce-scatter; what persists is
+  ``grad_shard``: this rank's reduced shard of every bucket, back to back. The values,
+  the collective and its inputs are those of the ``optim`` strategy, so training is
+  bitwise the same. :meth:`grad_slice` reads either layout by buffer element range.
 * Grad-buffer reuse (the ``ddp.reuse_grad_buf_*`` option): a quantized buffer's staging
   area is a view of its own grad buffer (bf16 over the first half of an fp32 buffer), so the
   all-gather costs no extra memory. Then every bucket's staging slice is zeroed right after
@@ -44,7 +51,27 @@ class ParamAndGradBuffer:
         self.sharded = spec.sharded
         self.slots = {s.name: s for s in spec.params}
         self.params = {s.name: params[s.name] for s in spec.params}
-        self.grad_data = torch.zeros(spec.numel, dtype=spec.key.grad_dtype, device=device)
+        self.device = device
+        self.groups = groups.for_buffer(spec.key.is_expert)
+        self.shards_grads = bool(self.sharded and spec.shards_grads)
+        if self.shards_grads and reuse_grad_buffer and spec.key.quantized:
+            raise ValueError(
+                "ddp.reuse_grad_buf_for_mxfp8_param_ag needs the whole grad buffer: it cannot "
+                "be combined with sharded grads (data_parallel_sharding_strategy=optim_grads*)"
+            )
+        # ZeRO-2: no buffer-long grad tensor (see the module doc); the buckets own theirs
+        self.grad_data = (
+            torch.zeros(spec.numel, dtype=spec.key.grad_dtype, device=device)
+            if not self.shards_grads else torch.empty(0, dtype=spec.key.grad_dtype, device=device)
+        )
+        self.grad_shard: Optional[torch.Tensor] = None
+        self._shard_offset: list[int] = []
+        if self.shards_grads:
+            size, off = self.groups.intra.size, 0
+            for b in spec.buckets:
+                self._shard_offset.append(off)
+                off += b.numel // size
+            self.grad_shard = torch.zeros(off, dtype=spec.key.grad_dtype, device=device)
         self.reuses_grad_buffer = bool(self.sharded and reuse_grad_buffer and spec.key.quantized)
         self.param_data: Optional[torch.Tensor] = None
         if self.sharded:
@@ -54,16 +81,22 @@ class ParamAndGradBuffer:
             else:
                 self.param_data = torch.zeros(spec.numel, dtype=spec.key.param_dtype, device=device)
         self.aliased: dict[str, bool] = {}
+        self.buckets = [Bucket(self, i, self.groups) for i in range(len(spec.buckets))]
+        self.bucket_of = {n: self.buckets[s.bucket] for n, s in self.slots.items()}
         for name, p in self.params.items():
             s = self.slots[name]
-            p.main_grad = self.grad_data[s.start : s.end].view(p.shape)
+            if self.shards_grads:
+                b = self.bucket_of[name]
+                p.main_grad = b.full_grad[s.start - b.start : s.end - b.start].view(p.shape)
+            else:
+                p.main_grad = self.grad_data[s.start : s.end].view(p.shape)
             if self.param_data is not None:
                 self.aliased[name] = place_in_buffer(p, self.param_data[s.start : s.end])
         if self.reuses_grad_buffer:
             self.grad_data.zero_()  # placing staged the values; grads must start from zero
-        self.groups = groups.for_buffer(spec.key.is_expert)
-        self.buckets = [Bucket(self, i, self.groups) for i in range(len(spec.buckets))]
-        self.bucket_of = {n: self.buckets[s.bucket] for n, s in self.slots.items()}
+        if self.shards_grads:
+            for b in self.buckets:
+                b.release_grads()
 
     @property
     def key(self):  # -> BufferKey
@@ -79,13 +112,45 @@ class ParamAndGradBuffer:
         if self.reuses_grad_buffer:
             bucket.param_view.zero_()
 
+    def grad_slice(self, lo: int, hi: int) -> torch.Tensor:
+        """Grads of buffer elements ``[lo, hi)``: a view of ``grad_data``, or with sharded
+        grads of this rank's reduced shard (``[lo, hi)`` must lie inside it)."""
+        if not self.shards_grads:
+            return self.grad_data[lo:hi]
+        assert self.grad_shard is not None
+        for b in self.buckets:
+            if b.start <= lo < b.end:
+                s_lo, s_hi = b.shard_range()
+                if not (s_lo <= lo and hi <= s_hi):
+                    raise IndexError(f"grads [{lo}, {hi}) are not in this rank's shard of {b!r}")
+                off = self._shard_offset[b.index] + lo - s_lo
+                return self.grad_shard[off : off + hi - lo]
+        raise IndexError(f"grads [{lo}, {hi}) are outside buffer {self.index}")
+
+    def shard_of(self, bucket: Bucket) -> torch.Tensor:
+        """This rank's reduced shard of ``bucket`` (sharded grads only)."""
+        lo, hi = bucket.shard_range()
+        return self.grad_slice(lo, hi)
+
     def zero_grads(self) -> None:
-        self.grad_data.zero_()
+        if self.shards_grads:
+            for b in self.buckets:
+                b.release_grads()  # a bucket is allocated zeroed at its first use
+        else:
+            self.grad_data.zero_()
         for b in self.buckets:
             b.zero_grads()
 
     def nbytes(self) -> dict[str, int]:
-        out = {"grad": self.grad_data.numel() * self.grad_data.element_size()}
+        """Bytes this buffer holds now (with sharded grads: the kept shards, plus any bucket
+        whose full grads are allocated at this moment)."""
+        if self.shards_grads:
+            assert self.grad_shard is not None
+            grad = self.grad_shard.numel() * self.grad_shard.element_size()
+            grad += sum(b.full_grad_nbytes() for b in self.buckets)
+        else:
+            grad = self.grad_data.numel() * self.grad_data.element_size()
+        out = {"grad": grad}
         if self.param_data is not None and not self.reuses_grad_buffer:
             out["param"] = self.param_data.numel() * self.param_data.element_size()
         return out

@@ -34,6 +34,17 @@ from lptrain.distributed.groups import ParallelGroups
 from lptrain.distributed.layout import BufferLayout
 
 
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    """The tensors in a module's output (a tensor, or tuples/lists/dicts of them)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (tuple, list)):
+        return [t for x in obj for t in _tensors(x)]
+    if isinstance(obj, dict):
+        return [t for x in obj.values() for t in _tensors(x)]
+    return []
+
+
 class NonFiniteGradError(RuntimeError):
     """A rank's local gradient held NaN/Inf before reduction (``ddp.check_for_nan_in_grad``)."""
 
@@ -94,6 +105,11 @@ class DataParallel:
             for m in model.modules():
                 if any(True for _ in m.parameters(recurse=False)):
                     self._hooks.append(m.register_forward_pre_hook(self._make_pre_hook(m)))
+        if any(b.shards_grads for b in self.buffers):
+            for m in model.modules():
+                owned = self._sharded_grad_buckets(m)
+                if owned:
+                    self._hooks.append(m.register_forward_hook(self._make_grad_alloc_hook(owned)))
 
     # ---- the step's order ---------------------------------------------------------------------
 
@@ -120,11 +136,36 @@ class DataParallel:
 
     # ---- grads -------------------------------------------------------------------------------
 
+    def _sharded_grad_buckets(self, module: nn.Module) -> list[Bucket]:
+        names = [self.param_names[id(p)] for p in module.parameters(recurse=False)]
+        found = (self.bucket_of[n] for n in names if n in self.bucket_of)
+        return list(dict.fromkeys(b for b in found if b.buffer.shards_grads))
+
+    @staticmethod
+    def _make_grad_alloc_hook(buckets: list[Bucket]) -> Callable[..., None]:
+        """Sharded grads: allocate the module's buckets when the first gradient of its
+        outputs arrives, i.e. before its own backward runs (a fused wgrad writes straight
+        into ``main_grad`` there, before any param hook could fire)."""
+
+        def alloc(_grads: Any) -> None:
+            for b in buckets:
+                b.acquire_grads()
+
+        def post_hook(_module: nn.Module, _args: Any, output: Any) -> None:
+            if not torch.is_grad_enabled():
+                return
+            outs = [t for t in _tensors(output) if t.requires_grad]
+            if outs:
+                torch.autograd.graph.register_multi_grad_hook(outs, alloc, mode="any")
+
+        return post_hook
+
     def _make_grad_hook(self, name: str) -> Callable[[torch.Tensor], None]:
         bucket = self.bucket_of[name]
         cfg = self.cfg
 
         def hook(p: torch.Tensor) -> None:
+            bucket.acquire_grads()  # (sharded grads; a no-op otherwise)
             if p.grad is not None:
                 if not getattr(p, "grad_added_to_main_grad", False):
                     p.main_grad.add_(p.grad.view_as(p.main_grad))
@@ -170,7 +211,11 @@ class DataParallel:
             return 0
         for k in buckets:  # failure path only: find the first bad element
             if not bool(torch.isfinite(k.local_sum)):
-                bad = (~torch.isfinite(k.grad_view)).nonzero()
+                if k.first_bad is not None:  # sharded grads: found before the release
+                    at = int(k.first_bad)
+                    bad = torch.tensor([[at]] if at >= 0 else [], dtype=torch.long)
+                else:
+                    bad = (~torch.isfinite(k.grad_view)).nonzero()
                 if len(bad):  # (else: finite grads whose fp32 sum overflowed: not an error)
                     return 1 + k.buffer.index * (1 << 40) + k.start + int(bad[0])
         return 0

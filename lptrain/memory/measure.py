@@ -27,9 +27,16 @@ def _nbytes(t: torch.Tensor) -> int:
 def _buffer_bytes(m: MemoryBreakdown, buf: ParamAndGradBuffer) -> None:
     used = sum(s.end - s.start for s in buf.spec.params)
     es = buf.grad_data.element_size()
-    m.grads += used * es
-    m.grad_padding += (buf.grad_data.numel() - used) * es
-    m.padding += (buf.grad_data.numel() - used) * es
+    if buf.grad_shard is not None:  # sharded grads: the kept shards (full buckets are transient)
+        in_shards = sum(buf.spec.shard_used(b, buf.groups.intra.rank, buf.groups.intra.size)[1]
+                        for b in buf.spec.buckets)
+        m.grads += in_shards * es
+        m.grad_padding += (buf.grad_shard.numel() - in_shards) * es
+        m.padding += (buf.grad_shard.numel() - in_shards) * es
+    else:
+        m.grads += used * es
+        m.grad_padding += (buf.grad_data.numel() - used) * es
+        m.padding += (buf.grad_data.numel() - used) * es
     pd = buf.param_data
     if pd is None:
         return

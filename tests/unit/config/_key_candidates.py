@@ -109,6 +109,7 @@ CANDIDATES: dict[str, Candidates] = {
     "ddp.reuse_grad_buf_for_mxfp8_param_ag": _flip,
     "ddp.average_in_collective": _flip,
     "ddp.check_for_nan_in_grad": _flip,
+    "ddp.data_parallel_sharding_strategy": _others("optim_grads", "optim_grads_params", "optim"),
     "optimizer.name": _others("muon", "adamw"),
     "optimizer.lr": _scaled(2.0),
     "optimizer.min_lr": _scaled(0.5),
