@@ -141,6 +141,20 @@ class ModelConfig:
     )
     tie_embeddings: bool = opt(False, "Share the token embedding and the output head weight.")
     init_method_std: float = opt(0.02, "Std of the normal weight initialisation.")
+    recompute_granularity: Optional[str] = choice(
+        None, RECOMPUTE_GRANULARITIES, "Activation recompute: {choices}.",
+        {None: "off", "selective": "the recompute_modules of every layer",
+         "full": "whole layers, by recompute_method"},
+    )
+    recompute_method: str = choice(
+        "uniform", RECOMPUTE_METHODS, "Full recompute: {choices}.",
+        {"uniform": "every layer, in chunks of recompute_num_layers",
+         "block": "only the first recompute_num_layers layers"},
+    )
+    recompute_num_layers: int = opt(1, "Full recompute: layers per chunk (uniform) or recomputed layers (block).")
+    recompute_modules: list[str] = opt_factory(
+        lambda: ["core_attn"], "Selective recompute: any of core_attn, mlp_act, mlp."
+    )
     moe: MoEConfig = opt_factory(MoEConfig, "Mixture-of-experts settings.")
 
 

@@ -142,6 +142,9 @@ class TrainEngine:
 
     def train_step(self, micro_batches: Sequence[dict[str, torch.Tensor]], step: int) -> StepResult:
         """One optimizer step over this rank's micro-batches (see the module doc)."""
+        from lptrain.model.recompute import take_region_count
+
+        take_region_count()  # counted from here: this step's checkpointed regions
         self.ddp.begin_step(self.optimizer.stage)
         local = self._forward_backward(micro_batches)
         losses = self._gather_losses(local, self.ddp.finish_grad_sync())
@@ -234,7 +237,11 @@ class TrainEngine:
     def _step_extras(self, moe_metrics: dict[str, float], zeros: int | None,
                      losses: torch.Tensor) -> dict[str, float]:
         """MoE metrics, the Muon update RMS and zero-grad count, and the auxiliary loss."""
+        from lptrain.model.recompute import take_region_count
+
         extra = dict(moe_metrics)
+        if self.model.recompute.granularity is not None:  # (model.recompute_granularity)
+            extra["recompute_regions"] = float(take_region_count())
         rms = self.optimizer.update_rms()
         if rms is not None:
             extra["muon_update_rms"] = rms

@@ -41,6 +41,24 @@ DP4 = {
 }
 
 
+# Recompute at DP=2 (DP=1: tests/unit/model/test_recompute.py): off vs on, same world.
+RECOMPUTE_DP2 = {
+    "rc-delayed-full": ([*C.DELAYED], ["model.recompute_granularity=full"]),
+    "rc-nvfp4-selective-mlp": ([*C.NVFP4, *C.OVERLAP], ["model.recompute_granularity=selective",
+                                                        "model.recompute_modules=[mlp]"]),
+    "rc-mxfp8-moe-block": ([*C.MXFP8, *C.FP8_PG, *C.MOE, "ddp.data_parallel_sharding_strategy=optim_grads"],
+                           ["model.recompute_granularity=full", "model.recompute_method=block"]),
+}
+
+
+def _recompute_cases() -> dict[str, list[str]]:
+    out = {}
+    for name, (base, mode) in RECOMPUTE_DP2.items():
+        out[f"{name}|off"] = base
+        out[f"{name}|on"] = [*base, *mode]
+    return out
+
+
 def _cases(base: dict[str, list[str]]) -> dict[str, list[str]]:
     return {f"{name}|{s}": [*ov, f"ddp.data_parallel_sharding_strategy={s}"]
             for name, ov in base.items() for s in STRATEGIES}
@@ -54,7 +72,7 @@ def _assert_matrix(per_rank: list[dict], base: dict[str, list[str]]) -> None:
             d = first_difference(ref, m[f"{name}|{s}"])
             assert d is None, f"{name}: {s} differs from optim: {d}"
     for r in per_rank[1:]:  # every rank holds the same final params
-        for case in m:
+        for case in (c for c in m if "|" in c and c.split("|")[0] in base):
             d = first_difference(m[case]["raw"], r["matrix"][case]["raw"])
             assert d is None, f"{case}: ranks differ: {d}"
 
@@ -78,13 +96,17 @@ def _assert_memory(mem: dict, dp: int) -> None:
 
 def test_strategies_bitwise_dp2_with_eval_resume_and_memory() -> None:
     spec = {
-        "matrix": _cases(DP2),
+        "matrix": {**_cases(DP2), **_recompute_cases()},
         "eval": {k: v for k, v in _cases(DP2).items() if k.startswith("mxfp8") and not k.endswith("|optim")},
         "resume": ([*C.BLOCKWISE, *C.FP8_PG, *C.OVERLAP], list(STRATEGIES)),
         "memory": ([*C.NO_OVERLAP], list(STRATEGIES)),
     }
     res = run_distributed(S.run_suite, 2, args=(spec,), timeout_s=400)
     _assert_matrix(res, DP2)
+    m = res[0]["matrix"]
+    for name in RECOMPUTE_DP2:
+        d = first_difference(m[f"{name}|off"], m[f"{name}|on"])
+        assert d is None, f"{name}: recompute changed training at DP=2: {d}"
     # train-eval-train with forced syncs == train only (the matrix's optim_grads run)
     for case, ev in res[0]["eval"].items():
         ref = {k: res[0]["matrix"][case][k] for k in ev}
