@@ -95,6 +95,22 @@ class Bucket:
         self._full_grad_bytes = 0
         self._grads_allocated = False
         self.first_bad: Optional[torch.Tensor] = None  # first non-finite element, pre-release
+        # Sharded params (ZeRO-3): the bucket's full params exist only around their uses
+        # (gathered from the shards before a forward or backward needs them, freed after);
+        # plain params are views of ``full_param``, whose storage is resized to 0 when freed.
+        self.full_param: Optional[torch.Tensor] = None
+        self._full_param_bytes = 0
+        self._params_allocated = True
+        self.prev_in_forward: Optional[Bucket] = None
+        self.forward_modules: set[int] = set()  # modules whose forward reads these params
+        self._forward_seen: set[int] = set()
+        self._grads_done: set[str] = set()
+        self.keep_through_forward = False  # a tied embedding: the head reads it again
+        if buffer.shards_params:
+            self.full_param = torch.zeros(
+                self.end - self.start, dtype=buffer.key.param_dtype, device=buffer.device
+            )
+            self._full_param_bytes = self.full_param.untyped_storage().nbytes()
         if buffer.shards_grads:
             self.full_grad = torch.zeros(
                 self.end - self.start, dtype=buffer.key.grad_dtype, device=buffer.device
@@ -146,6 +162,49 @@ class Bucket:
 
     def full_grad_nbytes(self) -> int:
         return self._full_grad_bytes if self._grads_allocated else 0
+
+    # ---- sharded params: the full bucket's lifetime -------------------------------------
+
+    @property
+    def params_present(self) -> bool:
+        """Whether the bucket's full params are allocated (always, unless params are sharded)."""
+        return self.full_param is None or self._params_allocated
+
+    def release_params(self) -> None:
+        """ZeRO-3: free the full params (the param views stay valid objects; the next use
+        gathers them again from the shards, which hold the current values)."""
+        if self.full_param is None or not self._params_allocated:
+            return
+        if self.param_state is ParamState.GATHERING:
+            raise IllegalTransition(f"{self!r}: release_params with a gather in flight")
+        self.buffer.release_quantized(self)
+        self.full_param.untyped_storage().resize_(0)
+        self._params_allocated = False
+        self._forward_seen.clear()
+        self._grads_done.clear()
+
+    def ensure_params(self, *, async_op: bool) -> None:
+        """ZeRO-3: make the full params present -- finish a gather in flight, or gather
+        from the shards (staged, or released since) -- returning early when ``async_op``."""
+        if self.param_state is ParamState.GATHERING:
+            if not async_op:
+                self.finish_param_sync()
+        elif self.param_state is ParamState.STAGED or not self.params_present:
+            self.start_param_sync(async_op=async_op)
+
+    def forward_done(self, module: int) -> None:
+        """A module reading these params finished its forward; when all have, the bucket
+        is freed until its backward (unless it holds a tied embedding)."""
+        self._forward_seen.add(module)
+        done = self._forward_seen >= self.forward_modules and not self.keep_through_forward
+        if done and self.param_state is not ParamState.GATHERING:
+            self.release_params()
+
+    def grad_done(self, name: str) -> None:
+        """A param's gradient is complete for this backward; after the last, free the bucket."""
+        self._grads_done.add(name)
+        if len(self._grads_done) == len(self.param_names) and self.param_state is not ParamState.GATHERING:
+            self.release_params()
 
     @property
     def param_view(self) -> torch.Tensor:
@@ -243,10 +302,24 @@ class Bucket:
         self.param_state = ParamState.STAGED
 
     def start_param_sync(self, *, async_op: bool) -> None:
-        self._expect("start_param_sync", self.param_state, ParamState.STAGED)
+        if not (self.param_state is ParamState.READY and not self.params_present):
+            # (a released ZeRO-3 bucket may gather again from READY: its shards are current)
+            self._expect("start_param_sync", self.param_state, ParamState.STAGED)
         g = self.groups.intra
         self.param_state = ParamState.GATHERING
-        if self.buffer.sharded and g.active:
+        if self.full_param is not None:
+            if not self._params_allocated:
+                self.full_param.untyped_storage().resize_(self._full_param_bytes)
+                self._params_allocated = True
+            local = self.buffer.param_shard_of(self)
+            if g.active:
+                self._gather_handle = all_gather_flat(self.full_param, local, group=g.pg, async_op=async_op)
+            else:  # through an alias with its own version counter: views of the params may
+                # be saved for backward, and refilling them is not a modification
+                alias = torch.empty(0, dtype=local.dtype, device=local.device)
+                alias.set_(self.full_param.untyped_storage(), 0, self.full_param.shape)
+                alias.copy_(local)
+        elif self.buffer.sharded and g.active:
             lo, hi = self.shard_range()
             local = self.buffer.param_data[lo:hi].clone()  # type: ignore[index]
             self._gather_out = torch.empty(self.end - self.start, dtype=local.dtype, device=local.device)

@@ -27,7 +27,13 @@ import torch
 
 from lptrain.distributed.bucket_group import Bucket
 from lptrain.distributed.layout import BufferSpec
-from lptrain.precision.param_storage import load_from_staging, place_in_buffer
+from lptrain.precision.param_storage import (
+    is_quantized,
+    load_from_staging,
+    place_in_buffer,
+    release_storage,
+    restore_storage,
+)
 
 if TYPE_CHECKING:
     from lptrain.distributed.groups import ParallelGroups
@@ -73,8 +79,15 @@ class ParamAndGradBuffer:
                 off += b.numel // size
             self.grad_shard = torch.zeros(off, dtype=spec.key.grad_dtype, device=device)
         self.reuses_grad_buffer = bool(self.sharded and reuse_grad_buffer and spec.key.quantized)
+        self.shards_params = bool(self.sharded and spec.shards_params)
         self.param_data: Optional[torch.Tensor] = None
-        if self.sharded:
+        self.param_shard: Optional[torch.Tensor] = None
+        if self.shards_params:  # ZeRO-3: the buckets own their full params (see Bucket)
+            self.param_shard = torch.zeros(
+                len(self.grad_shard) if self.grad_shard is not None else 0,
+                dtype=spec.key.param_dtype, device=device,
+            )
+        elif self.sharded:
             if self.reuses_grad_buffer:
                 as_param = self.grad_data.view(spec.key.param_dtype)
                 self.param_data = as_param[: spec.numel]
@@ -92,6 +105,12 @@ class ParamAndGradBuffer:
                 p.main_grad = self.grad_data[s.start : s.end].view(p.shape)
             if self.param_data is not None:
                 self.aliased[name] = place_in_buffer(p, self.param_data[s.start : s.end])
+            elif self.shards_params:
+                b = self.bucket_of[name]
+                self.aliased[name] = place_in_buffer(p, b.full_param[s.start - b.start : s.end - b.start])
+        if self.shards_params:  # this rank's shard of the values just placed
+            for b in self.buckets:
+                self.param_shard_of(b).copy_(self._shard_view(b.full_param, b))
         if self.reuses_grad_buffer:
             self.grad_data.zero_()  # placing staged the values; grads must start from zero
         if self.shards_grads:
@@ -103,7 +122,16 @@ class ParamAndGradBuffer:
         return self.spec.key
 
     def load_params_from_staging(self, bucket: Bucket) -> None:
-        """After ``bucket``'s gather: refresh non-aliased params, then free a reused slice."""
+        """After ``bucket``'s gather: refresh non-aliased params, then free a reused slice.
+        With sharded params the staging area is the bucket's full-param tensor, and a
+        quantized param gets its released bytes back before they are refilled."""
+        if self.shards_params:
+            assert bucket.full_param is not None
+            for name in bucket.param_names:
+                s, p = self.slots[name], self.params[name]
+                restore_storage(p)
+                load_from_staging(p, bucket.full_param[s.start - bucket.start : s.end - bucket.start])
+            return
         if self.param_data is None:
             return
         for name in bucket.param_names:
@@ -111,6 +139,13 @@ class ParamAndGradBuffer:
             load_from_staging(self.params[name], self.param_data[s.start : s.end])
         if self.reuses_grad_buffer:
             bucket.param_view.zero_()
+
+    def release_quantized(self, bucket: Bucket) -> None:
+        """Sharded params: free the bytes the bucket's quantized params hold themselves."""
+        for name in bucket.param_names:
+            p = self.params[name]
+            if is_quantized(p):
+                release_storage(p)
 
     def grad_slice(self, lo: int, hi: int) -> torch.Tensor:
         """Grads of buffer elements ``[lo, hi)``: a view of ``grad_data``, or with sharded
@@ -126,6 +161,27 @@ class ParamAndGradBuffer:
                 off = self._shard_offset[b.index] + lo - s_lo
                 return self.grad_shard[off : off + hi - lo]
         raise IndexError(f"grads [{lo}, {hi}) are outside buffer {self.index}")
+
+    def _shard_view(self, full: torch.Tensor, bucket: Bucket) -> torch.Tensor:
+        lo, hi = bucket.shard_range()
+        return full[lo - bucket.start : hi - bucket.start]
+
+    def param_slice(self, lo: int, hi: int) -> torch.Tensor:
+        """The staging slice of buffer elements ``[lo, hi)`` (inside this rank's shard):
+        a view of ``param_data``, or with sharded params of the kept ``param_shard``."""
+        if self.param_shard is None:
+            assert self.param_data is not None
+            return self.param_data[lo:hi]
+        for b in self.buckets:
+            if b.start <= lo < b.end:
+                s_lo, _ = b.shard_range()
+                off = self._shard_offset[b.index] + lo - s_lo
+                return self.param_shard[off : off + hi - lo]
+        raise IndexError(f"params [{lo}, {hi}) are outside buffer {self.index}")
+
+    def param_shard_of(self, bucket: Bucket) -> torch.Tensor:
+        lo, hi = bucket.shard_range()
+        return self.param_slice(lo, hi)
 
     def shard_of(self, bucket: Bucket) -> torch.Tensor:
         """This rank's reduced shard of ``bucket`` (sharded grads only)."""
@@ -151,6 +207,9 @@ class ParamAndGradBuffer:
         else:
             grad = self.grad_data.numel() * self.grad_data.element_size()
         out = {"grad": grad}
+        if self.param_shard is not None:
+            out["param"] = self.param_shard.numel() * self.param_shard.element_size() + sum(
+                b._full_param_bytes for b in self.buckets if b.full_param is not None and b.params_present)
         if self.param_data is not None and not self.reuses_grad_buffer:
             out["param"] = self.param_data.numel() * self.param_data.element_size()
         return out

@@ -91,6 +91,14 @@ def _buffers_bytes(m: MemoryBreakdown, layout: BufferLayout, params: Mapping[str
         m.grad_padding += gpad * gbytes
         m.padding += gpad * gbytes
         pbytes = buf.key.param_dtype.itemsize
+        if buf.shards_params:  # ZeRO-3: only this rank's shard of the params persists
+            used, ppad = kept_grad_elements(buf, rank, size)  # (the same shards as the grads)
+            if buf.key.quantized:
+                m.quantized_weights += used * pbytes
+            else:
+                m.weights += used * pbytes
+            m.padding += ppad * pbytes
+            continue
         own_param_buffer = buf.sharded and not (reuse_grad_buffer and buf.key.quantized)
         if own_param_buffer:
             m.padding += pad * pbytes

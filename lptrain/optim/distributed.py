@@ -160,7 +160,7 @@ class ShardedMasterOptimizer(MasterOptimizer):
                     if pc is None:
                         entries.append((p, None, 0, 0, None))
                     else:
-                        dst = buf.param_data[pc.lo : pc.hi]  # type: ignore[index]
+                        dst = buf.param_slice(pc.lo, pc.hi)
                         entries.append((p, pc.master, pc.p_lo, pc.p_hi, dst))
             stage_shards(entries, self.group.pg if self.group.active else None)
         for buf in self.buffers:

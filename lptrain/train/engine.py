@@ -97,6 +97,7 @@ class TrainEngine:
         self.layout = plan_run_layout(cfg, run_param_specs(cfg, named), self.groups.intra.size)
         self.ddp = DataParallel(self.model, self.layout, cfg.ddp, self.groups, device=self.device)
         self.optimizer = build_optimizer(self.ddp.buffers, cfg.optimizer, ep=self.groups.ep)
+        self.ddp.release_sharded_params()  # ZeRO-3: the masters hold the values now
 
     def _build_model(self) -> GPTModel:
         """The run's model with this rank's experts, its quantizers' random streams seeded
@@ -179,7 +180,8 @@ class TrainEngine:
                     loss, aux = model(b["tokens"], labels=b["labels"])
                 if i == 0:
                     ddp.after_first_forward()
-                (loss / n).backward()
+                with ddp.backward_phase():
+                    (loss / n).backward()
             sums[0] += aux["lm_loss"].detach().double() / n
             sums[1] += loss.detach().double() / n
         return sums

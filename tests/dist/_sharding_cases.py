@@ -15,7 +15,7 @@ import torch
 from lptrain.testing.parity import first_difference, train_steps
 
 
-def run_matrix(rank: int, world: int, cases: dict[str, Sequence[str]], steps: int = 3) -> dict[str, Any]:
+def run_matrix(rank: int, world: int, cases: dict[str, Sequence[str]], steps: int = 2) -> dict[str, Any]:
     """``{case: train_steps(...)}``, each result reduced to what the parity test compares."""
     keep = ("losses", "grad_norms", "masters", "logits", "raw")
     out = {}
@@ -73,9 +73,10 @@ def run_memory(rank: int, world: int, base: Sequence[str], strategies: Sequence[
     out = {}
     for s in strategies:
         e = _engine([*base, f"ddp.data_parallel_sharding_strategy={s}"])
-        e.train_step(_batches(e, 1), 1)
+        res = e.train_step(_batches(e, 1), 1)
         kept = [kept_grad_elements(b.spec, b.groups.intra.rank, b.groups.intra.size) for b in e.ddp.buffers]
         out[s] = {"measured": e.memory_breakdown(), "kept": kept,
+                  "trained": (res.loss, res.grad_norm, e.checkpoint_state()["global"]["model"]),
                   "unpadded": sum(s.end - s.start for b in e.layout.buffers for s in b.params), "padded": e.layout.numel}
     return out
 
@@ -93,8 +94,8 @@ def run_suite(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
         out["matrix"] = run_matrix(rank, world, spec["matrix"])
     if "eval" in spec:
         out["eval"] = {
-            name: {k: v for k, v in train_steps(C.TINY, [*C.BASE, *ov], steps=3, eval_every=1,
-                                                  sync_after=(1, 2)).items()
+            name: {k: v for k, v in train_steps(C.TINY, [*C.BASE, *ov], steps=2, eval_every=1,
+                                                  sync_after=(1,)).items()
                    if k in ("losses", "grad_norms", "masters", "logits")}
             for name, ov in spec["eval"].items()
         }

@@ -10,7 +10,8 @@ Selection (the issue's matrix is recipe x dense/MoE x overlap x DP size; each ax
 covered, not every product, to stay within seconds): at DP=2 bf16 (dense, overlap, two
 micro-batches per rank so accumulation across ``no_sync`` runs), FP8 tensorwise (MoE,
 no overlap), blockwise (dense, overlap), MXFP8 (MoE, overlap), the FP8 ones with FP8
-primary weights gathered; at DP=4 bf16 (MoE, no overlap) and MXFP8 (dense, no overlap).
+primary weights gathered; at DP=4 MXFP8 (dense, no overlap, FP8 primary weights) and bf16
+(dense, the memory runs: one step).
 Every recipe appears with and without param gather interplay, dense and MoE, overlap on
 and off, and each DP size has a quantized and an unquantized case.
 """
@@ -26,7 +27,7 @@ from lptrain.testing.parity import first_difference
 
 pytestmark = pytest.mark.dist
 
-STRATEGIES = ("optim", "optim_grads")
+STRATEGIES = ("optim", "optim_grads", "optim_grads_params")
 MB2 = ["train.micro_batch_size=2"]
 
 DP2 = {
@@ -35,28 +36,22 @@ DP2 = {
     "blockwise-dense-overlap": [*C.BLOCKWISE, *C.FP8_PG, *C.OVERLAP],
     "mxfp8-moe-overlap": [*C.MXFP8, *C.FP8_PG, *C.MOE, *C.OVERLAP],
 }
-DP4 = {
-    "bf16-moe-sync": [*C.MOE, *C.NO_OVERLAP, *MB2],
-    "mxfp8-dense-sync": [*C.MXFP8, *C.FP8_PG, *C.NO_OVERLAP, *MB2],
-}
+DP4 = {"mxfp8-dense-sync": [*C.MXFP8, *C.FP8_PG, *C.NO_OVERLAP, *MB2]}
 
 
-# Recompute at DP=2 (DP=1: tests/unit/model/test_recompute.py): off vs on, same world.
+# Recompute at DP=2 (DP=1: tests/unit/model/test_recompute.py): a matrix case (the "off"
+# run) again with recompute on, in the same world; under ZeRO-2 and ZeRO-3 too, where the
+# recompute's forwards gather params the backward then reads.
 RECOMPUTE_DP2 = {
-    "rc-delayed-full": ([*C.DELAYED], ["model.recompute_granularity=full"]),
-    "rc-nvfp4-selective-mlp": ([*C.NVFP4, *C.OVERLAP], ["model.recompute_granularity=selective",
-                                                        "model.recompute_modules=[mlp]"]),
-    "rc-mxfp8-moe-block": ([*C.MXFP8, *C.FP8_PG, *C.MOE, "ddp.data_parallel_sharding_strategy=optim_grads"],
-                           ["model.recompute_granularity=full", "model.recompute_method=block"]),
+    "tensorwise-moe-sync|optim": ["model.recompute_granularity=full"],
+    "blockwise-dense-overlap|optim_grads_params": ["model.recompute_granularity=selective",
+                                                   "model.recompute_modules=[mlp,core_attn]"],
+    "mxfp8-moe-overlap|optim_grads": ["model.recompute_granularity=full", "model.recompute_method=block"],
 }
 
 
-def _recompute_cases() -> dict[str, list[str]]:
-    out = {}
-    for name, (base, mode) in RECOMPUTE_DP2.items():
-        out[f"{name}|off"] = base
-        out[f"{name}|on"] = [*base, *mode]
-    return out
+def _recompute_cases(matrix: dict[str, list[str]]) -> dict[str, list[str]]:
+    return {f"{case}|recompute": [*matrix[case], *mode] for case, mode in RECOMPUTE_DP2.items()}
 
 
 def _cases(base: dict[str, list[str]]) -> dict[str, list[str]]:
@@ -78,35 +73,41 @@ def _assert_matrix(per_rank: list[dict], base: dict[str, list[str]]) -> None:
 
 
 def _assert_memory(mem: dict, dp: int) -> None:
-    """Measured grad bytes (``memory_breakdown()["grads"]``, padding included): ``optim``
-    holds the whole padded buffer, ``optim_grads`` this rank's shard of every bucket, i.e.
-    exactly 1/dp of it (the layout pads every bucket to a multiple of dp); its param
-    elements are what the planner's accounting (``kept_grad_elements``) says, 1/dp of all
+    """Measured bytes (``memory_breakdown()``, padding included): ``optim`` holds the whole
+    padded grad buffer and every param, ``optim_grads`` this rank's shard of every bucket's
+    grads -- exactly 1/dp of the buffer (the layout pads every bucket to a multiple of dp) --
+    and ``optim_grads_params`` the same shard of the params too. The param elements in a
+    shard are what the planner's accounting (``kept_grad_elements``) says: 1/dp of all
     param elements up to the padding the layout reports."""
-    full, sharded = mem["optim"], mem["optim_grads"]
-    itemsize = 4  # fp32 grads (bf16 params reduce in fp32)
-    used = sum(u for u, _ in sharded["kept"])
-    pad = sum(p for _, p in sharded["kept"])
-    assert full["measured"]["grads"] == full["padded"] * itemsize
-    assert sharded["measured"]["grads"] == (used + pad) * itemsize
-    assert sharded["measured"]["grads"] * dp == full["measured"]["grads"]
+    full, z2, z3 = mem["optim"], mem["optim_grads"], mem["optim_grads_params"]
+    grad_bytes, param_bytes = 4, 2  # fp32 grads, bf16 params
+    used = sum(u for u, _ in z2["kept"])
+    pad = sum(p for _, p in z2["kept"])
+    assert full["measured"]["grads"] == full["padded"] * grad_bytes
+    for z in (z2, z3):
+        assert z["measured"]["grads"] == (used + pad) * grad_bytes
+        assert z["measured"]["grads"] * dp == full["measured"]["grads"]
     # a shard holds 1/dp of the param elements, off by at most the buffer's whole padding
     assert abs(used * dp - full["unpadded"]) <= dp * (full["padded"] - full["unpadded"])
+    assert full["measured"]["params"] == full["unpadded"] * param_bytes
+    assert z2["measured"]["params"] == full["measured"]["params"]
+    assert z3["measured"]["params"] == used * param_bytes
+    assert z3["measured"]["param_buffer"] == pad * param_bytes  # (the shard's padding)
 
 
 def test_strategies_bitwise_dp2_with_eval_resume_and_memory() -> None:
     spec = {
-        "matrix": {**_cases(DP2), **_recompute_cases()},
-        "eval": {k: v for k, v in _cases(DP2).items() if k.startswith("mxfp8") and not k.endswith("|optim")},
-        "resume": ([*C.BLOCKWISE, *C.FP8_PG, *C.OVERLAP], list(STRATEGIES)),
+        "matrix": {**_cases(DP2), **_recompute_cases(_cases(DP2))},
+        "eval": {k: v for k, v in _cases(DP2).items() if k == "mxfp8-moe-overlap|optim_grads_params"},
+        "resume": ([*C.BLOCKWISE, *C.FP8_PG, *C.OVERLAP], ["optim_grads_params", "optim", "optim_grads"]),
         "memory": ([*C.NO_OVERLAP], list(STRATEGIES)),
     }
     res = run_distributed(S.run_suite, 2, args=(spec,), timeout_s=400)
     _assert_matrix(res, DP2)
     m = res[0]["matrix"]
-    for name in RECOMPUTE_DP2:
-        d = first_difference(m[f"{name}|off"], m[f"{name}|on"])
-        assert d is None, f"{name}: recompute changed training at DP=2: {d}"
+    for case in RECOMPUTE_DP2:
+        d = first_difference(m[case], m[f"{case}|recompute"])
+        assert d is None, f"{case}: recompute changed training at DP=2: {d}"
     # train-eval-train with forced syncs == train only (the matrix's optim_grads run)
     for case, ev in res[0]["eval"].items():
         ref = {k: res[0]["matrix"][case][k] for k in ev}
@@ -115,7 +116,7 @@ def test_strategies_bitwise_dp2_with_eval_resume_and_memory() -> None:
     resume = res[0]["resume"]
     for s in STRATEGIES:
         d = first_difference(resume["continued"], resume[s])
-        assert d is None, f"saved under optim, resumed under {s}: {d}"
+        assert d is None, f"saved under optim_grads_params, resumed under {s}: {d}"
     _assert_memory(res[0]["memory"], 2)
 
 
@@ -125,3 +126,7 @@ def test_strategies_bitwise_dp4_and_memory() -> None:
     _assert_matrix(res, DP4)
     for r in res:
         _assert_memory(r["memory"], 4)
+        # the memory runs (bf16, one step) train alike too
+        for s in STRATEGIES[1:]:
+            d = first_difference(r["memory"]["optim"]["trained"], r["memory"][s]["trained"])
+            assert d is None, f"bf16 DP=4: {s} differs from optim: {d}"

@@ -50,6 +50,23 @@ RULES = [
         why="the reused buffer no longer exists between buckets", section=S,
     ),
     Rule(
+        id="DDP-SHARDED-PARAMS-TE-BYTES", severity="error",
+        keys=("ddp.data_parallel_sharding_strategy", "precision.backend", "precision.fp8_recipe",
+              "precision.fp8_param_gather"),
+        when=lambda c, w: c.ddp.data_parallel_sharding_strategy == "optim_grads_params"
+             and c.precision.backend == "te" and c.precision.fp8_param_gather
+             and c.precision.fp8_format is not None
+             and c.precision.fp8_recipe in ("tensorwise", "blockwise"),
+        message="data_parallel_sharding_strategy=optim_grads_params with Transformer Engine "
+                "{cfg.precision.fp8_recipe} FP8 primary weights: TE casts the masters into each "
+                "weight's whole byte buffer, which sharded params free between uses",
+        fix="set precision.backend=emulated, ddp.data_parallel_sharding_strategy=optim_grads, or "
+            "precision.fp8_param_gather=false (bf16 primaries, quantized in the forward)",
+        condition="strategy optim_grads_params and backend te and fp8_param_gather -> recipe not "
+                  "tensorwise/blockwise",
+        why="TE's cast_master_weights_to_fp8 writes into the full weight", section=S,
+    ),
+    Rule(
         id="DDP-SHARDED-GRADS-NOT-MUON", severity="error",
         keys=("ddp.data_parallel_sharding_strategy", "optimizer.name"),
         when=lambda c, w: shards_grads(c) and c.optimizer.name == "muon",

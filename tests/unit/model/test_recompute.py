@@ -17,16 +17,31 @@ full-uniform in chunks of 2, bf16/selective mlp on a MoE model.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from lptrain.testing.parity import first_difference, patched, train_steps
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "dist"))
-import _engine_cases as C  # noqa: E402
-
+# (the overrides tests/dist/_engine_cases.py uses, for the same tiny recipe)
+_EMU = ["precision.backend=emulated"]
+C = SimpleNamespace(
+    TINY="tiny_cpu.yaml",
+    BASE=["data.builtin_max_mb=1", "train.eval_iters=1", "logging.progress=false",
+          "optimizer.warmup_iters=0", "optimizer.lr=0.01"],
+    EMU=_EMU,
+    DISTOPT=["ddp.use_distributed_optimizer=true"],
+    MOE=["model.moe.num_experts=4", "model.moe.router_topk=2", "model.moe.ffn_hidden_size=64",
+         "model.moe.grouped_gemm=true"],
+    TENSORWISE=[*_EMU, "precision.fp8_format=e4m3", "precision.fp8_recipe=tensorwise"],
+    BLOCKWISE=[*_EMU, "precision.fp8_format=e4m3", "precision.fp8_recipe=blockwise"],
+    MXFP8=[*_EMU, "precision.fp8_format=e4m3", "precision.fp8_recipe=mxfp8"],
+    DELAYED=[*_EMU, "precision.fp8_format=hybrid", "precision.fp8_recipe=delayed",
+             "precision.fp8_amax_history_len=16"],
+    NVFP4=[*_EMU, "precision.fp4_format=e2m1", "precision.fp4_recipe=nvfp4"],
+    FP8_PG=["precision.fp8_param_gather=true"],
+    REUSE=["ddp.reuse_grad_buf_for_mxfp8_param_ag=true"],
+)
 FULL = ["model.recompute_granularity=full"]
 CASES = {
     "delayed-full-uniform": (C.DELAYED, FULL),
