@@ -45,6 +45,7 @@ LABELS = {
     "padding": "buffer padding",
     "param_gather_staging": "param all-gather staging",
     "weight_copies": "transient weight copies",
+    "sharded_buckets": "full buckets in use (ZeRO-2/3)",
     "activations": "activations (1 micro-batch)",
 }
 
@@ -136,8 +137,10 @@ def estimate_memory_cmd(
     for k, v in w.bytes.items():
         typer.echo(f"  {LABELS[k]:<30} {v / GIB:10.3f} GiB")
     typer.echo(f"  {'total':<30} {w.total / GIB:10.3f} GiB")
+    rc = cfg.model.recompute_granularity
     typer.echo(f"  (activations with full recompute: {est.activations_recompute / GIB:.3f} GiB; "
-               "not used: lptrain does not recompute)")
+               f"this run: model.recompute_granularity={'null' if rc is None else rc}, "
+               f"ddp.data_parallel_sharding_strategy={cfg.ddp.data_parallel_sharding_strategy})")
     for line in est.layout_report.splitlines()[:1]:
         typer.echo(f"layout: {line}")
     for note in est.notes:

@@ -42,6 +42,13 @@ def derive(cfg: LPTrainConfig, world: World) -> LPTrainConfig:
     if ddp.bucket_size is None and ddp.overlap_grad_reduce:
         ddp.bucket_size = default_bucket_size(world.dp)
 
+    # The sharding strategy and the older boolean name one setting: null follows
+    # use_distributed_optimizer; any optim* strategy is a distributed optimizer.
+    if ddp.data_parallel_sharding_strategy is None:
+        ddp.data_parallel_sharding_strategy = "optim" if ddp.use_distributed_optimizer else "no_shard"
+    elif ddp.data_parallel_sharding_strategy != "no_shard":
+        ddp.use_distributed_optimizer = True
+
     # MUON-LAYERWISE: Newton-Schulz needs whole matrices, so Muon with a distributed
     # optimizer shards by parameter (the layer-wise optimizer), not by byte range.
     if opt.use_layer_wise_optimizer is None:

@@ -76,6 +76,10 @@ OPTIMIZERS = ("adamw", "muon")
 LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
 LAYER_WISE_LAYOUTS = ("compact", "padded")
 ON_NONFINITE = ("stop", "skip")
+SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+RECOMPUTE_GRANULARITIES = (None, "selective", "full")
+RECOMPUTE_METHODS = ("uniform", "block")
+RECOMPUTE_MODULES = ("core_attn", "mlp_act", "mlp")
 SHARDING_TYPES = ("dp_reshardable", "fully_reshardable", "fully_sharded_model_space")
 WANDB_MODES = ("online", "offline", "disabled")
 
@@ -137,6 +141,20 @@ class ModelConfig:
     )
     tie_embeddings: bool = opt(False, "Share the token embedding and the output head weight.")
     init_method_std: float = opt(0.02, "Std of the normal weight initialisation.")
+    recompute_granularity: Optional[str] = choice(
+        None, RECOMPUTE_GRANULARITIES, "Activation recompute: {choices}.",
+        {None: "off", "selective": "the recompute_modules of every layer",
+         "full": "whole layers, by recompute_method"},
+    )
+    recompute_method: str = choice(
+        "uniform", RECOMPUTE_METHODS, "Full recompute: {choices}.",
+        {"uniform": "every layer, in chunks of recompute_num_layers",
+         "block": "only the first recompute_num_layers layers"},
+    )
+    recompute_num_layers: int = opt(1, "Full recompute: layers per chunk (uniform) or recomputed layers (block).")
+    recompute_modules: list[str] = opt_factory(
+        lambda: ["core_attn"], "Selective recompute: any of core_attn, mlp_act, mlp."
+    )
     moe: MoEConfig = opt_factory(MoEConfig, "Mixture-of-experts settings.")
 
 
@@ -179,6 +197,13 @@ class DDPConfig:
         None, "Bucket size in elements; null = derived (max(40M, 1M*dp), one bucket w/o overlap)."
     )
     num_distributed_optimizer_instances: int = opt(1, "Partial sharding: optimizer instances.")
+    data_parallel_sharding_strategy: Optional[str] = choice(
+        None, (None, *SHARDING_STRATEGIES), "What is sharded over data-parallel ranks: {choices}.",
+        {None: "derived from use_distributed_optimizer: optim or no_shard",
+         "optim": "fp32 masters and moments (ZeRO-1)",
+         "optim_grads": "plus grads: each bucket keeps its reduced shard (ZeRO-2)",
+         "optim_grads_params": "plus params, gathered per bucket for forward and backward (ZeRO-3)"},
+    )
     reuse_grad_buf_for_mxfp8_param_ag: bool = opt(
         False, "MXFP8 param gather rides a bf16 view of the grad buffer."
     )

@@ -89,6 +89,34 @@ class Bucket:
         # Layer-wise (compact Muon) buckets: whole-param uneven gather, set by the optimizer
         # (lptrain.optim.layerwise.CompactGather).
         self.param_sync_hook: Optional[ParamSyncHook] = None
+        # Sharded grads (ZeRO-2): this bucket's own full grad tensor, allocated only from its
+        # first backward use to its reduce-scatter (see lptrain.distributed.buffers).
+        self.full_grad: Optional[torch.Tensor] = None
+        self._full_grad_bytes = 0
+        self._grads_allocated = False
+        self.first_bad: Optional[torch.Tensor] = None  # first non-finite element, pre-release
+        # Sharded params (ZeRO-3): the bucket's full params exist only around their uses
+        # (gathered from the shards before a forward or backward needs them, freed after);
+        # plain params are views of ``full_param``, whose storage is resized to 0 when freed.
+        self.full_param: Optional[torch.Tensor] = None
+        self._full_param_bytes = 0
+        self._params_allocated = True
+        self.prev_in_forward: Optional[Bucket] = None
+        self.forward_modules: set[int] = set()  # modules whose forward reads these params
+        self._forward_seen: set[int] = set()
+        self._grads_done: set[str] = set()
+        self.keep_through_forward = False  # a tied embedding: the head reads it again
+        if buffer.shards_params:
+            self.full_param = torch.zeros(
+                self.end - self.start, dtype=buffer.key.param_dtype, device=buffer.device
+            )
+            self._full_param_bytes = self.full_param.untyped_storage().nbytes()
+        if buffer.shards_grads:
+            self.full_grad = torch.zeros(
+                self.end - self.start, dtype=buffer.key.grad_dtype, device=buffer.device
+            )
+            self._full_grad_bytes = self.full_grad.untyped_storage().nbytes()
+            self._grads_allocated = True
 
     def __repr__(self) -> str:
         return (
@@ -105,7 +133,78 @@ class Bucket:
 
     @property
     def grad_view(self) -> torch.Tensor:
+        """The bucket's full (pre-reduction) grads. With sharded grads they exist only
+        between :meth:`acquire_grads` and the release after the reduction."""
+        if self.full_grad is not None:
+            if not self._grads_allocated:
+                raise IllegalTransition(f"{self!r}: its full grads are released (sharded grads)")
+            return self.full_grad
         return self.buffer.grad_data[self.start : self.end]
+
+    # ---- sharded grads: the full bucket's lifetime ----------------------------------------
+
+    def acquire_grads(self) -> None:
+        """Allocate this bucket's full grads as zeros (no-op when allocated or unsharded).
+        Called at the first backward use of any of its params in a step."""
+        if self.full_grad is None or self._grads_allocated:
+            return
+        self.full_grad.untyped_storage().resize_(self._full_grad_bytes)
+        self.full_grad.zero_()
+        self._grads_allocated = True
+
+    def release_grads(self) -> None:
+        """Free the full grads' storage (the views stay valid objects; any read before the
+        next :meth:`acquire_grads` fails loudly)."""
+        if self.full_grad is None or not self._grads_allocated:
+            return
+        self.full_grad.untyped_storage().resize_(0)
+        self._grads_allocated = False
+
+    def full_grad_nbytes(self) -> int:
+        return self._full_grad_bytes if self._grads_allocated else 0
+
+    # ---- sharded params: the full bucket's lifetime -------------------------------------
+
+    @property
+    def params_present(self) -> bool:
+        """Whether the bucket's full params are allocated (always, unless params are sharded)."""
+        return self.full_param is None or self._params_allocated
+
+    def release_params(self) -> None:
+        """ZeRO-3: free the full params (the param views stay valid objects; the next use
+        gathers them again from the shards, which hold the current values)."""
+        if self.full_param is None or not self._params_allocated:
+            return
+        if self.param_state is ParamState.GATHERING:
+            raise IllegalTransition(f"{self!r}: release_params with a gather in flight")
+        self.buffer.release_quantized(self)
+        self.full_param.untyped_storage().resize_(0)
+        self._params_allocated = False
+        self._forward_seen.clear()
+        self._grads_done.clear()
+
+    def ensure_params(self, *, async_op: bool) -> None:
+        """ZeRO-3: make the full params present -- finish a gather in flight, or gather
+        from the shards (staged, or released since) -- returning early when ``async_op``."""
+        if self.param_state is ParamState.GATHERING:
+            if not async_op:
+                self.finish_param_sync()
+        elif self.param_state is ParamState.STAGED or not self.params_present:
+            self.start_param_sync(async_op=async_op)
+
+    def forward_done(self, module: int) -> None:
+        """A module reading these params finished its forward; when all have, the bucket
+        is freed until its backward (unless it holds a tied embedding)."""
+        self._forward_seen.add(module)
+        done = self._forward_seen >= self.forward_modules and not self.keep_through_forward
+        if done and self.param_state is not ParamState.GATHERING:
+            self.release_params()
+
+    def grad_done(self, name: str) -> None:
+        """A param's gradient is complete for this backward; after the last, free the bucket."""
+        self._grads_done.add(name)
+        if len(self._grads_done) == len(self.param_names) and self.param_state is not ParamState.GATHERING:
+            self.release_params()
 
     @property
     def param_view(self) -> torch.Tensor:
@@ -129,16 +228,25 @@ class Bucket:
 
     def start_grad_sync(self, check_nan: bool, scale: float, avg_in_collective: bool, *, async_op: bool) -> None:
         self._expect("start_grad_sync", self.grad_state, GradState.IDLE)
+        self.acquire_grads()  # (sharded grads: a bucket no param used this step is zeros)
         view = self.grad_view
         if check_nan:
             self.local_sum = view.sum(dtype=torch.float32)
+            if self.full_grad is not None:  # the full grads are gone by the time it is read
+                bad = ~torch.isfinite(view)
+                self.first_bad = torch.where(bad.any(), bad.to(torch.uint8).argmax(), -1)
         intra = self.groups.intra
         dp_size = self.groups.dp_size
         if dp_size > 1 and not avg_in_collective and scale != 1.0:
             view.mul_(scale)
         self.grad_state = GradState.REDUCING
         self._grad_handles = []
-        if self.buffer.sharded and intra.active:
+        if self.full_grad is not None and intra.active:
+            # straight into the kept shard: no aliasing with the input, no copy afterwards
+            self._grad_handles.append(
+                reduce_scatter_flat(self.buffer.shard_of(self), view, group=intra.pg, async_op=async_op)
+            )
+        elif self.buffer.sharded and intra.active:
             lo, hi = self.shard_range()
             self._scatter_out = torch.empty(hi - lo, dtype=view.dtype, device=view.device)
             self._grad_handles.append(
@@ -158,10 +266,14 @@ class Bucket:
             lo, hi = self.shard_range()
             self.buffer.grad_data[lo:hi].copy_(self._scatter_out)
             self._scatter_out = None
+        if self.full_grad is not None:
+            if not self.groups.intra.active:  # one shard-holder: the shard is the bucket
+                self.buffer.shard_of(self).copy_(self.full_grad)
+            self.release_grads()
         inter = self.groups.inter
         if inter.active:  # partial sharding: the reduced shard is replicated over instances
             lo, hi = self.shard_range()
-            dist.all_reduce(self.buffer.grad_data[lo:hi], group=inter.pg)
+            dist.all_reduce(self.buffer.grad_slice(lo, hi), group=inter.pg)
 
     def finish_grad_sync(self, check_nan: bool, scale: float, avg_in_collective: bool) -> None:
         if self.grad_state is GradState.IDLE:  # not dispatched by hooks (overlap off, or unused params)
@@ -171,7 +283,7 @@ class Bucket:
             self._after_reduce()
         if avg_in_collective and self.groups.dp_size > 1:
             lo, hi = self.shard_range()  # gloo has no AVG: average right after the SUM
-            self.buffer.grad_data[lo:hi].mul_(scale)
+            self.buffer.grad_slice(lo, hi).mul_(scale)
         self.grad_state = GradState.READY
 
     def zero_grads(self) -> None:
@@ -180,6 +292,7 @@ class Bucket:
         self.grad_state = GradState.IDLE
         self._pending = set(self.param_names)
         self.local_sum = None
+        self.first_bad = None
 
     # ---- params ----------------------------------------------------------------------------
 
@@ -189,10 +302,24 @@ class Bucket:
         self.param_state = ParamState.STAGED
 
     def start_param_sync(self, *, async_op: bool) -> None:
-        self._expect("start_param_sync", self.param_state, ParamState.STAGED)
+        if not (self.param_state is ParamState.READY and not self.params_present):
+            # (a released ZeRO-3 bucket may gather again from READY: its shards are current)
+            self._expect("start_param_sync", self.param_state, ParamState.STAGED)
         g = self.groups.intra
         self.param_state = ParamState.GATHERING
-        if self.buffer.sharded and g.active:
+        if self.full_param is not None:
+            if not self._params_allocated:
+                self.full_param.untyped_storage().resize_(self._full_param_bytes)
+                self._params_allocated = True
+            local = self.buffer.param_shard_of(self)
+            if g.active:
+                self._gather_handle = all_gather_flat(self.full_param, local, group=g.pg, async_op=async_op)
+            else:  # through an alias with its own version counter: views of the params may
+                # be saved for backward, and refilling them is not a modification
+                alias = torch.empty(0, dtype=local.dtype, device=local.device)
+                alias.set_(self.full_param.untyped_storage(), 0, self.full_param.shape)
+                alias.copy_(local)
+        elif self.buffer.sharded and g.active:
             lo, hi = self.shard_range()
             local = self.buffer.param_data[lo:hi].clone()  # type: ignore[index]
             self._gather_out = torch.empty(self.end - self.start, dtype=local.dtype, device=local.device)

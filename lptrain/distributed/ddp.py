@@ -34,6 +34,17 @@ from lptrain.distributed.groups import ParallelGroups
 from lptrain.distributed.layout import BufferLayout
 
 
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    """The tensors in a module's output (a tensor, or tuples/lists/dicts of them)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (tuple, list)):
+        return [t for x in obj for t in _tensors(x)]
+    if isinstance(obj, dict):
+        return [t for x in obj.values() for t in _tensors(x)]
+    return []
+
+
 class NonFiniteGradError(RuntimeError):
     """A rank's local gradient held NaN/Inf before reduction (``ddp.check_for_nan_in_grad``)."""
 
@@ -78,6 +89,9 @@ class DataParallel:
         self.forward_order = buckets_in_forward_order(self.buffers)
         for prev, nxt in zip(self.forward_order, self.forward_order[1:], strict=False):
             prev.next_in_forward = nxt
+            nxt.prev_in_forward = prev
+        self.shards_params = any(b.shards_params for b in self.buffers)
+        self._in_backward = False
         self.grad_scale = 1.0 / groups.dp.size
         # With a grad buffer reused as the gather area and gathers overlapped with the next
         # forward, masters can only be staged after that step has zeroed the grad buffer.
@@ -85,15 +99,33 @@ class DataParallel:
             b.reuses_grad_buffer for b in self.buffers
         )
         self._is_last_microbatch = True
-        self._pre_hooks_enabled = bool(ddp_cfg.overlap_param_gather)
+        self._pre_hooks_enabled = bool(ddp_cfg.overlap_param_gather) or self.shards_params
         self._hooks: list[Any] = []
         for name, p in named.items():
             if p.requires_grad:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._make_grad_hook(name)))
-        if ddp_cfg.overlap_param_gather:
+        if ddp_cfg.overlap_param_gather and not self.shards_params:
             for m in model.modules():
                 if any(True for _ in m.parameters(recurse=False)):
                     self._hooks.append(m.register_forward_pre_hook(self._make_pre_hook(m)))
+        if any(b.shards_grads for b in self.buffers):
+            for m in model.modules():
+                owned = self._sharded_grad_buckets(m)
+                if owned:
+                    self._hooks.append(m.register_forward_hook(self._make_grad_alloc_hook(owned)))
+        if self.shards_params:
+            from lptrain.distributed.param_sharding import install_param_sharding_hooks
+
+            self._hooks.extend(install_param_sharding_hooks(self))
+
+    @property
+    def hooks_active(self) -> bool:
+        """Whether the param-gather hooks act (off inside :meth:`params_synced`)."""
+        return self._pre_hooks_enabled
+
+    @property
+    def in_backward(self) -> bool:
+        return self._in_backward
 
     # ---- the step's order ---------------------------------------------------------------------
 
@@ -111,25 +143,60 @@ class DataParallel:
 
     def end_step(self, stage: Callable[[], None]) -> None:
         """After the optimizer step (or a skipped one): stage the masters and gather them,
-        or leave the gather to the next forward (``ddp.overlap_param_gather``); nothing when
+        or leave the gather to the next forward (``ddp.overlap_param_gather``, and always
+        with sharded params: each bucket is gathered when a forward needs it); nothing when
         staging is deferred to :meth:`begin_step`."""
         if not self.defers_staging:
             stage()
-            if not self.cfg.overlap_param_gather:
+            if not self.cfg.overlap_param_gather and not self.shards_params:
                 self.sync_params()
 
     # ---- grads -------------------------------------------------------------------------------
+
+    def _sharded_grad_buckets(self, module: nn.Module) -> list[Bucket]:
+        names = [self.param_names[id(p)] for p in module.parameters(recurse=False)]
+        found = (self.bucket_of[n] for n in names if n in self.bucket_of)
+        return list(dict.fromkeys(b for b in found if b.buffer.shards_grads))
+
+    def _make_grad_alloc_hook(self, buckets: list[Bucket]) -> Callable[..., None]:
+        """Sharded grads: allocate the module's buckets when the first gradient of its
+        outputs arrives, i.e. before its own backward runs (a fused wgrad writes straight
+        into ``main_grad`` there, before any param hook could fire). With sharded params
+        the same moment gathers the bucket's params for the backward (and prefetches the
+        bucket the backward needs next, with ``ddp.overlap_param_gather``)."""
+        prefetch = bool(self.cfg.overlap_param_gather)
+
+        def alloc(_grads: Any) -> None:
+            for b in buckets:
+                b.acquire_grads()
+                if b.full_param is not None and self._pre_hooks_enabled:
+                    b.ensure_params(async_op=False)
+            prev = buckets[0].prev_in_forward
+            if prefetch and prev is not None and prev.full_param is not None and self._pre_hooks_enabled:
+                prev.ensure_params(async_op=True)
+
+        def post_hook(_module: nn.Module, _args: Any, output: Any) -> None:
+            if not torch.is_grad_enabled():
+                return
+            outs = [t for t in _tensors(output) if t.requires_grad]
+            if outs:
+                torch.autograd.graph.register_multi_grad_hook(outs, alloc, mode="any")
+
+        return post_hook
 
     def _make_grad_hook(self, name: str) -> Callable[[torch.Tensor], None]:
         bucket = self.bucket_of[name]
         cfg = self.cfg
 
         def hook(p: torch.Tensor) -> None:
+            bucket.acquire_grads()  # (sharded grads; a no-op otherwise)
             if p.grad is not None:
                 if not getattr(p, "grad_added_to_main_grad", False):
                     p.main_grad.add_(p.grad.view_as(p.main_grad))
                 p.grad = None
             p.grad_added_to_main_grad = False
+            if bucket.full_param is not None:
+                bucket.grad_done(name)  # (sharded params: the last grad frees the bucket)
             if cfg.overlap_grad_reduce and self._is_last_microbatch:
                 bucket.register_grad_ready(
                     name, bool(cfg.check_for_nan_in_grad), self.grad_scale, bool(cfg.average_in_collective)
@@ -162,7 +229,29 @@ class DataParallel:
         for b in self.buffers:
             for bucket in b.buckets:
                 bucket.finish_grad_sync(check, self.grad_scale, bool(cfg.average_in_collective))
+        if self.shards_params:
+            self.release_sharded_params()  # (buckets whose params got no grad this step)
         return self._local_nonfinite_code() if check else 0
+
+    @contextlib.contextmanager
+    def backward_phase(self) -> Iterator[None]:
+        """Around a backward: forwards inside it are recomputes (activation checkpointing),
+        which must not free sharded params the backward is about to read."""
+        self._in_backward = True
+        try:
+            yield
+        finally:
+            self._in_backward = False
+
+    def release_sharded_params(self) -> None:
+        """ZeRO-3: free every bucket's full params (finishing gathers in flight first); the
+        engine calls it once the optimizer has read the initial values."""
+        for bucket in self.forward_order:
+            if bucket.full_param is None:
+                continue
+            if bucket.param_state is ParamState.GATHERING:
+                bucket.finish_param_sync()
+            bucket.release_params()
 
     def _local_nonfinite_code(self) -> int:
         buckets = [k for b in self.buffers for k in b.buckets if k.local_sum is not None]
@@ -170,7 +259,11 @@ class DataParallel:
             return 0
         for k in buckets:  # failure path only: find the first bad element
             if not bool(torch.isfinite(k.local_sum)):
-                bad = (~torch.isfinite(k.grad_view)).nonzero()
+                if k.first_bad is not None:  # sharded grads: found before the release
+                    at = int(k.first_bad)
+                    bad = torch.tensor([[at]] if at >= 0 else [], dtype=torch.long)
+                else:
+                    bad = (~torch.isfinite(k.grad_view)).nonzero()
                 if len(bad):  # (else: finite grads whose fp32 sum overflowed: not an error)
                     return 1 + k.buffer.index * (1 << 40) + k.start + int(bad[0])
         return 0
@@ -239,4 +332,6 @@ class DataParallel:
             yield
         finally:
             self._pre_hooks_enabled = enabled
+            if self.shards_params:
+                self.release_sharded_params()
 

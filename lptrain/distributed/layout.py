@@ -115,10 +115,18 @@ class BucketSpec:
         return self.numel - self.numel_unpadded
 
 
+SHARDING_LEVELS = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}
+
+
 @dataclass
 class BufferSpec:
     key: BufferKey
     sharded: bool = False  # buckets split into dp shards (distributed optimizer, non-Muon)
+    # ZeRO-2: a sharded buffer keeps only this rank's reduced shard of each bucket's grads
+    # (the full bucket exists from its first backward use until its reduce-scatter)
+    shards_grads: bool = False
+    # ZeRO-3: params too -- a bucket's full params exist only around its forward and backward
+    shards_params: bool = False
     params: list[ParamSlot] = field(default_factory=list)
     buckets: list[BucketSpec] = field(default_factory=list)
 
@@ -142,6 +150,14 @@ class BufferSpec:
         n = bucket.numel // size
         return bucket.start + rank * n, bucket.start + (rank + 1) * n
 
+    def shard_used(self, bucket: BucketSpec, rank: int, size: int) -> tuple[int, int]:
+        """``(elements, of which param elements)`` of ``rank``'s shard of ``bucket``: what a
+        rank keeps of a bucket whose grads (or params) are sharded; the rest is padding."""
+        lo, hi = self.shard_range(bucket, rank, size)
+        slots = [s for s in self.params if s.bucket == bucket.index]
+        used = sum(max(0, min(hi, s.end) - max(lo, s.start)) for s in slots)
+        return hi - lo, used
+
     def overlap(self, bucket: BucketSpec, slot: ParamSlot, rank: int, size: int) -> int:
         """Elements of ``slot`` inside ``rank``'s shard of ``bucket`` (0 when none)."""
         lo, hi = self.shard_range(bucket, rank, size)
@@ -154,6 +170,7 @@ class BufferLayout:
 
     buffers: list[BufferSpec]
     dp: int
+    strategy: str = "optim"  # ddp.data_parallel_sharding_strategy
 
     @property
     def sharded(self) -> bool:
@@ -183,7 +200,7 @@ class BufferLayout:
     def report(self) -> str:
         lines = [
             f"{len(self.buffers)} buffer(s), dp {self.dp}, "
-            f"{'sharded' if self.sharded else 'replicated'} optimizer: "
+            f"{'sharded' if self.sharded else 'replicated'} optimizer ({self.strategy}): "
             f"{self.numel_unpadded:,} param elements, padding {self.numel - self.numel_unpadded:,} "
             f"elements ({self.padding_percent():.3f}%, {self.padding_bytes():,} grad bytes)"
         ]
@@ -193,10 +210,14 @@ class BufferLayout:
                 f"({str(b.key.param_dtype).replace('torch.', '')})"
                 if b.sharded else ""
             )
+            sharded_grads = (
+                f" (kept: this rank's shard, {b.numel // self.dp * b.key.grad_dtype.itemsize:,} bytes)"
+                if b.shards_grads else ""
+            )
             lines.append(
                 f"  buffer {i} [{b.key.describe()}]: {len(b.params)} params, "
                 f"{len(b.buckets)} bucket(s), {b.numel:,} elements, grad buffer "
-                f"{b.numel * b.key.grad_dtype.itemsize:,} bytes{staging}"
+                f"{b.numel * b.key.grad_dtype.itemsize:,} bytes{sharded_grads}{staging}"
             )
         return "\n".join(lines)
 
@@ -269,7 +290,7 @@ def plan_layout(
         )
         for i, (key, group) in enumerate(by_key.items())
     ]
-    return BufferLayout(buffers=buffers, dp=dp)
+    return BufferLayout(buffers=buffers, dp=dp, strategy="optim" if sharded else "no_shard")
 
 
 def param_specs(
@@ -389,7 +410,7 @@ def plan_layer_wise_layout(
                     group, i, bucket_size=bucket_size, dp=dp, sharded=sharded and not key.is_muon
                 )
             )
-    return BufferLayout(buffers=buffers, dp=dp)
+    return BufferLayout(buffers=buffers, dp=dp, strategy="optim" if sharded else "no_shard")
 
 
 def _layout_padded_buffer(
@@ -468,14 +489,32 @@ def padded_owner(bucket: BucketSpec, slot: ParamSlot, dp: int) -> int:
 
 def plan_run_layout(cfg: Any, specs: Sequence[ParamSpec], dp: int) -> BufferLayout:
     """The layout a run uses (``cfg``: an ``LPTrainConfig``): the layer-wise Muon layout when
-    ``optimizer.use_layer_wise_optimizer``, else :func:`plan_layout`. The engine and the
+    ``optimizer.use_layer_wise_optimizer``, else :func:`plan_layout`, with the sharding
+    strategy's grad and param sharding marked on its sharded buffers. The engine and the
     memory planner both call this, so they cannot choose differently."""
     if cfg.optimizer.use_layer_wise_optimizer:
-        return plan_layer_wise_layout(
+        layout = plan_layer_wise_layout(
             specs, dp=dp, bucket_size=cfg.ddp.bucket_size, sharded=cfg.ddp.use_distributed_optimizer,
             param_layout=cfg.optimizer.layer_wise_param_layout,
         )
-    return plan_layout(specs, dp=dp, bucket_size=cfg.ddp.bucket_size, sharded=cfg.ddp.use_distributed_optimizer)
+    else:
+        layout = plan_layout(
+            specs, dp=dp, bucket_size=cfg.ddp.bucket_size, sharded=cfg.ddp.use_distributed_optimizer
+        )
+    return with_strategy(layout, cfg.ddp.data_parallel_sharding_strategy)
+
+
+def with_strategy(layout: BufferLayout, strategy: Optional[str]) -> BufferLayout:
+    """Mark ``layout``'s sharded, non-Muon buffers with what ``strategy`` shards beyond the
+    optimizer state (Muon buffers keep whole grads and params: Newton-Schulz needs them)."""
+    strategy = strategy or ("optim" if layout.sharded else "no_shard")
+    level = SHARDING_LEVELS[strategy]
+    layout.strategy = strategy
+    for b in layout.buffers:
+        if b.sharded and not b.key.is_muon:
+            b.shards_grads = level >= 2
+            b.shards_params = level >= 3
+    return layout
 
 
 def run_param_specs(cfg: Any, named_params: Sequence[tuple[str, torch.Tensor]]) -> list[ParamSpec]:

@@ -66,16 +66,39 @@ class OptimizerLayout:
     scalar_optimizer: str = "adamw"
 
 
+def kept_grad_elements(buf: BufferSpec, rank: int, size: int) -> tuple[int, int]:
+    """``(param elements, padding elements)`` of the grads ``rank`` keeps between steps: the
+    whole buffer, or with sharded grads (ZeRO-2) its shard of every bucket."""
+    if not buf.shards_grads:
+        return buf.numel_unpadded, buf.numel - buf.numel_unpadded
+    used = total = 0
+    for bucket in buf.buckets:
+        n, u = buf.shard_used(bucket, rank, size)
+        total += n
+        used += u
+    return used, total - used
+
+
 def _buffers_bytes(m: MemoryBreakdown, layout: BufferLayout, params: Mapping[str, StoredParam],
-                   reuse_grad_buffer: bool) -> None:
-    """The grad and param buffers and the parameters' own storage (the same on every rank)."""
+                   reuse_grad_buffer: bool, sharding: Sharding) -> None:
+    """The grad and param buffers and the parameters' own storage."""
     for buf in layout.buffers:
         pad = buf.numel - buf.numel_unpadded
         gbytes = buf.key.grad_dtype.itemsize
-        m.grads += buf.numel_unpadded * gbytes
-        m.grad_padding += pad * gbytes
-        m.padding += pad * gbytes
+        size, rank = sharding.of(buf)
+        used, gpad = kept_grad_elements(buf, rank, size)
+        m.grads += used * gbytes
+        m.grad_padding += gpad * gbytes
+        m.padding += gpad * gbytes
         pbytes = buf.key.param_dtype.itemsize
+        if buf.shards_params:  # ZeRO-3: only this rank's shard of the params persists
+            used, ppad = kept_grad_elements(buf, rank, size)  # (the same shards as the grads)
+            if buf.key.quantized:
+                m.quantized_weights += used * pbytes
+            else:
+                m.weights += used * pbytes
+            m.padding += ppad * pbytes
+            continue
         own_param_buffer = buf.sharded and not (reuse_grad_buffer and buf.key.quantized)
         if own_param_buffer:
             m.padding += pad * pbytes
@@ -138,6 +161,6 @@ def rank_memory(
     ``reuse_grad_buffer`` is ``ddp.reuse_grad_buf_for_mxfp8_param_ag`` (a quantized sharded
     buffer then stages its gather in its own grad buffer)."""
     m = MemoryBreakdown()
-    _buffers_bytes(m, layout, params, reuse_grad_buffer)
+    _buffers_bytes(m, layout, params, reuse_grad_buffer, sharding)
     _optimizer_bytes(m, layout, sharding, optimizer)
     return m

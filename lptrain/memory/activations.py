@@ -20,7 +20,8 @@ groups, f SwiGLU width):
 
 MoE layers use the same SwiGLU terms for ``router_topk`` expert passes per token (balanced
 routing) plus the permuted tokens and fp32 router scores. With full recomputation only each
-layer's input (``a*h``) stays, plus one layer's activations while it is recomputed.
+layer's input (``a*h``) stays, plus one layer's activations while it is recomputed;
+:func:`configured_activation_bytes` follows the run's own ``model.recompute_*`` settings.
 
 ``tests/unit/memory/test_estimate_memory.py`` holds the result to 25% of the bytes a CPU forward
 really leaves allocated (torch.profiler's memory timeline).
@@ -43,7 +44,6 @@ def _layer_terms(
     h, n = m.hidden_size, m.num_attention_heads
     g = m.num_query_groups or n
     d = h // n
-    f = m.ffn_hidden_size or 4 * h
     dtype = torch.bfloat16 if a == 2 else torch.float32
 
     def gemm_in(width: int) -> float:
@@ -63,16 +63,47 @@ def _layer_terms(
     if quantized:
         attn += gemm_in(n * d)  # the projection's own quantized copy of its input
     layer = 2 * norm + gemm_in(h) + attn
+    return layer + _mlp_terms(cfg, a, gemm_in, moe)[0]
+
+
+def _mlp_terms(cfg: LPTrainConfig, a: int, gemm_in: Any, moe: bool) -> tuple[float, float]:
+    """(bytes per token of the MLP / MoE block, of which its SwiGLU activations' fp32 copies)."""
+    m = cfg.model
+    h = m.hidden_size
+    f = m.ffn_hidden_size or 4 * h
     if moe:
         e = m.moe
         fe = e.ffn_hidden_size or f
         k = e.router_topk
-        swiglu = 8 * fe + 4 * fe + (a * fe if not quantized else gemm_in(fe))
-        layer += k * (gemm_in(h) + swiglu + a * h) + 4 * e.num_experts * 2
-    else:
-        swiglu = 8 * f + 4 * f + (a * f if not quantized else gemm_in(f))
-        layer += gemm_in(h) + swiglu
-    return layer
+        swiglu = 8 * fe + 4 * fe + gemm_in(fe)
+        return k * (gemm_in(h) + swiglu + a * h) + 4 * e.num_experts * 2, k * 12 * fe
+    return gemm_in(h) + 8 * f + 4 * f + gemm_in(f), 12 * f
+
+
+def _selective_saving(cfg: LPTrainConfig, a: int, quantized: bool, quantizers: Optional[Any],
+                      moe: bool, modules: tuple[str, ...]) -> float:
+    """Bytes per token one layer keeps less under selective recompute of ``modules``:
+    ``core_attn`` the kernel's log-sum-exp (its output is the projection's input, kept
+    anyway); ``mlp_act`` the SwiGLU's fp32 copies and ``silu(gate)``, less the activation's
+    input the region keeps; ``mlp`` the whole block less its input."""
+    m = cfg.model
+    h, n = m.hidden_size, m.num_attention_heads
+    dtype = torch.bfloat16 if a == 2 else torch.float32
+
+    def gemm_in(width: int) -> float:
+        if quantized and quantizers is not None:
+            return quantizers.input_bytes_per_row(width, dtype)
+        return a * width
+
+    save = 4.0 * n if "core_attn" in modules else 0.0
+    block, act = _mlp_terms(cfg, a, gemm_in, moe)
+    f = m.moe.ffn_hidden_size if moe and m.moe.ffn_hidden_size else (m.ffn_hidden_size or 4 * h)
+    passes = m.moe.router_topk if moe else 1
+    if "mlp" in modules:
+        save += block - a * h
+    elif "mlp_act" in modules:
+        save += act - passes * a * 2 * f  # the region keeps [gate|up] in the activation dtype
+    return max(0.0, save)
 
 
 def activation_bytes(
@@ -92,3 +123,44 @@ def activation_bytes(
     full = tokens * (sum(per_layer) + head)
     recompute = tokens * (len(per_layer) * a * m.hidden_size + max(per_layer, default=0) + head)
     return int(full), int(recompute)
+
+
+def configured_activation_bytes(
+    cfg: LPTrainConfig, model: torch.nn.Module, a: int, quantizers: Optional[Any]
+) -> int:
+    """Peak bytes of one micro-batch's activations under the run's recompute settings
+    (``model.recompute_*``): what the forward keeps, plus one recomputed region's
+    activations while the backward recomputes it (the regions are recomputed one by one).
+
+    * none: every layer's activations;
+    * full, uniform ``k``: each chunk's input (``a*h`` per token), plus ``k`` layers;
+    * full, block ``k``: the first ``k`` layers' inputs plus one of them, the rest whole;
+    * selective: every layer less :func:`_selective_saving`, plus one layer's saving.
+    """
+    from lptrain.model.recompute import RecomputePlan
+
+    m = cfg.model
+    plan = RecomputePlan.of(m)
+    tokens = cfg.train.micro_batch_size * m.seq_length
+    factory = getattr(model, "factory", None)
+    layers = list(getattr(model, "layers", []))
+    per_layer, savings = [], []
+    for i, layer in enumerate(layers):
+        quantized = factory is not None and not factory.is_bf16_layer(i + 1)
+        moe = bool(getattr(layer, "is_moe", False))
+        per_layer.append(_layer_terms(cfg, a, quantized, quantizers, moe))
+        savings.append(_selective_saving(cfg, a, quantized, quantizers, moe, plan.modules))
+    head = 8 * m.hidden_size + a * m.hidden_size + 4 * m.vocab_size
+    x = a * m.hidden_size  # a layer's (or chunk's) input
+    n = len(per_layer)
+    if plan.granularity == "full" and n:
+        k = min(plan.num_layers, n)
+        if plan.method == "block":
+            kept = k * x + max(per_layer[:k]) + sum(per_layer[k:])
+        else:
+            kept = -(-n // k) * x + k * max(per_layer)
+    elif plan.granularity == "selective" and n:
+        kept = sum(per_layer) - sum(savings) + max(savings)
+    else:
+        kept = sum(per_layer)
+    return int(tokens * (kept + head))

@@ -27,9 +27,19 @@ def _nbytes(t: torch.Tensor) -> int:
 def _buffer_bytes(m: MemoryBreakdown, buf: ParamAndGradBuffer) -> None:
     used = sum(s.end - s.start for s in buf.spec.params)
     es = buf.grad_data.element_size()
-    m.grads += used * es
-    m.grad_padding += (buf.grad_data.numel() - used) * es
-    m.padding += (buf.grad_data.numel() - used) * es
+    if buf.grad_shard is not None:  # sharded grads: the kept shards (full buckets are transient)
+        in_shards = sum(buf.spec.shard_used(b, buf.groups.intra.rank, buf.groups.intra.size)[1]
+                        for b in buf.spec.buckets)
+        m.grads += in_shards * es
+        m.grad_padding += (buf.grad_shard.numel() - in_shards) * es
+        m.padding += (buf.grad_shard.numel() - in_shards) * es
+    else:
+        m.grads += used * es
+        m.grad_padding += (buf.grad_data.numel() - used) * es
+        m.padding += (buf.grad_data.numel() - used) * es
+    if buf.param_shard is not None:  # sharded params: this rank's shard is all that persists
+        _param_shard_bytes(m, buf)
+        return
     pd = buf.param_data
     if pd is None:
         return
@@ -43,6 +53,21 @@ def _buffer_bytes(m: MemoryBreakdown, buf: ParamAndGradBuffer) -> None:
     m.param_gather_staging += staged * pd.element_size()
 
 
+def _param_shard_bytes(m: MemoryBreakdown, buf: ParamAndGradBuffer) -> None:
+    """ZeRO-3: the kept param shard (param elements as weights, the rest padding); the full
+    buckets and a quantized param's data bytes exist only around their uses. A quantized
+    param's scales stay allocated and are not counted (bytes per block, not per element)."""
+    assert buf.param_shard is not None
+    g = buf.groups.intra
+    used = sum(buf.spec.shard_used(b, g.rank, g.size)[1] for b in buf.spec.buckets)
+    es = buf.param_shard.element_size()
+    if buf.key.quantized:
+        m.quantized_weights += used * es
+    else:
+        m.weights += used * es
+    m.padding += (buf.param_shard.numel() - used) * es
+
+
 def measured_memory(
     model: torch.nn.Module, buffers: Sequence[ParamAndGradBuffer], children: Sequence[OptimizerChild]
 ) -> MemoryBreakdown:
@@ -51,8 +76,9 @@ def measured_memory(
     from lptrain.precision.param_storage import is_quantized, storage_bytes
 
     m = MemoryBreakdown()
+    sharded = {id(p) for buf in buffers if buf.shards_params for p in buf.params.values()}
     for p in model.parameters():
-        if not p.requires_grad:
+        if not p.requires_grad or id(p) in sharded:  # (sharded params: counted by buffer)
             continue
         if is_quantized(p):
             m.quantized_weights += storage_bytes(p)

@@ -25,10 +25,11 @@ Categories (bytes on one rank; ``ranks`` holds every rank, ``worst`` the largest
 * ``weight_copies``: transient per-step copies -- quantized GEMM weight copies saved for
   backward when primary weights are high precision, the fp32 upcast of the LM head on an
   fp32-activation run;
-* ``activations``: tensors saved for backward by one micro-batch (see
-  :mod:`lptrain.memory.activations`); ``activations_recompute`` is the same with full
-  per-layer activation recomputation, reported for comparison only (lptrain does not
-  recompute, so it is not part of the total).
+* ``sharded_buckets``: with ``ddp.data_parallel_sharding_strategy=optim_grads`` /
+  ``optim_grads_params``, the full grad and param buckets alive at the activation peak;
+* ``activations``: tensors one micro-batch keeps for backward under the run's recompute
+  settings, plus the region being recomputed (see :mod:`lptrain.memory.activations`);
+  ``activations_recompute`` is the figure with full per-layer recompute, for comparison.
 """
 
 from __future__ import annotations
@@ -307,6 +308,23 @@ def _transient_weight_copies(
     return total
 
 
+def _sharded_bucket_bytes(layout: BufferLayout) -> int:
+    """Full buckets alive at the activation peak (end of forward, start of backward) with
+    sharded grads / params: the first grad bucket the backward fills (the largest, to be
+    safe) and, with sharded params, the bucket in use plus the one prefetched (and a tied
+    embedding's bucket, kept from the forward to the backward)."""
+    total = 0
+    for b in layout.buffers:
+        if not b.buckets:
+            continue
+        largest = max(k.numel for k in b.buckets)
+        if b.shards_grads:
+            total += largest * b.key.grad_dtype.itemsize
+        if b.shards_params:
+            total += 2 * largest * b.key.param_dtype.itemsize
+    return total
+
+
 def _sampled_ranks(dp: int) -> list[int]:
     if dp <= _MAX_RANKS:
         return list(range(dp))
@@ -324,7 +342,7 @@ def activation_dtype_bytes(cfg: LPTrainConfig, target: str) -> int:
 
 def estimate_memory(cfg: LPTrainConfig, dp: int, target: str = "cpu") -> MemoryEstimate:
     """Per-rank bytes of a derived ``cfg`` at data-parallel size ``dp`` on ``target``."""
-    from lptrain.memory.activations import activation_bytes
+    from lptrain.memory.activations import activation_bytes, configured_activation_bytes
     from lptrain.precision.factory import recipe_from_config
 
     model = meta_model(cfg)
@@ -333,7 +351,9 @@ def estimate_memory(cfg: LPTrainConfig, dp: int, target: str = "cpu") -> MemoryE
     dense_n, _ = _group_sizes(cfg, dp)
     layout = engine_layout(cfg, specs, dense_n)
     act_bytes = activation_dtype_bytes(cfg, target)
-    acts, acts_rc = activation_bytes(cfg, model, act_bytes, quantizers)
+    _, acts_rc = activation_bytes(cfg, model, act_bytes, quantizers)
+    acts = configured_activation_bytes(cfg, model, act_bytes, quantizers)
+    buckets = _sharded_bucket_bytes(layout)
     copies = _transient_weight_copies(cfg, model, info, quantizers, act_bytes)
     optimizer = _optimizer_layout(cfg, dp, layout)
     stored = _stored(info)
@@ -343,6 +363,7 @@ def estimate_memory(cfg: LPTrainConfig, dp: int, target: str = "cpu") -> MemoryE
         b = rank_memory(layout, stored, _sharding(cfg, dp, r), optimizer,
                         reuse_grad_buffer=reuse).categories()
         b["weight_copies"] = copies
+        b["sharded_buckets"] = buckets
         b["activations"] = acts
         ranks.append(RankMemory(r, b))
     notes = []

@@ -19,7 +19,13 @@ from torch import nn
 
 from lptrain.model.build_context import BuildContext
 from lptrain.model.norm import RMSNorm
+from lptrain.model.recompute import RecomputePlan, run_checkpointed
 from lptrain.model.rope import apply_rotary
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The attention core (what selective recompute's ``core_attn`` recomputes)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 def attention_shape(hidden: int, heads: int, groups: int | None) -> tuple[int, int, int]:
@@ -39,6 +45,8 @@ class SelfAttention(nn.Module):
     def __init__(self, ctx: BuildContext, prefix: str) -> None:
         super().__init__()
         cfg = ctx.cfg
+        self.factory = ctx.factory
+        self.recompute_core = RecomputePlan.of(cfg).selects("core_attn")
         self.num_heads = cfg.num_attention_heads
         self.num_groups, self.q_per_group, self.head_dim = attention_shape(
             cfg.hidden_size, cfg.num_attention_heads, cfg.num_query_groups
@@ -85,6 +93,6 @@ class SelfAttention(nn.Module):
         if qpg > 1:  # query head h reads KV group h // q_per_group
             k = k.repeat_interleave(qpg, dim=1)
             v = v.repeat_interleave(qpg, dim=1)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        o = run_checkpointed(self.recompute_core, self.factory, _causal_attention, q, k, v)
         o = o.transpose(1, 2).reshape(b, s, self.num_heads * hd).to(x.dtype)
         return self.linear_proj(o)

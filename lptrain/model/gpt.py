@@ -33,6 +33,7 @@ from lptrain.model.mlp import MLP
 from lptrain.model.moe.layer import MoELayer
 from lptrain.model.moe.router import TopKRouter
 from lptrain.model.norm import RMSNorm
+from lptrain.model.recompute import RecomputePlan, run_checkpointed
 from lptrain.model.rope import RotaryEmbedding
 
 AUX_KEYS = ("load_balancing_loss", "z_loss")
@@ -87,14 +88,28 @@ class TransformerLayer(nn.Module):
         self.pre_mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, ctx.params_dtype)
         self.is_moe = is_moe_layer(index, cfg.moe.moe_layer_freq, cfg.moe.num_experts)
         self.mlp: nn.Module = MoELayer(ctx, f"{prefix}mlp.") if self.is_moe else MLP(ctx, f"{prefix}mlp.")
+        self.recompute_mlp = RecomputePlan.of(cfg).selects("mlp")
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         with self.factory.layer_context(self.layer_number):
             x = x + self.self_attention(self.input_norm(x), cos, sin)
-            m, losses = self.mlp(self.pre_mlp_norm(x))
+            m, losses = run_checkpointed(self.recompute_mlp, self.factory, self.mlp, self.pre_mlp_norm(x))
             return x + m, losses
+
+
+def run_layers(
+    layers: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, totals: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``layers`` in order, adding each layer's losses to ``totals`` (in the same order with
+    or without recompute chunks, so the sums are bitwise the same)."""
+    totals = dict(totals)
+    for layer in layers:
+        x, losses = layer(x, cos, sin)
+        for k, v in losses.items():
+            totals[k] = totals[k] + v
+    return x, totals
 
 
 class GPTModel(nn.Module):
@@ -117,6 +132,7 @@ class GPTModel(nn.Module):
         self.seed = ctx.seed
         self.expert_model_parallel_size = ctx.expert_model_parallel_size
         self.expert_model_parallel_rank = ctx.expert_model_parallel_rank
+        self.recompute = RecomputePlan.of(cfg)
         with ctx.factory.model_init():
             self.embedding = TokenEmbedding(self.padded_vocab_size, cfg.hidden_size, dtype=ctx.params_dtype)
             ctx.init("embedding.weight", ctx.std)(self.embedding.weight.data)
@@ -155,10 +171,9 @@ class GPTModel(nn.Module):
         x = self.embedding(tokens, self.compute_dtype)
         cos, sin = self.rotary(tokens.shape[1])
         totals = {k: x.new_zeros((), dtype=torch.float32) for k in AUX_KEYS}
-        for layer in self.layers:
-            x, losses = layer(x, cos, sin)
-            for k, v in losses.items():
-                totals[k] = totals[k] + v
+        for start, end, ckpt in self.recompute.layer_chunks(len(self.layers)):
+            chunk = self.layers[start:end]
+            x, totals = run_checkpointed(ckpt, self.factory, run_layers, chunk, x, cos, sin, totals)
         x = self.final_norm(x)
         x = x.float() if self.compute_dtype == torch.float32 else x
         # Tied: the embedding's weight, already gathered before the first layer.

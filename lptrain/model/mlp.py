@@ -18,6 +18,20 @@ def swiglu(h: torch.Tensor) -> torch.Tensor:
     return (F.silu(gate) * up).to(h.dtype)
 
 
+def activation(recompute: bool, h: torch.Tensor) -> torch.Tensor:
+    """:func:`swiglu`, checkpointed when selective recompute covers ``mlp_act`` (its fp32
+    copies are then recomputed in the backward instead of kept)."""
+    from lptrain.model.recompute import run_checkpointed
+
+    return run_checkpointed(recompute, None, swiglu, h)
+
+
+def recomputes_activation(ctx: BuildContext) -> bool:
+    from lptrain.model.recompute import RecomputePlan
+
+    return RecomputePlan.of(ctx.cfg).selects("mlp_act")
+
+
 def ffn_hidden_size(hidden: int, ffn: int | None) -> int:
     """The SwiGLU width: the configured value, else ``4 * hidden`` (as ``config.derive``)."""
     return ffn if ffn else 4 * hidden
@@ -56,6 +70,7 @@ class MLP(nn.Module):
         super().__init__()
         ffn = ffn_hidden_size(ctx.cfg.hidden_size, ctx.cfg.ffn_hidden_size)
         self.linear_fc1, self.linear_fc2 = swiglu_linears(ctx, prefix, ffn)
+        self.recompute_act = recomputes_activation(ctx)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        return self.linear_fc2(swiglu(self.linear_fc1(x))), {}
+        return self.linear_fc2(activation(self.recompute_act, self.linear_fc1(x))), {}

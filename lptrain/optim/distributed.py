@@ -62,8 +62,7 @@ class MasterPiece:
         return self.p_lo == 0 and self.p_hi == self.param.numel()
 
     def grad_view(self) -> torch.Tensor:
-        g = self.buffer.grad_data[self.lo : self.hi]
-        return g.view(self.master.shape)
+        return self.buffer.grad_slice(self.lo, self.hi).view(self.master.shape)
 
 
 def _pieces(buffers: Sequence[ParamAndGradBuffer]) -> list[MasterPiece]:
@@ -101,7 +100,7 @@ class ShardedMasterOptimizer(MasterOptimizer):
         # The shard group of these buffers (all of one optimizer share it: dense or expert).
         self.group: Group = self.buffers[0].groups.intra if self.buffers else SINGLE
         # where this optimizer's scalars live: its buffers' device (NCCL reduces CUDA tensors)
-        self.device = self.buffers[0].grad_data.device if self.buffers else torch.device("cpu")
+        self.device = self.buffers[0].device if self.buffers else torch.device("cpu")
         self.label = label
         self.holds_experts = any(b.key.is_expert for b in self.buffers)
         self.pieces: list[MasterPiece] = _pieces(self.buffers)
@@ -161,7 +160,7 @@ class ShardedMasterOptimizer(MasterOptimizer):
                     if pc is None:
                         entries.append((p, None, 0, 0, None))
                     else:
-                        dst = buf.param_data[pc.lo : pc.hi]  # type: ignore[index]
+                        dst = buf.param_slice(pc.lo, pc.hi)
                         entries.append((p, pc.master, pc.p_lo, pc.p_hi, dst))
             stage_shards(entries, self.group.pg if self.group.active else None)
         for buf in self.buffers:

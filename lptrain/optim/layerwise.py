@@ -279,7 +279,7 @@ class LayerWiseMuon(MasterOptimizer):
         self.cfg = cfg
         self.label = label
         self.holds_experts = any(b.key.is_expert for b in self.buffers)
-        self.device = self.buffers[0].grad_data.device if self.buffers else torch.device("cpu")
+        self.device = self.buffers[0].device if self.buffers else torch.device("cpu")
         self.param_layout = param_layout
         dense = [b.groups.intra for b in self.buffers if not b.key.is_expert]
         expert = [b.groups.intra for b in self.buffers if b.key.is_expert]

@@ -159,6 +159,119 @@ def current_group() -> Any:
     return _AUTOCAST_STACK[-1].group if _AUTOCAST_STACK else None
 
 
+# ---- activation recompute: the "recompute phase" the quantized ops consult ----------------------
+
+
+@dataclass
+class RecomputeEntry:
+    """What one quantized op call of a checkpointed forward leaves for its recompute: the
+    forward-role delayed-scaling scales it quantized with (the region's exit updates them
+    before the backward recomputes) and the quantized weights it made this step."""
+
+    scales: list[Any] = field(default_factory=list)
+    weights: list[Any] = field(default_factory=list)
+
+
+@dataclass
+class RecomputeTape:
+    """One checkpointed region: the autocast stack its forward ran under and one entry per
+    quantized op call, in call order (a recompute replays the same calls in the same order)."""
+
+    frames: list[tuple[bool, Any, Any]] = field(default_factory=list)
+    entries: list[RecomputeEntry] = field(default_factory=list)
+    cursor: int = 0
+    replaying: bool = False
+
+    def record(self) -> RecomputeEntry:
+        entry = RecomputeEntry()
+        self.entries.append(entry)
+        return entry
+
+    def replay(self) -> RecomputeEntry:
+        entry = self.entries[self.cursor]
+        self.cursor += 1
+        return entry
+
+
+_RECOMPUTE: list[RecomputeTape] = []
+
+
+def recompute_tape() -> Optional[RecomputeTape]:
+    """The innermost checkpointed region's tape (``replaying`` during its recompute), or None."""
+    return _RECOMPUTE[-1] if _RECOMPUTE else None
+
+
+@contextlib.contextmanager
+def recording_for_recompute(tape: RecomputeTape) -> Iterator[None]:
+    """Around a checkpointed region's forward: remember the autocast stack and let the
+    quantized ops record what their recompute must reuse."""
+    tape.frames = [(f.enabled, f.recipe, f.group) for f in _AUTOCAST_STACK]
+    tape.entries = []
+    tape.replaying = False
+    _RECOMPUTE.append(tape)
+    try:
+        yield
+    finally:
+        _RECOMPUTE.pop()
+
+
+@contextlib.contextmanager
+def recomputing(tape: RecomputeTape) -> Iterator[None]:
+    """Around the region's recompute (inside the backward): the forward's autocast stack
+    again, under a region of its own that never updates delayed scaling, with the quantized
+    ops in replay mode (see ``lptrain.precision.linear_ops``)."""
+    region = _Region(recipe=None, group=None)
+    frames = [_Frame(enabled=e, recipe=r, group=g, region=region) for e, r, g in tape.frames]
+    _AUTOCAST_STACK.extend(frames)
+    tape.cursor = 0
+    tape.replaying = True
+    _RECOMPUTE.append(tape)
+    try:
+        yield
+    finally:
+        _RECOMPUTE.pop()
+        tape.replaying = False
+        for f in reversed(frames):
+            popped = _AUTOCAST_STACK.pop()
+            assert popped is f, "autocast regions exited out of order in a recompute"
+        tape.entries = []  # each region is recomputed once: free the kept weights
+
+
+def recompute_context_fn() -> tuple[Any, Any]:
+    """``torch.utils.checkpoint``'s ``context_fn`` for the emulated backend: a fresh tape
+    shared by the forward context and the recompute context."""
+    tape = RecomputeTape()
+    return recording_for_recompute(tape), recomputing(tape)
+
+
+@contextlib.contextmanager
+def amax_untouched(slots: list[Slot]) -> Iterator[None]:
+    """Restore the current-step amax of ``slots`` afterwards: a recomputed (or no-grad)
+    forward must not record amaxes a second time (TE's recompute phase does the same).
+    Delayed scaling's amax slot is a running max that the region exit rolls into the
+    history, so a recompute in the backward would leak this step's amaxes into the next."""
+    saved = [(st, st.amax_history[0].clone()) for _, st in slots]
+    try:
+        yield
+    finally:
+        for st, first in saved:
+            st.amax_history[0] = first
+
+
+@contextlib.contextmanager
+def forward_scales(slots: list[Slot], scales: list[Any]) -> Iterator[None]:
+    """Quantize with the scales the original forward used (the region exit has updated
+    them since), then put the current ones back."""
+    current = [st.scale.clone() for _, st in slots]
+    for (_, st), s in zip(slots, scales, strict=True):
+        st.scale.copy_(s)
+    try:
+        yield
+    finally:
+        for (_, st), s in zip(slots, current, strict=True):
+            st.scale.copy_(s)
+
+
 @contextlib.contextmanager
 def quantized_model_init(
     recipe: Any,

@@ -395,6 +395,17 @@ class LayerFactory:
             return te_adapter.te_autocast(self.te_recipe, True, amax_reduction_group)
         return _ac.autocast(self.recipe, enabled=True, amax_reduction_group=amax_reduction_group)
 
+    def recompute_context_fn(self) -> tuple[Any, Any]:
+        """``torch.utils.checkpoint``'s ``context_fn`` (a forward and a recompute context).
+
+        Emulated backend: the forward records what its quantized GEMMs used (delayed-scaling
+        scales, quantized weights) and the recompute replays it without recording amaxes
+        (:func:`lptrain.precision.autocast.recompute_context_fn`). TE layers get no context:
+        the rule RECOMPUTE-TE-GEMMS keeps quantized TE GEMMs out of recomputed regions."""
+        if self.backend == "te":
+            return contextlib.nullcontext(), contextlib.nullcontext()
+        return _ac.recompute_context_fn()
+
     @contextlib.contextmanager
     def layer_context(self, layer_number: int) -> Iterator[None]:
         """Context around transformer layer ``layer_number``'s forward (bf16 layers opt out).

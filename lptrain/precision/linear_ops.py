@@ -181,8 +181,12 @@ class _QuantizedGroupedFn(torch.autograd.Function):
             mq = op.qstate.members[i]
             if _is_quantized(wi):
                 qw = wi  # quantized primary weight: use the stored bytes as they are
+            elif op.reuse_weights is not None:  # a recompute: the forward's quantized weight
+                qw = op.reuse_weights[i]
             else:
                 qw = _quantize(mq.weight, wi.detach(), True, need_dgrad)
+                if op.keep_weights is not None:  # kept whole for the recompute's fprop
+                    op.keep_weights.append(qw)
             if xi.shape[0] == 0:
                 outs.append(x.new_zeros(0, wi.shape[0], dtype=torch.float32))
                 saved_x.append(None)
@@ -192,11 +196,12 @@ class _QuantizedGroupedFn(torch.autograd.Function):
             w_row = op.deq(qw, "rowwise")
             outs.append(op.deq(qx, "rowwise") @ w_row.t())
             saved_x.append(_only_columnwise(qx) if need_wgrad else None)
-            saved_w.append((qw if _is_quantized(wi) else _only_columnwise(qw)) if need_dgrad else None)
+            whole = _is_quantized(wi) or op.keep_weights is not None
+            saved_w.append((qw if whole else _only_columnwise(qw)) if need_dgrad else None)
         ctx.op = op
         ctx.m_splits = list(m_splits)
-        ctx.saved_x = saved_x
-        ctx.saved_w = saved_w
+        # through save_for_backward, so activation checkpointing can drop and recompute them
+        ctx.kinds = _save_operands(ctx, saved_x + saved_w)
         ctx.need_dgrad = need_dgrad
         ctx.wshapes = [(tuple(w.shape), w.dtype, w.device) for w in weights]
         ctx.in_features = x.shape[-1]
@@ -213,9 +218,11 @@ class _QuantizedGroupedFn(torch.autograd.Function):
         dys = torch.split(dy, ctx.m_splits, dim=0)
         dxs: list[torch.Tensor] = []
         dws: list[torch.Tensor] = []
+        operands = _saved_operands(ctx, ctx.kinds)
+        n = len(ctx.m_splits)
         for i, dyi in enumerate(dys):
             mq = op.qstate.members[i]
-            qx, qw = ctx.saved_x[i], ctx.saved_w[i]
+            qx, qw = operands[i], operands[n + i]
             n_out = dyi.shape[1]
             if dyi.shape[0] == 0:
                 if need_dgrad:
@@ -227,7 +234,7 @@ class _QuantizedGroupedFn(torch.autograd.Function):
                 dxs.append(op.deq(qdy, "rowwise") @ op.deq(qw, "columnwise"))
             if need_wgrad:
                 dws.append(op.col_t(qdy) @ op.col_t(qx).t())
-        ctx.saved_x = ctx.saved_w = None
+        del operands
         dx = torch.cat(dxs, dim=0).to(ctx.x_dtype) if need_dgrad else None
         wgrads = _weight_grads(ctx, dws) if need_wgrad else [None] * len(ctx.wshapes)
         # Delayed scaling: the first module of the autocast region updates grad-role scales
@@ -235,6 +242,18 @@ class _QuantizedGroupedFn(torch.autograd.Function):
         if op.bwd_slots is not None:
             _ac.finish_backward(op.bwd_slots, op.group)
         return (dx, None, None, *wgrads)
+
+
+def _save_operands(ctx: Any, operands: list[Any]) -> list[bool]:
+    """``ctx.save_for_backward`` of quantized / high-precision operands (None kept as None);
+    returns which ones were high-precision (to be wrapped again on the way out)."""
+    plain = [isinstance(o, _PlainOperand) for o in operands]
+    ctx.save_for_backward(*(o.t if p else o for o, p in zip(operands, plain, strict=True)))
+    return plain
+
+
+def _saved_operands(ctx: Any, plain: list[bool]) -> list[Any]:
+    return [_PlainOperand(t) if p else t for t, p in zip(ctx.saved_tensors, plain, strict=True)]
 
 
 def _weight_grads(ctx: Any, dws: list[torch.Tensor]) -> list[Optional[torch.Tensor]]:
@@ -276,6 +295,10 @@ class _OpContext:
     bwd_slots: Optional[list] = None
     group: Any = None
     grad_enabled: bool = True
+    # activation recompute (lptrain.precision.autocast.RecomputeTape): the forward keeps its
+    # quantized weights here, the recompute reuses them
+    keep_weights: Optional[list] = None
+    reuse_weights: Optional[list] = None
 
     @staticmethod
     def deq(q: Any, orientation: str) -> torch.Tensor:
@@ -315,9 +338,14 @@ def quantized_grouped_linear(
         finally:
             for st, first in saved:
                 st.amax_history[0] = first
-    bwd_slots = _ac.register_forward(
-        qstate.slots(("input", "weight")), qstate.slots(("grad",))
-    )
+    tape = _ac.recompute_tape()
+    if tape is not None and tape.replaying:
+        return _recompute(x, m_splits, weights, qstate, tape.replay(), single, out_features, fuse_wgrad)
+    fwd = qstate.slots(("input", "weight"))
+    bwd_slots = _ac.register_forward(fwd, qstate.slots(("grad",)))
+    entry = tape.record() if tape is not None else None
+    if entry is not None:
+        entry.scales = [st.scale.clone() for _, st in fwd]
     op = _OpContext(
         qstate=qstate,
         single=single,
@@ -326,8 +354,25 @@ def quantized_grouped_linear(
         bwd_slots=bwd_slots,
         group=_ac.current_group(),
         grad_enabled=torch.is_grad_enabled(),
+        keep_weights=entry.weights if entry is not None else None,
     )
     return _QuantizedGroupedFn.apply(x, list(m_splits), op, *weights)
+
+
+def _recompute(x: torch.Tensor, m_splits: Sequence[int], weights: Sequence[torch.Tensor],
+               qstate: QuantState, entry: Any, single: bool, out_features: int,
+               fuse_wgrad: bool) -> torch.Tensor:
+    """The op inside a recompute (activation checkpointing): the forward's quantized weights
+    and delayed-scaling scales, no amax recorded, no slot registered for the scale update --
+    so the recomputed operands are the forward's bit for bit and the step's scaling state
+    is what it would be without recompute."""
+    fwd = qstate.slots(("input", "weight"))
+    op = _OpContext(
+        qstate=qstate, single=single, fuse_wgrad=fuse_wgrad, out_features=out_features,
+        group=_ac.current_group(), grad_enabled=True, reuse_weights=entry.weights or None,
+    )
+    with _ac.amax_untouched(fwd), _ac.forward_scales(fwd, entry.scales):
+        return _QuantizedGroupedFn.apply(x, list(m_splits), op, *weights)
 
 
 def quantized_linear(

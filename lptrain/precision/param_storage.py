@@ -20,6 +20,8 @@ new format changes nothing outside lptrain/precision.
   slices; byte-gathered params are cast per family (``stage_bytes``), which first MAX-reduces
   the partial amaxes over ``group`` (one collective per family) so every rank quantizes with
   the same scales.
+* ``release_storage(p)`` / ``restore_storage(p)``: sharded params (ZeRO-3) free a quantized
+  param's data bytes between uses and give them back before the next gather refills them.
 * ``load_from_staging(p, staged)``: after a gather, make ``p`` hold ``staged`` (a no-op for an
   aliased plain param; the column-wise copy rebuilt for byte-gathered params; a
   requantization -- both orientations -- for the others).
@@ -129,6 +131,33 @@ def _(p: QuantizedTensor, staged: torch.Tensor) -> None:
         p.rebuild_columnwise()
     else:
         p.requantize_from(staged.view(p.shape))
+
+
+@singledispatch
+def release_storage(p: torch.Tensor) -> None:
+    """Sharded params (ZeRO-3): free what ``p`` holds besides its buffer view (a plain param
+    lives in the bucket's full-param tensor, which the bucket frees itself: nothing here; a
+    quantized param: its data bytes, scales kept). Undone by :func:`restore_storage`."""
+    if _registers_te(p):
+        release_storage(p)
+
+
+@release_storage.register
+def _(p: QuantizedTensor) -> None:
+    p.release_data()
+
+
+@singledispatch
+def restore_storage(p: torch.Tensor) -> None:
+    """Give ``p`` back the storage :func:`release_storage` freed, before it is refilled by
+    :func:`load_from_staging` after the bucket's gather."""
+    if _registers_te(p):
+        restore_storage(p)
+
+
+@restore_storage.register
+def _(p: QuantizedTensor) -> None:
+    p.restore_data()
 
 
 StageEntry = tuple[torch.Tensor, Optional[torch.Tensor], int, int, Optional[torch.Tensor]]

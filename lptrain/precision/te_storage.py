@@ -101,6 +101,8 @@ def register() -> bool:
             S.stage_bytes.register(cls, stage_bytes)
             S.grouped_members.register(cls, grouped_members)
             S.storage_bytes.register(cls, storage_bytes)
+            S.release_storage.register(cls, release_storage)
+            S.restore_storage.register(cls, restore_storage)
     _registered = bool(classes)
     return _registered
 
@@ -183,6 +185,11 @@ def stage_bytes(p: Any, entries: Sequence[Any], group: Any) -> None:
     quantized in place (the same amax and scale).
     """
     params = [e[0] for e in entries]
+    for q in params:  # (rule DDP-SHARDED-PARAMS-TE-BYTES refuses the config up front)
+        raw = getattr(q, _raw_attr(q) or "_data", None)
+        if isinstance(raw, torch.Tensor) and raw.numel() and not raw.untyped_storage().nbytes():
+            raise RuntimeError("a TE byte-gathered weight's bytes are released (sharded params): "
+                               "TE casts masters into the whole weight")
     if group is None:
         for q, x, _lo, _hi, _dst in entries:
             if x is not None:
@@ -192,3 +199,25 @@ def stage_bytes(p: Any, entries: Sequence[Any], group: Any) -> None:
     starts = [lo for _, _, lo, _, _ in entries]
     cast = getattr(_utils(), "quantize_master_weights", None) or _utils().cast_master_weights_to_fp8
     cast(params, masters, starts, group)
+
+
+_DATA_ATTRS = ("_data", "_transpose", "_rowwise_data", "_columnwise_data")
+
+
+def release_storage(p: Any) -> None:
+    """ZeRO-3: free the raw data buffers of a TE tensor (scales kept; see param_storage)."""
+    sizes = {}
+    for a in _DATA_ATTRS:
+        t = getattr(p, a, None)
+        if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes():
+            sizes[a] = t.untyped_storage().nbytes()
+            t.untyped_storage().resize_(0)
+    p._lptrain_released = sizes
+
+
+def restore_storage(p: Any) -> None:
+    for a, n in (getattr(p, "_lptrain_released", None) or {}).items():
+        t = getattr(p, a, None)
+        if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() != n:
+            t.untyped_storage().resize_(n)
+    p._lptrain_released = {}

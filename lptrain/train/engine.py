@@ -97,6 +97,7 @@ class TrainEngine:
         self.layout = plan_run_layout(cfg, run_param_specs(cfg, named), self.groups.intra.size)
         self.ddp = DataParallel(self.model, self.layout, cfg.ddp, self.groups, device=self.device)
         self.optimizer = build_optimizer(self.ddp.buffers, cfg.optimizer, ep=self.groups.ep)
+        self.ddp.release_sharded_params()  # ZeRO-3: the masters hold the values now
 
     def _build_model(self) -> GPTModel:
         """The run's model with this rank's experts, its quantizers' random streams seeded
@@ -142,6 +143,9 @@ class TrainEngine:
 
     def train_step(self, micro_batches: Sequence[dict[str, torch.Tensor]], step: int) -> StepResult:
         """One optimizer step over this rank's micro-batches (see the module doc)."""
+        from lptrain.model.recompute import take_region_count
+
+        take_region_count()  # counted from here: this step's checkpointed regions
         self.ddp.begin_step(self.optimizer.stage)
         local = self._forward_backward(micro_batches)
         losses = self._gather_losses(local, self.ddp.finish_grad_sync())
@@ -176,7 +180,8 @@ class TrainEngine:
                     loss, aux = model(b["tokens"], labels=b["labels"])
                 if i == 0:
                     ddp.after_first_forward()
-                (loss / n).backward()
+                with ddp.backward_phase():
+                    (loss / n).backward()
             sums[0] += aux["lm_loss"].detach().double() / n
             sums[1] += loss.detach().double() / n
         return sums
@@ -234,7 +239,11 @@ class TrainEngine:
     def _step_extras(self, moe_metrics: dict[str, float], zeros: int | None,
                      losses: torch.Tensor) -> dict[str, float]:
         """MoE metrics, the Muon update RMS and zero-grad count, and the auxiliary loss."""
+        from lptrain.model.recompute import take_region_count
+
         extra = dict(moe_metrics)
+        if self.model.recompute.granularity is not None:  # (model.recompute_granularity)
+            extra["recompute_regions"] = float(take_region_count())
         rms = self.optimizer.update_rms()
         if rms is not None:
             extra["muon_update_rms"] = rms

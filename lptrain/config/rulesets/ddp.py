@@ -6,7 +6,78 @@ from lptrain.config.rules import Rule
 
 S = "Data-parallel engine"
 
+SHARDS_GRADS = ("optim_grads", "optim_grads_params")
+
+
+def shards_grads(c) -> bool:  # type: ignore[no-untyped-def]
+    return c.ddp.data_parallel_sharding_strategy in SHARDS_GRADS
+
+
 RULES = [
+    Rule(
+        id="DDP-SHARDING-STRATEGY", severity="derived",
+        keys=("ddp.data_parallel_sharding_strategy", "ddp.use_distributed_optimizer"),
+        when=lambda c, w: False,
+        message="the sharding strategy and use_distributed_optimizer are one setting",
+        fix="nothing to do: derive() fills in the one that is not set",
+        condition="data_parallel_sharding_strategy=null -> optim if use_distributed_optimizer "
+                  "else no_shard; optim, optim_grads or optim_grads_params -> "
+                  "use_distributed_optimizer=true",
+        why="every optim* strategy is a distributed optimizer that shards more", section=S,
+    ),
+    Rule(
+        id="DDP-NO-SHARD-WITH-DISTOPT", severity="error",
+        keys=("ddp.data_parallel_sharding_strategy", "ddp.use_distributed_optimizer"),
+        when=lambda c, w: c.ddp.data_parallel_sharding_strategy == "no_shard"
+             and c.ddp.use_distributed_optimizer,
+        message="data_parallel_sharding_strategy=no_shard contradicts "
+                "use_distributed_optimizer=true (which shards the optimizer state)",
+        fix="set ddp.data_parallel_sharding_strategy=optim (or null), or "
+            "ddp.use_distributed_optimizer=false",
+        condition="strategy no_shard -> not use_distributed_optimizer", section=S,
+    ),
+    Rule(
+        id="DDP-SHARDED-GRADS-NO-GRAD-BUF-REUSE", severity="error",
+        keys=("ddp.data_parallel_sharding_strategy", "ddp.reuse_grad_buf_for_mxfp8_param_ag"),
+        when=lambda c, w: shards_grads(c) and c.ddp.reuse_grad_buf_for_mxfp8_param_ag,
+        message="reuse_grad_buf_for_mxfp8_param_ag stages the param gather in the whole grad "
+                "buffer, which data_parallel_sharding_strategy="
+                "{cfg.ddp.data_parallel_sharding_strategy} releases after each bucket's "
+                "reduce-scatter",
+        fix="set ddp.reuse_grad_buf_for_mxfp8_param_ag=false (sharded grads already free the "
+            "memory it saves), or ddp.data_parallel_sharding_strategy=optim",
+        condition="strategy optim_grads* -> not reuse_grad_buf_for_mxfp8_param_ag",
+        why="the reused buffer no longer exists between buckets", section=S,
+    ),
+    Rule(
+        id="DDP-SHARDED-PARAMS-TE-BYTES", severity="error",
+        keys=("ddp.data_parallel_sharding_strategy", "precision.backend", "precision.fp8_recipe",
+              "precision.fp8_param_gather"),
+        when=lambda c, w: c.ddp.data_parallel_sharding_strategy == "optim_grads_params"
+             and c.precision.backend == "te" and c.precision.fp8_param_gather
+             and c.precision.fp8_format is not None
+             and c.precision.fp8_recipe in ("tensorwise", "blockwise"),
+        message="data_parallel_sharding_strategy=optim_grads_params with Transformer Engine "
+                "{cfg.precision.fp8_recipe} FP8 primary weights: TE casts the masters into each "
+                "weight's whole byte buffer, which sharded params free between uses",
+        fix="set precision.backend=emulated, ddp.data_parallel_sharding_strategy=optim_grads, or "
+            "precision.fp8_param_gather=false (bf16 primaries, quantized in the forward)",
+        condition="strategy optim_grads_params and backend te and fp8_param_gather -> recipe not "
+                  "tensorwise/blockwise",
+        why="TE's cast_master_weights_to_fp8 writes into the full weight", section=S,
+    ),
+    Rule(
+        id="DDP-SHARDED-GRADS-NOT-MUON", severity="error",
+        keys=("ddp.data_parallel_sharding_strategy", "optimizer.name"),
+        when=lambda c, w: shards_grads(c) and c.optimizer.name == "muon",
+        message="data_parallel_sharding_strategy={cfg.ddp.data_parallel_sharding_strategy} with "
+                "Muon: Newton-Schulz needs each matrix's whole gradient and value on its owner, "
+                "and lptrain has no owner-side whole-param gather for sharded grads or params",
+        fix="set ddp.data_parallel_sharding_strategy=optim (the layer-wise optimizer), or "
+            "optimizer.name=adamw",
+        condition="strategy optim_grads* -> optimizer.name != muon",
+        why="Muon's layer-wise distributed optimizer owns whole matrices", section=S,
+    ),
     Rule(
         id="DDP-OVERLAP-PG-NEEDS-DISTOPT", severity="error",
         keys=("ddp.overlap_param_gather", "ddp.use_distributed_optimizer"),

@@ -343,6 +343,25 @@ GATES: tuple[Gate, ...] = (
         condition="logging.wandb=false -> wandb_project and wandb_mode at their defaults",
         because="logging.wandb=false starts no W&B run", fix="set logging.wandb=true",
     ),
+    Gate(
+        rule_id="INERT-RECOMPUTE-FULL", keys=("model.recompute_method", "model.recompute_num_layers"),
+        context=("model.recompute_granularity",),
+        idle=lambda c, w: c.model.recompute_granularity != "full",
+        condition="recompute_granularity != full -> recompute_method and recompute_num_layers at "
+                  "their defaults",
+        because="only full recompute checkpoints whole layers "
+                "(model.recompute_granularity={cfg.model.recompute_granularity})",
+        fix="set model.recompute_granularity=full, or drop the full-recompute settings",
+    ),
+    Gate(
+        rule_id="INERT-RECOMPUTE-SELECTIVE", keys=("model.recompute_modules",),
+        context=("model.recompute_granularity",),
+        idle=lambda c, w: c.model.recompute_granularity != "selective",
+        condition="recompute_granularity != selective -> recompute_modules at its default",
+        because="only selective recompute reads the module list "
+                "(model.recompute_granularity={cfg.model.recompute_granularity})",
+        fix="set model.recompute_granularity=selective, or drop model.recompute_modules",
+    ),
 )
 
 

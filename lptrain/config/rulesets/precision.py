@@ -308,13 +308,16 @@ RULES = [
         keys=("precision.fp8_recipe", "precision.fp8_param_gather",
               "ddp.reuse_grad_buf_for_mxfp8_param_ag"),
         when=lambda c, w: is_mxfp8(c) and c.precision.fp8_param_gather
-             and not c.ddp.reuse_grad_buf_for_mxfp8_param_ag,
+             and not c.ddp.reuse_grad_buf_for_mxfp8_param_ag
+             and c.ddp.data_parallel_sharding_strategy not in ("optim_grads", "optim_grads_params"),
         message="MXFP8 with fp8_param_gather needs the bf16 param all-gather to ride the grad "
                 "buffer: MXFP8 row/column block scales cannot be remapped into a flat buffer",
         fix="set ddp.reuse_grad_buf_for_mxfp8_param_ag=true",
-        condition="fp8_recipe=mxfp8 and fp8_param_gather -> ddp.reuse_grad_buf_for_mxfp8_param_ag",
+        condition="fp8_recipe=mxfp8 and fp8_param_gather and strategy optim -> "
+                  "ddp.reuse_grad_buf_for_mxfp8_param_ag",
         why="MXFP8 row/column block scales cannot be remapped into a flat buffer; the BF16 gather "
-            "must ride the grad buffer",
+            "must ride the grad buffer (with sharded grads, data_parallel_sharding_strategy="
+            "optim_grads*, it has a bf16 area of its own instead)",
         section=S,
     ),
     Rule(

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from lptrain.model.build_context import BuildContext
-from lptrain.model.mlp import swiglu, swiglu_linears
+from lptrain.model.mlp import activation, recomputes_activation, swiglu_linears
 
 
 class GroupedMLP(nn.Module):
@@ -39,6 +39,7 @@ class GroupedMLP(nn.Module):
         hidden = ctx.cfg.hidden_size
         self.num_local_experts = num_local_experts
         self.expert_offset = expert_offset
+        self.recompute_act = recomputes_activation(ctx)
         self.linear_fc1 = ctx.factory.grouped_linear(
             num_local_experts,
             hidden,
@@ -57,7 +58,7 @@ class GroupedMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, m_splits: Sequence[int]) -> torch.Tensor:
-        return self.linear_fc2(swiglu(self.linear_fc1(x, m_splits)), m_splits)
+        return self.linear_fc2(activation(self.recompute_act, self.linear_fc1(x, m_splits)), m_splits)
 
 
 class ExpertMLP(nn.Module):
@@ -65,10 +66,11 @@ class ExpertMLP(nn.Module):
 
     def __init__(self, ctx: BuildContext, prefix: str, expert: int, ffn: int) -> None:
         super().__init__()
+        self.recompute_act = recomputes_activation(ctx)
         self.linear_fc1, self.linear_fc2 = swiglu_linears(ctx, prefix, ffn, f".{expert}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_fc2(swiglu(self.linear_fc1(x)))
+        return self.linear_fc2(activation(self.recompute_act, self.linear_fc1(x)))
 
 
 class SequentialMLP(nn.Module):

@@ -262,6 +262,31 @@ class QuantizedTensor(torch.Tensor):
             t.numel() * t.element_size() for k in names if (t := self._fields.get(k)) is not None
         )
 
+    # ---- sharded primary weights (ZeRO-3): the data bytes exist only around their uses -----
+
+    DATA_FIELDS: ClassVar[tuple[str, ...]] = ("rowwise_data", "columnwise_data")
+
+    def release_data(self) -> None:
+        """Free the storage of the data buffers (resized to 0; scales, amaxes and the
+        tensor objects stay, so views saved for backward become valid again after
+        :meth:`restore_data`). Contents are undefined until refilled."""
+        sizes = getattr(self, "_released_bytes", None) or {}
+        for k in self.DATA_FIELDS:
+            t = self._fields.get(k)
+            if t is not None and t.untyped_storage().nbytes():
+                sizes[k] = t.untyped_storage().nbytes()
+                t.untyped_storage().resize_(0)
+        self._released_bytes = sizes
+
+    def restore_data(self) -> None:
+        """Give released data buffers their storage back (contents to be refilled: a gather
+        into an aliased buffer, then ``rebuild_columnwise``, or ``requantize_from``)."""
+        for k, n in (getattr(self, "_released_bytes", None) or {}).items():
+            t = self._fields.get(k)
+            if t is not None and t.untyped_storage().nbytes() != n:
+                t.untyped_storage().resize_(n)
+        self._released_bytes = {}
+
     def high_precision_init_value(self) -> Optional[torch.Tensor]:
         return self._hp_init
 

@@ -93,7 +93,7 @@ def _tags(p: torch.Tensor) -> tuple[Any, ...]:
 def _layout_summary(layout: Any) -> Any:
     """Buffers (key, staging dtype, sharding, buckets) and the shard count they split into."""
     return layout.dp, tuple(
-        (b.key.describe(), str(b.key.param_dtype), b.sharded,
+        (b.key.describe(), str(b.key.param_dtype), b.sharded, b.shards_grads, b.shards_params,
          tuple((k.start, k.end, k.numel_unpadded, k.params) for k in b.buckets))
         for b in layout.buffers
     )

@@ -235,6 +235,13 @@ SITES: dict[str, ByRule | NotConfig] = {
     )},
     "lptrain/data/indexed.py::IndexedDatasetWriter.__post_init__::OutputDirError: cannot write the dataset {}: {}":
         NotConfig("prepare-data's --output folder (a command-line argument, not a config key)"),
+    # data-parallel buffers
+    "lptrain/distributed/buffers.py::ParamAndGradBuffer.__init__::ValueError: ddp.reuse_grad_buf_for_mxfp8_param_ag needs":
+        ByRule("DDP-SHARDED-GRADS-NO-GRAD-BUF-REUSE",
+               ("ddp.data_parallel_sharding_strategy=optim_grads", *E4M3, "precision.fp8_recipe=mxfp8",
+                "precision.fp8_param_gather=true", "ddp.reuse_grad_buf_for_mxfp8_param_ag=true")),
+    "lptrain/distributed/buffers.py::ParamAndGradBuffer.param_slice::IndexError: params [{}, {}) are outside":
+        NotConfig("ranges the buffer computes from its own layout (its buckets' shards)"),
     # optimizers
     "lptrain/optim/distributed.py::ShardedMasterOptimizer.__init__::RuntimeError: Muon params must be whole on a rank (unsh":
         NotConfig("the layout never shards Muon buffers (plan_layout keeps them whole)"),

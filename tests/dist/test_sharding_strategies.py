@@ -1,0 +1,132 @@
+"""``ddp.data_parallel_sharding_strategy`` on real gloo ranks: ``optim_grads`` (ZeRO-2) and
+``optim_grads_params`` (ZeRO-3) train bitwise like ``optim`` (ZeRO-1).
+
+Why bitwise: the strategies change where bytes live between uses, never the values, the
+collectives or their order -- the same full-bucket grads go into the same reduce-scatter,
+the same masters are staged and gathered -- so losses, grad norms, fp32 masters, final
+params and a probe forward's logits must agree with ``torch.equal``.
+
+Selection (the issue's matrix is recipe x dense/MoE x overlap x DP size; each axis is
+covered, not every product, to stay within seconds): at DP=2 bf16 (dense, overlap, two
+micro-batches per rank so accumulation across ``no_sync`` runs), FP8 tensorwise (MoE,
+no overlap), blockwise (dense, overlap), MXFP8 (MoE, overlap), the FP8 ones with FP8
+primary weights gathered; at DP=4 MXFP8 (dense, no overlap, FP8 primary weights) and bf16
+(dense, the memory runs: one step).
+Every recipe appears with and without param gather interplay, dense and MoE, overlap on
+and off, and each DP size has a quantized and an unquantized case.
+"""
+
+from __future__ import annotations
+
+import _engine_cases as C
+import _sharding_cases as S
+import pytest
+
+from lptrain.testing.dist import run_distributed
+from lptrain.testing.parity import first_difference
+
+pytestmark = pytest.mark.dist
+
+STRATEGIES = ("optim", "optim_grads", "optim_grads_params")
+MB2 = ["train.micro_batch_size=2"]
+
+DP2 = {
+    "bf16-dense-overlap-mb2": [*C.OVERLAP, *MB2],
+    "tensorwise-moe-sync": [*C.TENSORWISE, *C.FP8_PG, *C.MOE, *C.NO_OVERLAP],
+    "blockwise-dense-overlap": [*C.BLOCKWISE, *C.FP8_PG, *C.OVERLAP],
+    "mxfp8-moe-overlap": [*C.MXFP8, *C.FP8_PG, *C.MOE, *C.OVERLAP],
+}
+DP4 = {"mxfp8-dense-sync": [*C.MXFP8, *C.FP8_PG, *C.NO_OVERLAP, *MB2]}
+
+
+# Recompute at DP=2 (DP=1: tests/unit/model/test_recompute.py): a matrix case (the "off"
+# run) again with recompute on, in the same world; under ZeRO-2 and ZeRO-3 too, where the
+# recompute's forwards gather params the backward then reads.
+RECOMPUTE_DP2 = {
+    "tensorwise-moe-sync|optim": ["model.recompute_granularity=full"],
+    "blockwise-dense-overlap|optim_grads_params": ["model.recompute_granularity=selective",
+                                                   "model.recompute_modules=[mlp,core_attn]"],
+    "mxfp8-moe-overlap|optim_grads": ["model.recompute_granularity=full", "model.recompute_method=block"],
+}
+
+
+def _recompute_cases(matrix: dict[str, list[str]]) -> dict[str, list[str]]:
+    return {f"{case}|recompute": [*matrix[case], *mode] for case, mode in RECOMPUTE_DP2.items()}
+
+
+def _cases(base: dict[str, list[str]]) -> dict[str, list[str]]:
+    return {f"{name}|{s}": [*ov, f"ddp.data_parallel_sharding_strategy={s}"]
+            for name, ov in base.items() for s in STRATEGIES}
+
+
+def _assert_matrix(per_rank: list[dict], base: dict[str, list[str]]) -> None:
+    m = per_rank[0]["matrix"]
+    for name in base:
+        ref = m[f"{name}|optim"]
+        for s in STRATEGIES[1:]:
+            d = first_difference(ref, m[f"{name}|{s}"])
+            assert d is None, f"{name}: {s} differs from optim: {d}"
+    for r in per_rank[1:]:  # every rank holds the same final params
+        for case in (c for c in m if "|" in c and c.split("|")[0] in base):
+            d = first_difference(m[case]["raw"], r["matrix"][case]["raw"])
+            assert d is None, f"{case}: ranks differ: {d}"
+
+
+def _assert_memory(mem: dict, dp: int) -> None:
+    """Measured bytes (``memory_breakdown()``, padding included): ``optim`` holds the whole
+    padded grad buffer and every param, ``optim_grads`` this rank's shard of every bucket's
+    grads -- exactly 1/dp of the buffer (the layout pads every bucket to a multiple of dp) --
+    and ``optim_grads_params`` the same shard of the params too. The param elements in a
+    shard are what the planner's accounting (``kept_grad_elements``) says: 1/dp of all
+    param elements up to the padding the layout reports."""
+    full, z2, z3 = mem["optim"], mem["optim_grads"], mem["optim_grads_params"]
+    grad_bytes, param_bytes = 4, 2  # fp32 grads, bf16 params
+    used = sum(u for u, _ in z2["kept"])
+    pad = sum(p for _, p in z2["kept"])
+    assert full["measured"]["grads"] == full["padded"] * grad_bytes
+    for z in (z2, z3):
+        assert z["measured"]["grads"] == (used + pad) * grad_bytes
+        assert z["measured"]["grads"] * dp == full["measured"]["grads"]
+    # a shard holds 1/dp of the param elements, off by at most the buffer's whole padding
+    assert abs(used * dp - full["unpadded"]) <= dp * (full["padded"] - full["unpadded"])
+    assert full["measured"]["params"] == full["unpadded"] * param_bytes
+    assert z2["measured"]["params"] == full["measured"]["params"]
+    assert z3["measured"]["params"] == used * param_bytes
+    assert z3["measured"]["param_buffer"] == pad * param_bytes  # (the shard's padding)
+
+
+def test_strategies_bitwise_dp2_with_eval_resume_and_memory() -> None:
+    spec = {
+        "matrix": {**_cases(DP2), **_recompute_cases(_cases(DP2))},
+        "eval": {k: v for k, v in _cases(DP2).items() if k == "mxfp8-moe-overlap|optim_grads_params"},
+        "resume": ([*C.BLOCKWISE, *C.FP8_PG, *C.OVERLAP], ["optim_grads_params", "optim", "optim_grads"]),
+        "memory": ([*C.NO_OVERLAP], list(STRATEGIES)),
+    }
+    res = run_distributed(S.run_suite, 2, args=(spec,), timeout_s=400)
+    _assert_matrix(res, DP2)
+    m = res[0]["matrix"]
+    for case in RECOMPUTE_DP2:
+        d = first_difference(m[case], m[f"{case}|recompute"])
+        assert d is None, f"{case}: recompute changed training at DP=2: {d}"
+    # train-eval-train with forced syncs == train only (the matrix's optim_grads run)
+    for case, ev in res[0]["eval"].items():
+        ref = {k: res[0]["matrix"][case][k] for k in ev}
+        d = first_difference(ref, ev)
+        assert d is None, f"{case}: eval and forced syncs changed training: {d}"
+    resume = res[0]["resume"]
+    for s in STRATEGIES:
+        d = first_difference(resume["continued"], resume[s])
+        assert d is None, f"saved under optim_grads_params, resumed under {s}: {d}"
+    _assert_memory(res[0]["memory"], 2)
+
+
+def test_strategies_bitwise_dp4_and_memory() -> None:
+    spec = {"matrix": _cases(DP4), "memory": ([*C.NO_OVERLAP, *MB2], list(STRATEGIES))}
+    res = run_distributed(S.run_suite, 4, args=(spec,), timeout_s=400)
+    _assert_matrix(res, DP4)
+    for r in res:
+        _assert_memory(r["memory"], 4)
+        # the memory runs (bf16, one step) train alike too
+        for s in STRATEGIES[1:]:
+            d = first_difference(r["memory"]["optim"]["trained"], r["memory"][s]["trained"])
+            assert d is None, f"bf16 DP=4: {s} differs from optim: {d}"

@@ -1,0 +1,84 @@
+"""Activation recompute is bitwise invisible (DP=1; DP=2 runs in tests/dist/test_sharding_strategies.py).
+
+Every recipe -- bf16, FP8 delayed (history 16), tensorwise, blockwise, MXFP8, NVFP4 with its
+random Hadamard transform and stochastic rounding (both on by default) -- trains 3 steps
+without recompute and with one recompute setting; losses, grad norms, fp32 masters, final
+params and a probe forward's logits must be ``torch.equal``. Why bitwise: a recompute
+replays the same fp32 ops on the same values (torch's RNG state restored; per quantized
+GEMM the forward's delayed-scaling scales and quantized weights reused, no amax recorded;
+SR bits are drawn only by gradient quantizers, in the one backward), and the backward then
+runs the same ops it runs without recompute.
+
+Selection (recipe x mode is 6 x 5; one mode per recipe keeps this to seconds, and every mode
+meets a stateful recipe): delayed/full-uniform, tensorwise/full-block, blockwise/selective
+core_attn+mlp_act, mxfp8 with FP8 primary weights/selective mlp (GEMMs inside), nvfp4/
+full-uniform in chunks of 2, bf16/selective mlp on a MoE model.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from lptrain.testing.parity import first_difference, patched, train_steps
+
+# (the overrides tests/dist/_engine_cases.py uses, for the same tiny recipe)
+_EMU = ["precision.backend=emulated"]
+C = SimpleNamespace(
+    TINY="tiny_cpu.yaml",
+    BASE=["data.builtin_max_mb=1", "train.eval_iters=1", "logging.progress=false",
+          "optimizer.warmup_iters=0", "optimizer.lr=0.01"],
+    EMU=_EMU,
+    DISTOPT=["ddp.use_distributed_optimizer=true"],
+    MOE=["model.moe.num_experts=4", "model.moe.router_topk=2", "model.moe.ffn_hidden_size=64",
+         "model.moe.grouped_gemm=true"],
+    TENSORWISE=[*_EMU, "precision.fp8_format=e4m3", "precision.fp8_recipe=tensorwise"],
+    BLOCKWISE=[*_EMU, "precision.fp8_format=e4m3", "precision.fp8_recipe=blockwise"],
+    MXFP8=[*_EMU, "precision.fp8_format=e4m3", "precision.fp8_recipe=mxfp8"],
+    DELAYED=[*_EMU, "precision.fp8_format=hybrid", "precision.fp8_recipe=delayed",
+             "precision.fp8_amax_history_len=16"],
+    NVFP4=[*_EMU, "precision.fp4_format=e2m1", "precision.fp4_recipe=nvfp4"],
+    FP8_PG=["precision.fp8_param_gather=true"],
+    REUSE=["ddp.reuse_grad_buf_for_mxfp8_param_ag=true"],
+)
+FULL = ["model.recompute_granularity=full"]
+CASES = {
+    "delayed-full-uniform": (C.DELAYED, FULL),
+    "tensorwise-full-block": (C.TENSORWISE, [*FULL, "model.recompute_method=block"]),
+    "blockwise-selective-act": (C.BLOCKWISE, ["model.recompute_granularity=selective",
+                                              "model.recompute_modules=[core_attn,mlp_act]"]),
+    "mxfp8-pg-selective-mlp": ([*C.MXFP8, *C.FP8_PG, *C.DISTOPT, *C.REUSE],
+                               ["model.recompute_granularity=selective", "model.recompute_modules=[mlp]"]),
+    "nvfp4-full-chunks": (C.NVFP4, [*FULL, "model.recompute_num_layers=2"]),
+    "bf16-moe-selective-mlp": ([*C.EMU, *C.MOE], ["model.recompute_granularity=selective",
+                                                  "model.recompute_modules=[mlp,mlp_act]"]),
+}
+KEYS = ("losses", "grad_norms", "masters", "raw", "logits")
+
+
+def _run(ov: list[str]) -> dict:
+    r = train_steps(C.TINY, [*C.BASE, *ov], steps=3)
+    return {k: r[k] for k in KEYS}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_recompute_is_bitwise_invisible(case: str) -> None:
+    recipe, mode = CASES[case]
+    d = first_difference(_run(recipe), _run([*recipe, *mode]))
+    assert d is None, f"{case}: recompute changed training: {d}"
+
+
+def test_recomputed_amaxes_would_break_delayed_scaling() -> None:
+    """The protection matters: with the recompute allowed to record amaxes again (the
+    ``amax_untouched`` guard replaced by a no-op), the backward's recompute leaks this
+    step's input amaxes into the next step's slot, and delayed scaling diverges."""
+    import contextlib
+
+    from lptrain.precision import autocast
+
+    recipe, mode = CASES["delayed-full-uniform"]
+    ref = _run(recipe)
+    with patched(autocast, "amax_untouched", lambda slots: contextlib.nullcontext()):
+        broken = _run([*recipe, *mode])
+    assert first_difference(ref["masters"], broken["masters"]) is not None
