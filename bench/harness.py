@@ -184,10 +184,10 @@ class BaselineStore:
     """The accepted figures of one bench in ``bench/baseline.json`` (``{bench: {figure:
     {"median", "spread", "minmin"}}}``); written only on request (``--save-baseline``)."""
 
-    def __init__(self, bench: str, path: Path = BASELINE_PATH) -> None:
-        self.bench, self.path = bench, path
+    def __init__(self, bench: str, path: Optional[Path] = None) -> None:
+        self.bench, self.path = bench, path or BASELINE_PATH
         self._all: dict[str, dict[str, dict[str, float]]] = (
-            json.loads(path.read_text()) if path.exists() else {}
+            json.loads(self.path.read_text()) if self.path.exists() else {}
         )
 
     def accepted(self, figure: str) -> Optional[float]:

@@ -211,7 +211,7 @@ class NVFP4Quantizer(Quantizer):
         """int32 E2M1 codes of fp32(x * enc) (RNE, or SR with fresh bits), in ``ws``."""
         y = torch.mul(x, enc, out=ws.get("y", x.shape, torch.float32))
         if self.stochastic_rounding:
-            return sr_e2m1_codes_i32(y, draw_rbits(y.numel(), self.generator, y.device), ws)
+            return sr_e2m1_codes_i32(y, draw_rbits(y.numel(), self.generator, y.device, ws), ws)
         return e2m1_codes_i32(y, ws)
 
     def _quantize_blocks(
