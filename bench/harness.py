@@ -260,7 +260,13 @@ def report(console: Console, bench: str, title: str, figures: list[Figure],
                   f"interval; REGRESSED = more than {REGRESSION - 1:.0%} worse than the accepted "
                   f"figure ({BASELINE_PATH.name})")
     if args is not None and getattr(args, "save_baseline", False):
-        store.save(figures)
-        console.print(f"accepted: {len(figures)} figures written to bench/{BASELINE_PATH.name} [{bench}]")
+        # a figure still spread wider than the goal (a loaded machine, the cap reached) would
+        # make a noisy baseline: only converged and deterministic figures are accepted
+        goal = getattr(args, "spread", 0.05)
+        tight = [f for f in figures if len(f.samples) == 1 or f.spread <= goal]
+        store.save(tight)
+        skipped = [f.name for f in figures if f not in tight]
+        console.print(f"accepted: {len(tight)} figures written to bench/{BASELINE_PATH.name} [{bench}]"
+                      + (f"; not accepted (spread above {goal:.0%}): {', '.join(skipped)}" if skipped else ""))
     console.print(f"overall: {'PASS' if ok else 'FAIL'}")
     return ok

@@ -65,3 +65,16 @@ def test_report_saves_and_then_flags_against_the_saved_baseline(tmp_path: Path, 
     assert harness.BaselineStore("b").accepted("x") == 1.0
     assert not harness.report(console, "b", "t", [harness.Figure("x", [1.5, 1.5, 1.5], target=2.0)], Args())
     assert "PASS REGRESSED" in out.getvalue()
+
+
+def test_save_baseline_accepts_only_converged_figures(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(harness, "BASELINE_PATH", tmp_path / "baseline.json")
+
+    class Args:
+        save_baseline = True
+        spread = 0.05
+
+    noisy = harness.Figure("noisy", [1.0, 3.0, 2.0, 5.0, 1.0])
+    harness.report(Console(file=io.StringIO()), "b", "t", [noisy, harness.Figure("tight", [1.0] * 5)], Args())
+    store = harness.BaselineStore("b")
+    assert store.accepted("tight") == 1.0 and store.accepted("noisy") is None
