@@ -24,12 +24,13 @@ test: install
 lint: install
 	$(BIN)/ruff check lptrain tests bench
 
+# Every bench under bench/ (about 20 minutes on 2 shared cores: each measurement repeats until
+# its medians are tight or its time cap is reached; see README "Benchmarks"). A FAIL or
+# REGRESSED does not stop the others.
+BENCHES := quantize model_step train_step ddp optim moe data hf_export muon_vs_adamw
+
 bench: install
-	$(BIN)/python bench/quantize.py
-	$(BIN)/python bench/model_step.py
-	$(BIN)/python bench/data.py
-	$(BIN)/python bench/hf_export.py
-	$(BIN)/python bench/muon_vs_adamw.py
+	@for b in $(BENCHES); do echo "== bench/$$b.py"; $(BIN)/python bench/$$b.py || echo "bench/$$b.py exited $$?"; done
 
 # On a machine with a CUDA GPU and a CUDA torch (>= 2.11) already installed: no venv (its CPU
 # torch would shadow the GPU build), lptrain from this checkout. With OUT set (an environment

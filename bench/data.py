@@ -6,14 +6,17 @@
    the same run: ``tokenizers``' ``encode_batch`` single-threaded (the 1-worker baseline)
    and on its Rust thread pool (the 2-worker baseline); for the byte tokenizer, its own
    ``encode_batch``. Targets: prepare-data >= 85% of the baseline, 2 workers >= 1.6x one.
-   All candidates are timed in alternating rounds, best round each (``--rounds``).
+   All candidates are timed in alternating rounds (``bench/harness.py``: repeated until each
+   ratio's median is known within ``--spread`` or ``--cap`` seconds pass).
 2. Loader throughput: tokens/s delivered by GPTDataset + BlendedStream + GlobalBatchSampler
    + collation into torch tensors, against a plain ``numpy.memmap`` slice-and-copy of the same
    token file at random offsets (target: loader >= 50% of raw).
-   Both are timed in alternating short rounds, best round each (robust on a shared machine).
+   Both are timed in alternating short rounds (``--seconds`` each), repeated the same way.
 3. Loader tokens/s over the tokens/s one tiny_cpu training step consumes (2 layers, hidden 64,
    seq 128, batch 4, plain PyTorch forward + backward; or ``--step-tokens-per-s``),
    target >= 100x.
+Every ratio is the median of per-round ratios, with its spread and min/min; a figure more
+than 25% worse than ``bench/baseline.json`` reads REGRESSED (``--save-baseline`` accepts).
 """
 
 from __future__ import annotations
@@ -29,8 +32,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from harness import Figure, Ratio, add_args, report, rounds
 from rich.console import Console
-from rich.table import Table
 
 from lptrain.config.schema import DataConfig
 from lptrain.data.builtin import stdlib_files
@@ -39,17 +42,6 @@ from lptrain.data.loader import build_train_valid_loaders
 from lptrain.data.prepare import available_cpus, prepare_dataset
 from lptrain.data.sources import iter_documents
 from lptrain.data.tokenizer import ByteTokenizer, train_bpe
-
-
-def _best_of(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
-    """Fastest wall time of each function over ``rounds`` alternating rounds."""
-    best = dict.fromkeys(fns, float("inf"))
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            best[name] = min(best[name], time.perf_counter() - t0)
-    return best
 
 
 @contextlib.contextmanager
@@ -65,8 +57,8 @@ def _parallelism(on: bool) -> Iterator[None]:
             os.environ["TOKENIZERS_PARALLELISM"] = old
 
 
-def bench_tokenize(files: list[Path], tmp: Path, bpe_vocab: int, rounds: int) -> list[dict[str, object]]:
-    """One row per tokenizer: MB/s of the baselines and of prepare-data at 1 and 2 workers."""
+def bench_tokenize(files: list[Path], tmp: Path, bpe_vocab: int, args: argparse.Namespace) -> tuple[list[Figure], str]:
+    """Per tokenizer: prepare-data against the baselines and 2 workers against 1 (figures)."""
     import tokenizers
 
     tok_path = tmp / "bench.tokenizer.json"
@@ -96,7 +88,7 @@ def bench_tokenize(files: list[Path], tmp: Path, bpe_vocab: int, rounds: int) ->
                 h.update(data)
                 out.write(data)
 
-    rows = []
+    figures, lines = [], []
     for name, spec, base1, base2 in (
         ("byte", "byte", ("own encode_batch", lambda: ByteTokenizer().encode_batch(docs)),
          ("read+checksum+write", io_floor)),
@@ -104,9 +96,22 @@ def bench_tokenize(files: list[Path], tmp: Path, bpe_vocab: int, rounds: int) ->
          ("encode_batch Rust pool", bpe_pool)),
     ):
         fns = {"base1": base1[1], "base2": base2[1], "prep1": prepare(name, spec, 1), "prep2": prepare(name, spec, 2)}
-        rate = {k: mb / v for k, v in _best_of(fns, rounds).items()}
-        rows.append({"tokenizer": name, "mb": mb, "base1_name": base1[0], "base2_name": base2[0], **rate})
-    return rows
+        byte = name == "byte"
+        # MB/s ratios are time ratios inverted (num = the baseline's time); byte: its encoding
+        # is a memory copy and a second worker has nothing to take over: its rows are info
+        ratios = [
+            Ratio(f"{name} prepare 1 worker / {base1[0]}", "base1", "prep1", None if byte else 0.85, True),
+            Ratio(f"{name} prepare 2 workers / {base2[0] if not byte else base1[0]}",
+                  "base1" if byte else "base2", "prep2", None if byte else 0.85, True),
+            Ratio(f"{name} 2 workers / 1 worker", "prep1", "prep2", None if byte else 1.6, True),
+        ]
+        if byte:
+            ratios.append(Ratio(f"{name} prepare 1 worker / {base2[0]}", "base2", "prep1", None, True))
+        r = rounds(args, ratios).run(fns, warmup=0)
+        figures += r.figures()
+        lines.append(f"{name}: {mb:.1f} MB, {r.n} rounds ({r.stop_reason()}); "
+                     + ", ".join(f"{k} {mb / min(v):.2f} MB/s best" for k, v in r.series.items()))
+    return figures, "\n".join(lines)
 
 
 def _timed(fn, tokens_per_call: int, seconds: float) -> float:  # type: ignore[no-untyped-def]
@@ -118,17 +123,7 @@ def _timed(fn, tokens_per_call: int, seconds: float) -> float:  # type: ignore[n
     return n * tokens_per_call / dt
 
 
-def _best_interleaved(fns: list, tokens_per_call: int, seconds: float, rounds: int = 6) -> list[float]:  # type: ignore[type-arg]
-    """Best-of-rounds rate of each fn, alternating short rounds so that load from other
-    processes on a shared machine hits all candidates alike."""
-    best = [0.0] * len(fns)
-    for _ in range(rounds):
-        for k, fn in enumerate(fns):
-            best[k] = max(best[k], _timed(fn, tokens_per_call, seconds / rounds))
-    return best
-
-
-def bench_loader(prefix: str, seq: int, mbs: int, seconds: float) -> tuple[float, float]:
+def bench_loader(prefix: str, seq: int, mbs: int, args: argparse.Namespace, step_rate: float) -> list[Figure]:
     cfg = DataConfig(source=prefix, split_valid_fraction=0.0)
     train, _ = build_train_valid_loaders(cfg, seq, mbs, mbs, 0, 1, 259)
 
@@ -146,8 +141,18 @@ def bench_loader(prefix: str, seq: int, mbs: int, seconds: float) -> tuple[float
             buf[r] = mm[s : s + seq + 1]
         _ = (torch.from_numpy(np.ascontiguousarray(buf[:, :-1])), torch.from_numpy(np.ascontiguousarray(buf[:, 1:])))
 
-    loader_rate, raw_rate = _best_interleaved([lambda: next(train), raw], mbs * seq, 2 * seconds)
-    return loader_rate, raw_rate
+    # costs in seconds per token (the inverse of each short window's rate)
+    window = args.seconds / 3
+    costs = {"loader": lambda: 1 / _timed(lambda: next(train), mbs * seq, window),
+             "raw": lambda: 1 / _timed(raw, mbs * seq, window)}
+    r = rounds(args, [Ratio(f"loader / raw memmap, seq {seq} mbs {mbs}", "raw", "loader", 0.5, True)])
+    while not r.done():
+        r.add({k: f() for k, f in costs.items()})
+    figures = r.figures()
+    if seq == 128:
+        figures.append(Figure(f"loader / tiny step, seq {seq} mbs {mbs}",
+                              [1 / c / step_rate for c in r.series["loader"]], 100.0, True, unit="x"))
+    return figures
 
 
 def tiny_step_tokens_per_s(seconds: float) -> float:
@@ -181,36 +186,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mb", type=float, default=8.0, help="corpus size: first N MB of the stdlib sources")
     ap.add_argument("--bpe-vocab", type=int, default=4096)
-    ap.add_argument("--rounds", type=int, default=3, help="alternating timing rounds per candidate")
-    ap.add_argument("--seconds", type=float, default=1.5, help="time per loader/step measurement")
+    ap.add_argument("--seconds", type=float, default=1.5, help="time per loader/step measurement round")
     ap.add_argument("--step-tokens-per-s", type=float, default=None, help="skip timing the tiny step")
+    add_args(ap, cap_s=25.0, min_rounds=3)
     args = ap.parse_args()
     torch.set_num_threads(2)
     console = Console(width=130)
     files = stdlib_files(int(args.mb * 1e6))
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        tok_rows = bench_tokenize(files, tmp, args.bpe_vocab, args.rounds)
-        t = Table(title=f"prepare-data throughput ({len(files)} stdlib files, {tok_rows[0]['mb']:.1f} MB, "
-                  f"{available_cpus()} CPUs, best of {args.rounds} rounds)")
-        for c in ("tokenizer", "workers", "prepare-data MB/s", "baseline", "baseline MB/s", "ratio", "scaling"):
-            t.add_column(c, justify="right")
-        for r in tok_rows:
-            byte = r["tokenizer"] == "byte"
-            # byte: both workers against the tokenizer, and 1 worker against the I/O floor too
-            pairs = [("1", "prep1", "base1"), ("2", "prep2", "base1" if byte else "base2")]
-            if byte:
-                pairs.append(("1", "prep1", "base2"))
-            for workers, prep, base in pairs:
-                t.add_row(str(r["tokenizer"]) if workers == "1" and base == "base1" else "", workers,
-                          f"{r[prep]:.2f}", str(r[f"{base}_name"]), f"{r[base]:.2f}", f"{r[prep] / r[base]:.0%}",
-                          f"{r['prep2'] / r['prep1']:.2f}x" if prep == "prep2" else "")
-        console.print(t)
-        console.print("targets: prepare-data >= 85% of the tokenizer's own batch encoding, 2 workers >= 1.6x "
-                      "one worker (other load on a shared machine lowers the scaling). The byte tokenizer's "
-                      "encoding is a memory copy: prepare-data is bounded by reading, checksumming and "
-                      "writing instead (the read+checksum+write row)")
-
+        figures, tok_note = bench_tokenize(files, tmp, args.bpe_vocab, args)
         prefix = str(tmp / "tok-byte-1")
         # Fastest of 1 and 2 torch threads (oversubscribed threads can be far slower on a busy
         # machine); the faster step is the stricter bound for the loader/step ratio.
@@ -222,20 +207,16 @@ def main() -> None:
                 rates[threads] = tiny_step_tokens_per_s(args.seconds)
             step_threads = max(rates, key=lambda k: rates[k])
             step = rates[step_threads]
-        t = Table(title="loader throughput (byte dataset, tokens/s)")
-        for c in ("seq", "mbs", "loader", "raw memmap", "loader/raw", "loader/tiny step"):
-            t.add_column(c, justify="right")
         for seq, mbs in ((128, 4), (1024, 8), (4096, 8)):
-            loader, raw = bench_loader(prefix, seq, mbs, args.seconds)
-            t.add_row(str(seq), str(mbs), f"{loader / 1e6:.1f} M", f"{raw / 1e6:.1f} M",
-                      f"{loader / raw:.0%}", f"{loader / step:.0f}x" if seq == 128 else "")
-        console.print(t)
+            figures += bench_loader(prefix, seq, mbs, args, step)
         src = (
             "given"
             if args.step_tokens_per_s
             else f"measured: 2 layers, hidden 64, seq 128, batch 4, fwd+bwd+AdamW, {step_threads} torch thread(s)"
         )
-        console.print(f"tiny_cpu step consumes {step:,.0f} tokens/s ({src}); targets: loader/raw >= 50%, loader/step >= 100x")
+    note = (f"prepare-data on {len(files)} stdlib files, {available_cpus()} CPUs (other load on a shared machine "
+            f"lowers the 2-worker scaling)\n{tok_note}\ntiny_cpu step consumes {step:,.0f} tokens/s ({src})")
+    report(console, "data", "data pipeline: prepare-data and loader throughput (ratios of rates)", figures, args, note)
 
 
 if __name__ == "__main__":

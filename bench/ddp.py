@@ -8,7 +8,10 @@ held by lptrain's buffers against the analytic minimum (every param's grad in th
 dtype, plus its param-buffer bytes with the distributed optimizer, no padding).
 Targets: lptrain's step at most 1.15x torch DDP's for the overlapped variants (torch DDP
 overlaps its all-reduce with the backward, so they are the like-for-like comparison; the
-non-overlapped ones are printed for reference); padding under 1%.
+non-overlapped ones are printed for reference); padding under 1%. Rounds (every variant
+once, each after a barrier, the slowest rank's time) repeat until each ratio's median is
+known within ``--spread`` or ``--cap`` seconds pass (``bench/harness.py``; REGRESSED
+against ``bench/baseline.json``).
 
 The sharding strategies (``ddp.data_parallel_sharding_strategy``) against ``optim`` (the
 distributed optimizer with overlap) in the same world: ``optim_grads`` at most 1.05x its
@@ -16,15 +19,16 @@ step, ``optim_grads_params`` with prefetch (``ddp.overlap_param_gather``) at mos
 their bytes per rank against the analytic minimum of the strategy (grads and/or params
 divided by the data-parallel size).
 
-    .venv/bin/python bench/ddp.py [--steps 20]
+    .venv/bin/python bench/ddp.py [--cap 60] [--save-baseline]
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from typing import Any
+
+from harness import Ratio, add_args, report, rounds
 
 STEP_TARGET = 1.15
 PAD_TARGET = 1.0  # percent
@@ -53,7 +57,21 @@ VARIANTS = {
 OPTIM = "distopt, overlap on"  # the strategies' baseline (data_parallel_sharding_strategy=optim)
 
 
-def _rank(rank: int, world: int, steps: int) -> dict[str, Any]:
+def _strategy(name: str) -> str:
+    return name.split(",")[0]
+
+
+def _ratios() -> list[Ratio]:
+    """The engine variants against torch DDP; the sharding strategies against ``optim``."""
+    vs_torch = [Ratio(f"{name} vs torch DDP", name, "torch DDP",
+                      STEP_TARGET if "overlap on" in name and _strategy(name) not in STRATEGY_TARGETS else None)
+                for name in VARIANTS]
+    vs_optim = [Ratio(f"{name} vs optim", name, OPTIM, STRATEGY_TARGETS[_strategy(name)])
+                for name in VARIANTS if _strategy(name) in STRATEGY_TARGETS]
+    return vs_torch + vs_optim
+
+
+def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from lptrain.config import World, derive
@@ -96,15 +114,19 @@ def _rank(rank: int, world: int, steps: int) -> dict[str, Any]:
     fns = {name: (lambda s, e=engines[name], it=its[name]: e.train_step([next(it) for _ in range(n)], s))
            for name in VARIANTS}
     fns["torch DDP"] = torch_step
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for step in range(1, steps + 4):
+    r = rounds(args, _ratios())
+    step = 0
+    while True:
+        step += 1
+        times = {}
         for name, fn in fns.items():
             torch.distributed.barrier()
             t0 = time.perf_counter()
             fn(step)
             torch.distributed.barrier()
-            if step > 3:
-                times[name].append(time.perf_counter() - t0)
+            times[name] = time.perf_counter() - t0
+        if step > 3 and r.add_max_over_ranks(times):  # 3 warm-up steps
+            break
     memory = {}
     for name, e in engines.items():
         held = sum(sum(b.nbytes().values()) for b in e.ddp.buffers)
@@ -117,46 +139,31 @@ def _rank(rank: int, world: int, steps: int) -> dict[str, Any]:
             for b in e.layout.buffers
         )
         memory[name] = (held, minimum, e.layout.padding_percent())
-    return {"times": {k: statistics.median(v) for k, v in times.items()}, "memory": memory}
+    return {"series": r.series, "memory": memory}
 
 
 def main() -> None:
+    import statistics
+
+    from harness import Figure, Rounds
     from rich.console import Console
-    from rich.table import Table
 
     from lptrain.testing.dist import run_distributed
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=20)
+    add_args(ap, cap_s=60.0)
     args = ap.parse_args()
-    res = run_distributed(_rank, 2, args=(args.steps,), timeout_s=900)[0]
-    base = res["times"]["torch DDP"]
-    table = Table(title=f"DP=2 step time vs torch DDP (target <= {STEP_TARGET:.2f}x), buffers")
-    for col in ("variant", "step ms", "vs torch DDP", "buffer bytes/rank", "analytic min", "padding", "result"):
-        table.add_column(col)
-    ok = True
-    for name, t in res["times"].items():
-        ratio = t / base
-        row = [name, f"{t * 1e3:.1f}", f"{ratio:.2f}x"]
-        if name in res["memory"]:
-            held, minimum, pad = res["memory"][name]
-            judged = "overlap on" in name
-            passed = (ratio <= STEP_TARGET or not judged) and pad < PAD_TARGET
-            verdict = ("PASS" if passed else "FAIL") if judged else ("info" if passed else "FAIL")
-            strategy = name.split(",")[0]
-            if strategy in STRATEGY_TARGETS:  # judged against optim, not torch DDP
-                ratio = t / res["times"][OPTIM]
-                passed = ratio <= STRATEGY_TARGETS[strategy] and pad < PAD_TARGET
-                verdict = f"{'PASS' if passed else 'FAIL'} ({ratio:.2f}x optim, target <= " \
-                          f"{STRATEGY_TARGETS[strategy]:.2f}x)"
-            row += [f"{held:,}", f"{minimum:,.0f}", f"{pad:.3f}%", verdict]
-            ok &= passed
-        else:
-            row += ["", "", "", "baseline"]
-        table.add_row(*row)
-    console = Console(width=170)
-    console.print(table)
-    console.print(f"overall: {'PASS' if ok else 'FAIL'}")
+    res = run_distributed(_rank, 2, args=(args,), timeout_s=900)[0]
+    r = Rounds(_ratios(), series=res["series"])
+    figures = r.figures()
+    lines = [f"{r.n} rounds; " + ", ".join(f"{name} {statistics.median(v) * 1e3:.1f} ms"
+                                          for name, v in r.series.items())]
+    for name, (held, minimum, pad) in res["memory"].items():
+        # deterministic: one sample, no spread
+        figures.append(Figure(f"{name} padding", [pad], PAD_TARGET, unit="%"))
+        lines.append(f"{name}: buffer bytes/rank {held:,} (analytic min {minimum:,.0f})")
+    report(Console(width=140), "ddp", "DP=2 step time vs torch DDP (2 gloo ranks, slowest rank per round)",
+           figures, args, "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -12,22 +12,22 @@ device, then materialised once (``torch.empty``: the values do not matter for sp
   ``safetensors.torch.load_file`` of the baseline's file and the cast to fp32.
 
 Both are reported in seconds per GB of written weights, each with its ratio to the baseline
-measured in the same run (best of ``--rounds`` alternating rounds, the page cache warm for
-both). ``--layers`` shrinks the layer count for machines with little memory (peak is about
+measured in the same run (alternating rounds, the page cache warm for both, repeated until
+each ratio's median is known within ``--spread`` or ``--cap`` seconds pass; ``bench/harness.py``,
+REGRESSED against ``bench/baseline.json``). ``--layers`` shrinks the layer count for machines with little memory (peak is about
 3x the fp32 size).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from harness import Ratio, add_args, report, rounds
 from rich.console import Console
-from rich.table import Table
 
 from lptrain.config import compose
 from lptrain.interop.hf_arch import architecture_for
@@ -39,22 +39,12 @@ from lptrain.model.state_dict_adapter import canonical_state_dict
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def best_time(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
-    best = dict.fromkeys(fns, float("inf"))
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            best[name] = min(best[name], time.perf_counter() - t0)
-    return best
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=16, help="layers of the 1B layout to build (default: all 16)")
     ap.add_argument("--dtype", choices=list(DTYPES), default="bf16")
-    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-shard-size", type=int, default=5 * 10**9, help="bytes per shard (transformers: 5GB)")
+    add_args(ap, cap_s=60.0, min_rounds=3)
     args = ap.parse_args()
     torch.set_num_threads(2)
     cfg = compose("bf16_adamw.yaml", [f"model.num_layers={args.layers}", "run.device=cpu",
@@ -86,18 +76,17 @@ def main() -> None:
         def load_file() -> None:
             _ = {k: v.float() for k, v in st.load_file(str(base / "model.safetensors")).items()}
 
-        t = best_time({"export": export, "save_file": save_file, "import": import_, "load_file": load_file},
-                      args.rounds)
-    table = Table(title=f"{arch.name} {args.layers}-layer 1B layout, {sum(s.numel() for s in shapes.values()) / 1e9:.2f}B "
-                  f"weights, {gb:.2f} GB in {args.dtype}, best of {args.rounds}")
-    for c in ("step", "lptrain s/GB", "baseline", "baseline s/GB", "lptrain / baseline"):
-        table.add_column(c, justify="right")
-    for step, baseline in (("export", "save_file"), ("import", "load_file")):
-        table.add_row(step, f"{t[step] / gb:.2f}", f"safetensors.torch.{baseline}", f"{t[baseline] / gb:.2f}",
-                      f"{t[step] / t[baseline]:.2f}x")
-    Console(width=120).print(table)
-    print("both sides cast (fp32 -> dtype on export, back to fp32 on import); lptrain also cuts and "
-          "merges QKV and gate/up and drops the vocabulary padding")
+        ratios = [Ratio("export / safetensors save_file", "export", "save_file"),
+                  Ratio("import / safetensors load_file", "import", "load_file")]
+        r = rounds(args, ratios).run(
+            {"export": export, "save_file": save_file, "import": import_, "load_file": load_file}, warmup=0)
+    n = sum(s.numel() for s in shapes.values()) / 1e9
+    note = (f"{arch.name} {args.layers}-layer 1B layout, {n:.2f}B weights, {gb:.2f} GB in {args.dtype}, "
+            f"{r.n} rounds ({r.stop_reason()}): "
+            + ", ".join(f"{k} {statistics.median(v) / gb:.2f} s/GB" for k, v in r.series.items())
+            + "\nboth sides cast (fp32 -> dtype on export, back to fp32 on import); lptrain also cuts and "
+            "merges QKV and gate/up and drops the vocabulary padding")
+    report(Console(width=120), "hf_export", "Hugging Face export / import vs safetensors", r.figures(), args, note)
 
 
 if __name__ == "__main__":

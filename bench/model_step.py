@@ -6,23 +6,30 @@ fused QKV, RoPE, causal SDPA, SwiGLU, untied head). Both get the same weights an
 its loss must equal lptrain's fp32 loss before anything is timed. lptrain runs with fp32
 params, bf16 params (the factory computes in fp32; target <= 1.10x the reference) and each
 quantized recipe (emulated backend, bf16 params). Steps of all variants are interleaved
-per repeat so machine-load drift hits them alike; the median over repeats is reported.
+per round so machine-load drift hits them alike (``bench/harness.py``: rounds repeat until
+every ratio's median is known within ``--spread`` or ``--cap`` seconds pass; a figure more
+than 25% worse than ``bench/baseline.json`` reads REGRESSED).
 
-    .venv/bin/python bench/model_step.py [--repeats 30] [--warmup 5] [--threads 1]
+Targets: bf16 params <= 1.10x; each quantized recipe within 1.5x of its quantized-linear
+microbenchmark ratio (``bench/quantize.py``'s linear fwd+bwd figure, the per-GEMM cost), i.e.
+the cost outside the GEMMs (quantizer set-up, amax bookkeeping, small-tensor work) may add
+at most half again. The microbenchmark ratio is read from ``bench/baseline.json`` (the
+accepted quantize figures), so the two benches stay consistent without timing it twice.
+
+    .venv/bin/python bench/model_step.py [--cap 60] [--warmup 5] [--threads 1] [--save-baseline]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from harness import BaselineStore, Figure, Ratio, add_args, report, rounds
 from rich.console import Console
-from rich.table import Table
 from torch import nn
 
 from lptrain.config.schema import LPTrainConfig, ModelConfig
@@ -36,6 +43,12 @@ RECIPES: dict[str, dict[str, Any]] = {
     "mxfp8": {"fp8_format": "e4m3", "fp8_recipe": "mxfp8"},
     "nvfp4": {"fp4_format": "e2m1"},
 }
+# each recipe's quantized-linear figure in bench/quantize.py (nvfp4 here = RHT + SR on)
+LINEAR_FIGURE = {"fp8 delayed": "delayed", "fp8 tensorwise": "tensorwise", "fp8 blockwise": "blockwise",
+                 "mxfp8": "mxfp8", "nvfp4": "nvfp4 rht+sr"}
+BF16_TARGET = 1.10
+OUTSIDE_GEMM = 1.5  # whole-model ratio <= this x the recipe's per-GEMM (linear) ratio
+REF = "reference fp32 (nn.Linear)"
 
 
 class _RMSNorm(nn.Module):
@@ -150,11 +163,22 @@ def lptrain_step(cfg: LPTrainConfig, params_dtype: str, recipe: dict[str, Any]) 
     return build_model(cfg, factory), factory
 
 
+def _targets(names: list[str]) -> dict[str, tuple[float | None, str]]:
+    """Per variant: (target ratio or None, where it comes from)."""
+    store = BaselineStore("quantize")
+    out: dict[str, tuple[float | None, str]] = {"lptrain bf16 params": (BF16_TARGET, "")}
+    for name, fig in LINEAR_FIGURE.items():
+        lin = store.accepted(f"{fig} linear fwd+bwd")
+        out[f"lptrain {name}"] = (None, "no accepted linear figure") if lin is None else (
+            OUTSIDE_GEMM * lin, f"{OUTSIDE_GEMM:g} x linear {lin:.2f}")
+    return {n: out.get(n, (None, "")) for n in names}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
+    add_args(ap, cap_s=60.0)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     base = load_config()
@@ -166,7 +190,7 @@ def main() -> None:
 
     variants: dict[str, tuple[nn.Module, Callable[[], torch.Tensor]]] = {}
     ref = ReferenceGPT(mc)
-    variants["reference fp32 (nn.Linear)"] = (ref, lambda: ref(tokens, labels))
+    variants[REF] = (ref, lambda: ref(tokens, labels))
 
     def add(name: str, dtype: str, recipe: dict[str, Any]) -> nn.Module:
         import copy
@@ -190,34 +214,30 @@ def main() -> None:
     # Same weights, same fp32 math up to summation order: losses agree to 1e-5.
     assert abs(l_ref.item() - l_lp.item()) < 1e-5, (l_ref.item(), l_lp.item())
 
-    def step(model: nn.Module, run: Callable[[], torch.Tensor]) -> float:
-        model.zero_grad(set_to_none=True)
-        t0 = time.perf_counter()
-        run().backward()
-        return time.perf_counter() - t0
+    def step(model: nn.Module, run: Callable[[], torch.Tensor]) -> Callable[[], None]:
+        def go() -> None:
+            model.zero_grad(set_to_none=True)
+            run().backward()
+        return go
 
-    times: dict[str, list[float]] = {k: [] for k in variants}
-    for r in range(args.warmup + args.repeats):
-        for name, (model, run) in variants.items():
-            dt = step(model, run)
-            if r >= args.warmup:
-                times[name].append(dt)
-
+    names = [n for n in variants if n != REF]
+    targets = _targets(names)
+    # the reference is timed right before every variant: each ratio pairs adjacent steps
+    fns: dict[str, Callable[[], None]] = {}
+    for n in names:
+        fns[f"ref:{n}"] = step(*variants[REF])
+        fns[n] = step(*variants[n])
+    r = rounds(args, [Ratio(n, n, f"ref:{n}", targets[n][0]) for n in names]).run(fns, warmup=args.warmup)
+    figures: list[Figure] = r.figures()
     flops = flops_per_token(mc).total * b * s
-    ref_ms = statistics.median(times["reference fp32 (nn.Linear)"]) * 1e3
-    table = Table(title=f"GPT fwd+bwd, {mc.num_layers}L h{mc.hidden_size} ffn{mc.ffn_hidden_size} "
-                  f"seq{s} mbs{b}, {args.threads} thread(s), median of {args.repeats}")
-    for col in ("variant", "median ms", "IQR ms", "vs reference", "tokens/s", "GFLOP/s"):
-        table.add_column(col, justify="left" if col == "variant" else "right")
-    for name, ts in times.items():
-        med = statistics.median(ts) * 1e3
-        q = statistics.quantiles(ts, n=4)
-        table.add_row(
-            name, f"{med:.2f}", f"{(q[2] - q[0]) * 1e3:.2f}", f"{med / ref_ms:.2f}x",
-            f"{b * s / med * 1e3:,.0f}", f"{flops / med / 1e6:.2f}",
-        )
-    Console(width=110).print(table)
-    print(f"reference vs lptrain fp32 loss: {l_ref.item():.6f} vs {l_lp.item():.6f}")
+    ref_s = statistics.median(r.series[f"ref:{names[0]}"])
+    lines = [f"{n}: {statistics.median(r.series[n]) * 1e3:.2f} ms, {b * s / statistics.median(r.series[n]):,.0f} "
+             f"tokens/s{'; target ' + targets[n][1] if targets[n][1] else ''}" for n in names]
+    note = (f"GPT fwd+bwd, {mc.num_layers}L h{mc.hidden_size} ffn{mc.ffn_hidden_size} seq{s} mbs{b}, "
+            f"{args.threads} thread(s), {r.n} rounds ({r.stop_reason()}); reference {ref_s * 1e3:.2f} ms "
+            f"({flops / ref_s / 1e9:.2f} GFLOP/s)\n" + "\n".join(lines)
+            + f"\nreference vs lptrain fp32 loss: {l_ref.item():.6f} vs {l_lp.item():.6f}")
+    report(Console(width=120), "model_step", "GPT fwd+bwd vs the fp32 nn.Linear reference", figures, args, note)
 
 
 if __name__ == "__main__":

@@ -5,8 +5,10 @@ Both configurations process the same tokens per rank with the same experts per t
 (plain data parallelism); at EP=2 each rank holds E/2 experts and the token dispatcher moves
 the rows with ``all_to_all_single`` (uneven splits, counts exchanged first).
 
-Reported per configuration: MoE layer forward+backward time (median of timed iterations,
-one torch thread per rank), and for EP=2 the bytes the row all-to-alls moved per step
+Reported per configuration: MoE layer forward+backward time (rounds alternate EP=1 and
+EP=2, the slowest rank per round, repeated until the ratio's median is known within
+``--spread`` or ``--cap`` seconds pass; ``bench/harness.py``, REGRESSED against
+``bench/baseline.json``; one torch thread per rank), and for EP=2 the bytes the row all-to-alls moved per step
 (forward: dispatch + combine; backward: the same again), against the analytic minimum
 ``tokens x hidden x k x bytes per element x 2`` (dispatch and combine, tokens summed over
 ranks; rows a rank keeps for itself are counted, as in the formula). The dispatcher pads
@@ -14,6 +16,7 @@ per expert only after the exchange, so forward bytes should equal the minimum ex
 count exchange (int64 per expert) is listed separately.
 
     .venv/bin/python bench/moe.py [--tokens 2048] [--hidden 256] [--experts 8] [--topk 2] [--mxfp8]
+        [--cap 30] [--save-baseline]
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import time
 from typing import Any
 
 import torch
+from harness import Figure, Ratio, Rounds, add_args, report, rounds
 from rich.console import Console
 from rich.table import Table
 
@@ -68,28 +72,41 @@ def _rank(rank: int, world: int, a: argparse.Namespace) -> dict[str, Any]:
 
     disp.all_to_all_rows = counting_rows
     disp.dist.all_to_all_single = counting_a2a
-    out: dict[str, Any] = {}
+    out: dict[Any, Any] = {}
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(a.tokens, a.hidden, generator=g)
+    layers = {}
     for ep in (1, 2):
         groups = build_groups(1, ep=ep)
-        model, layer = _layer(ep, rank, a, groups.ep)
-        times = []
-        for i in range(a.warmup + a.iters):
-            for k in moved:
-                moved[k] = 0
-            xi = x.clone().requires_grad_()
-            torch.distributed.barrier()
-            t0 = time.perf_counter()
-            with model.autocast():
-                y, _ = layer(xi.view(1, a.tokens, a.hidden))
-            fwd = dict(moved)
-            y.float().sum().backward()
-            dt = time.perf_counter() - t0
-            if i >= a.warmup:
-                times.append(dt)
-        out[ep] = {"ms": 1e3 * statistics.median(times), "fwd": fwd, "total": dict(moved)}
+        layers[ep] = _layer(ep, rank, a, groups.ep)
+
+    def step(ep: int) -> float:
+        model, layer = layers[ep]
+        for k in moved:
+            moved[k] = 0
+        xi = x.clone().requires_grad_()
+        torch.distributed.barrier()
+        t0 = time.perf_counter()
+        with model.autocast():
+            y, _ = layer(xi.view(1, a.tokens, a.hidden))
+        out[ep] = {"fwd": dict(moved)}
+        y.float().sum().backward()
+        out[ep]["total"] = dict(moved)
+        return time.perf_counter() - t0
+
+    r = rounds(a, _ratios())
+    i = 0
+    while True:
+        i += 1
+        times = {f"EP={ep}": step(ep) for ep in (1, 2)}
+        if i > a.warmup and r.add_max_over_ranks(times):
+            break
+    out["series"] = r.series
     return out
+
+
+def _ratios() -> list[Ratio]:
+    return [Ratio("EP=2 vs EP=1 time", "EP=2", "EP=1")]
 
 
 def main() -> None:
@@ -99,29 +116,34 @@ def main() -> None:
     p.add_argument("--ffn", type=int, default=512)
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--topk", type=int, default=2)
-    p.add_argument("--iters", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--mxfp8", action="store_true", help="emulated MXFP8 expert GEMMs")
+    add_args(p, cap_s=30.0)
     a = p.parse_args()
     res = run_distributed(_rank, 2, args=(a,), timeout_s=900)
     elem = 4  # fp32 activations on CPU (bf16 on GPU would halve every byte figure)
     analytic = 2 * a.tokens * a.hidden * a.topk * elem * 2  # tokens summed over 2 ranks
     t = Table(title=f"MoE layer fwd+bwd, 2 ranks, {a.tokens} tokens/rank, hidden {a.hidden}, "
               f"ffn {a.ffn}, {a.experts} experts top-{a.topk}{' MXFP8' if a.mxfp8 else ''}")
-    for col in ("config", "ms (rank 0 / 1)", "a2a fwd bytes", "analytic min", "fwd / min",
+    for col in ("config", "ms (slowest rank)", "a2a fwd bytes", "analytic min", "fwd / min",
                 "fwd+bwd bytes", "count bytes"):
         t.add_column(col, justify="right")
+    series = res[0]["series"]  # the slowest rank's times, the same on every rank
     for ep in (1, 2):
-        ms = " / ".join(f"{r[ep]['ms']:.1f}" for r in res)
+        ms = f"{1e3 * statistics.median(series[f'EP={ep}']):.1f}"
         fwd = sum(r[ep]["fwd"]["bytes"] for r in res)
         tot = sum(r[ep]["total"]["bytes"] for r in res)
         cnt = sum(r[ep]["total"]["counts"] for r in res)
         ratio = f"{fwd / analytic:.3f}" if ep > 1 else "-"
         t.add_row(f"EP={ep}", ms, f"{fwd:,}", f"{analytic:,}" if ep > 1 else "-", ratio, f"{tot:,}", f"{cnt:,}")
-    Console(width=140).print(t)
-    slow = statistics.mean(r[2]["ms"] for r in res) / statistics.mean(r[1]["ms"] for r in res)
-    print(f"EP=2 / EP=1 time: {slow:.2f}x (gloo over loopback on a shared CPU: the all-to-all "
-          "is a memory copy here, not a network transfer)")
+    console = Console(width=140)
+    console.print(t)
+    fwd = sum(r[2]["fwd"]["bytes"] for r in res)
+    figures = [*Rounds(_ratios(), series=series).figures(),
+               Figure("EP=2 a2a fwd bytes / analytic min", [fwd / analytic], 1.0)]  # exact count
+    report(console, "moe" + ("_mxfp8" if a.mxfp8 else ""), "MoE layer, EP=2 vs EP=1", figures, a,
+           "gloo over loopback on a shared CPU: the all-to-all is a memory copy here, not a network "
+           "transfer (the time ratio is informational)")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,13 @@ reached in at most 70% of the steps. Validation batches differ from one evaluati
 next (the trainer keeps drawing from its validation stream), but both runs draw the same
 sequence, so the k-th evaluations of the two runs see the same tokens.
 
+The figures are losses and step counts of seeded runs, deterministic on one machine, so one
+run is the measurement (no repeats, no spread); they go through ``bench/harness.py`` like
+every other bench, so a move of more than 25% against ``bench/baseline.json`` reads
+REGRESSED. The two wall times are printed for information only (one sample each).
+
     .venv/bin/python bench/muon_vs_adamw.py [--steps 240] [--eval-interval 20] [--eval-iters 8]
+        [--save-baseline]
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from harness import Figure, add_args, report
 from rich.console import Console
 from rich.table import Table
 
@@ -75,6 +82,7 @@ def main() -> None:
     ap.add_argument("--eval-interval", type=int, default=20)
     ap.add_argument("--eval-iters", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1)
+    add_args(ap, cap_s=0.0)  # only --save-baseline matters: deterministic figures, one run
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     overrides = [
@@ -115,20 +123,15 @@ def main() -> None:
         f"x{m.muon.ns_steps}; {results['Muon'][1]:.0f}s. AdamW: lr "
         f"{cfgs['AdamW'].optimizer.lr:g}; {results['AdamW'][1]:.0f}s."
     )
-    lower = muon_final < adamw_final
-    console.print(
-        f"final validation loss: Muon {muon_final:.3f} vs AdamW {adamw_final:.3f} "
-        f"(ratio {muon_final / adamw_final:.3f}): {'PASS' if lower else 'FAIL'} (target: lower)"
-    )
-    if reach is None:
-        console.print("Muon never reached AdamW's final loss: FAIL")
-    else:
-        frac = reach / args.steps
-        verdict = "PASS" if frac <= REACH_TARGET else "FAIL"
-        console.print(
-            f"Muon reaches AdamW's final loss {adamw_final:.3f} at step {reach} of {args.steps} "
-            f"({frac:.0%} of the steps): {verdict} (target <= {REACH_TARGET:.0%})"
-        )
+    frac = float("inf") if reach is None else reach / args.steps
+    figures = [
+        Figure("final val loss, Muon / AdamW", [muon_final / adamw_final], 1.0),
+        Figure("steps for Muon to reach AdamW's final loss (fraction)", [frac], REACH_TARGET),
+    ]
+    note = (f"final validation loss: Muon {muon_final:.3f} vs AdamW {adamw_final:.3f}; "
+            + ("Muon never reached AdamW's final loss" if reach is None
+               else f"Muon reaches {adamw_final:.3f} at step {reach} of {args.steps}"))
+    report(console, "muon_vs_adamw", "Muon vs AdamW (deterministic, one run)", figures, args, note)
 
 
 if __name__ == "__main__":

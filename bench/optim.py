@@ -6,7 +6,10 @@ Not a test: prints two tables.
    training step -- ``ChainedOptimizer.step`` (norm, clip, update) plus staging and the
    param sync -- for distributed AdamW, layer-wise Muon compact (both gather strategies:
    ``pad`` = one padded all-gather then trim, ``broadcast`` = one broadcast per owner) and
-   padded. Variants are interleaved per repeat so load drift hits them alike; medians.
+   padded. Variants are interleaved per round so load drift hits them alike; rounds repeat
+   until each ratio's median is known within ``--spread`` or ``--cap`` seconds pass
+   (``bench/harness.py``; the slowest rank's time per round; REGRESSED against
+   ``bench/baseline.json``).
 2. **Memory per rank**: the memory model's persistent categories (:mod:`lptrain.memory.plan`:
    weights, quantized weights, grads, masters, optimizer states, padding, param-gather
    staging), for AdamW vs Muon, compact vs padded, FP8 param gather (mxfp8) on/off: measured
@@ -14,7 +17,7 @@ Not a test: prints two tables.
    alone for a 1B layout (nothing allocated).
    Target: compact Muon + FP8 param gather <= distributed AdamW + FP8 param gather.
 
-    .venv/bin/python bench/optim.py [--repeats 20] [--dp 2]
+    .venv/bin/python bench/optim.py [--cap 60] [--dp 2] [--save-baseline]
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from harness import Figure, Ratio, Rounds, add_args, report, rounds
 from rich.console import Console
 from rich.table import Table
 
@@ -70,7 +74,14 @@ def _engine(overrides: list[str]) -> tuple[Any, Any]:
     return engine, (lambda: [next(it) for _ in range(n)])
 
 
-def _timed_rank(rank: int, world: int, repeats: int) -> dict[str, Any]:
+REF = "AdamW distributed"
+
+
+def _ratios() -> list[Ratio]:
+    return [Ratio(f"{k} vs AdamW", k, REF) for k in TIMED if k != REF]
+
+
+def _timed_rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     from lptrain.memory.measure import measured_memory
     from lptrain.optim import layerwise
 
@@ -78,8 +89,11 @@ def _timed_rank(rank: int, world: int, repeats: int) -> dict[str, Any]:
     for name, (ov, mode) in TIMED.items():
         layerwise.GATHER_MODE = mode
         engines[name] = _engine(ov)
-    times: dict[str, list[float]] = {k: [] for k in engines}
-    for step in range(1, repeats + 3):
+    r = rounds(args, _ratios())
+    step = 0
+    while True:
+        step += 1
+        times = {}
         for name, (engine, batches) in engines.items():
             opt_step, after = engine.optimizer.step, engine.ddp.end_step
             spent = [0.0]
@@ -95,14 +109,15 @@ def _timed_rank(rank: int, world: int, repeats: int) -> dict[str, Any]:
             engine.optimizer.step, engine.ddp.end_step = timed(opt_step), timed(after)
             engine.train_step(batches(), step)
             engine.optimizer.step, engine.ddp.end_step = opt_step, after
-            if step > 2:  # warm-up
-                times[name].append(spent[0])
+            times[name] = spent[0]
+        if step > 2 and r.add_max_over_ranks(times):  # 2 warm-up steps
+            break
     memory = {}
     for name, ov in MEMORY.items():
         engine, batches = _engine(ov)
         engine.train_step(batches(), 1)
         memory[name] = measured_memory(engine.model, engine.ddp.buffers, engine.optimizer.children)
-    return {"times": {k: statistics.median(v) for k, v in times.items()}, "memory": memory}
+    return {"series": r.series, "memory": memory}
 
 
 def _descs(overrides: list[str], device: str = "cpu") -> tuple[list[Any], float]:
@@ -164,20 +179,15 @@ def main() -> None:
     from lptrain.testing.dist import run_distributed
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--dp", type=int, default=2)
+    add_args(ap, cap_s=60.0)
     args = ap.parse_args()
-    console = Console()
-    res = run_distributed(_timed_rank, args.dp, args=(args.repeats,), timeout_s=1800)
-    times = {k: max(r["times"][k] for r in res) for k in TIMED}  # the slowest rank gates
-    t = Table(title=f"optimizer step + param sync, tiny_cpu, DP={args.dp} (median of {args.repeats})")
-    t.add_column("optimizer")
-    t.add_column("ms/step", justify="right")
-    t.add_column("vs AdamW", justify="right")
-    ref = times["AdamW distributed"]
-    for k, v in times.items():
-        t.add_row(k, f"{1e3 * v:.2f}", f"{v / ref:.2f}x")
-    console.print(t)
+    console = Console(width=130)
+    res = run_distributed(_timed_rank, args.dp, args=(args,), timeout_s=1800)
+    timed = Rounds(_ratios(), series=res[0]["series"])  # every rank holds the slowest rank's times
+    figures = timed.figures()
+    note = f"{timed.n} rounds; " + ", ".join(f"{k} {1e3 * statistics.median(v):.2f} ms/step"
+                                            for k, v in timed.series.items())
 
     cols = [*PERSISTENT, "total"]
 
@@ -214,8 +224,10 @@ def main() -> None:
                         "max over ranks", big, 2**30, "GiB"))
     for label, rows in (("tiny_cpu", measured), ("1B", big)):
         muon, adam = rows["Muon compact + fp8 pg"].total, rows["AdamW + fp8 pg"].total
-        verdict = "PASS" if muon <= adam else "FAIL"
-        console.print(f"{label}: Muon compact + fp8 pg {muon:,} B <= AdamW + fp8 pg {adam:,} B: {verdict}")
+        # deterministic byte counts: one sample; the figure is Muon's bytes over AdamW's
+        figures.append(Figure(f"{label} memory, Muon compact + fp8 pg / AdamW + fp8 pg", [muon / adam], 1.0))
+        note += f"\n{label}: Muon compact + fp8 pg {muon:,} B vs AdamW + fp8 pg {adam:,} B"
+    report(console, "optim", f"optimizer step + param sync (tiny_cpu, DP={args.dp}) and memory", figures, args, note)
 
 
 if __name__ == "__main__":

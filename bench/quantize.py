@@ -1,4 +1,4 @@
-"""Emulated quantization cost per recipe (not a test): prints a rich table with PASS/FAIL.
+"""Emulated quantization cost per recipe (not a test): figures with PASS/FAIL and REGRESSED.
 
 1. q+dq = one ``quantizer.quantize(x)`` of a 4096x4096 fp32 tensor with the usages the role
    needs in a quantized linear (input: rowwise for fprop + columnwise for wgrad; grad:
@@ -9,28 +9,24 @@
 2. quantized ``Linear`` fwd+bwd (2048x2048 weight, 4096 tokens, fp32, inside ``autocast``)
    as a ratio of fp32 ``nn.Linear`` fwd+bwd. Target <= 1.5x (NVFP4 with RHT and SR <= 2x).
 
-Each ratio: warm-up, then ``--repeats`` pairs (baseline, candidate) timed back to back; the
-ratio is the median of the per-pair ratios (on a shared machine the load drifts; pairing
-keeps each candidate next to its own baseline). min(candidate)/min(baseline) is printed in
-parentheses as a noise indicator: the two agree when the machine was quiet. PASS/FAIL uses
-the smaller of the two (the paired median is inflated by load spikes, min/min by a lucky
-baseline; both are printed). Usage:
-``.venv/bin/python bench/quantize.py [--quick] [--repeats 3] [--threads N] [--skip-linear]``
-(default: ~1-2 minutes on 2 shared cores; ``--quick`` uses one timed pair per figure).
+Measurement (``bench/harness.py``): rounds in which every candidate is timed right after its
+own baseline, repeated until every median is known within ``--spread`` or ``--cap`` seconds
+pass (per part); the figure is the median of the per-round ratios, min/min is printed next
+to it, and a figure more than 25% worse than ``bench/baseline.json`` reads REGRESSED. Usage:
+``.venv/bin/python bench/quantize.py [--cap 60] [--threads N] [--skip-linear] [--save-baseline]``
+(about 2 minutes on 2 shared cores).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from harness import Ratio, add_args, report, rounds
 from rich.console import Console
-from rich.table import Table
 
 from lptrain.precision import recipes as R
 from lptrain.precision.autocast import autocast
@@ -49,43 +45,13 @@ RECIPES: dict[str, Callable[[], Any]] = {
 QDQ_TARGET = 8.0  # q+dq ratio to clone(), every recipe and role (aim 5x)
 
 
-def median_time(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
-
-
-def paired_ratio(fn: Callable[[], Any], base: Callable[[], Any], repeats: int) -> tuple[float, float, float]:
-    """(median per-pair ratio fn/base, min fn / min base, min base time in seconds)."""
-    fn()
-    base()
-    ratios: list[float] = []
-    bases: list[float] = []
-    cands: list[float] = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        base()
-        t1 = time.perf_counter()
-        fn()
-        t2 = time.perf_counter()
-        ratios.append((t2 - t1) / (t1 - t0))
-        bases.append(t1 - t0)
-        cands.append(t2 - t1)
-    return statistics.median(ratios), min(cands) / min(bases), min(bases)
-
-
 def _quantizer(recipe: Any, role: str) -> Any:
     if recipe.name == "delayed":
         return recipe.make_quantizer(role, True, True, state=recipe.make_state(role))
     return recipe.make_quantizer(role, True, True)
 
 
-def qdq_ratio(recipe: Any, role: str, x: torch.Tensor, repeats: int) -> tuple[float, float]:
+def qdq(recipe: Any, role: str, x: torch.Tensor) -> Callable[[], None]:
     q = _quantizer(recipe, role)
 
     def run() -> None:
@@ -93,8 +59,7 @@ def qdq_ratio(recipe: Any, role: str, x: torch.Tensor, repeats: int) -> tuple[fl
         t.dequantize("rowwise")
         t.dequantize("columnwise")
 
-    r, alt, _ = paired_ratio(run, lambda: x.clone(), repeats)
-    return r, alt
+    return run
 
 
 def linear_fwd_bwd(module: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor,
@@ -110,75 +75,55 @@ def linear_fwd_bwd(module: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor,
     return run
 
 
+def paired(cands: dict[str, Callable[[], None]], base: Callable[[], None]) -> dict[str, Callable[[], None]]:
+    """Each candidate right after its own baseline call (series ``base:<name>``, ``<name>``)."""
+    out: dict[str, Callable[[], None]] = {}
+    for name, fn in cands.items():
+        out[f"base:{name}"] = base
+        out[name] = fn
+    return out
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--quick", action="store_true", help="one timed pair per figure (noisier)")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = leave as is)")
     ap.add_argument("--skip-linear", action="store_true")
+    add_args(ap, cap_s=60.0)
     args = ap.parse_args()
-    if args.quick:
-        args.repeats = 1
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     console = Console(width=150)
 
+    # All quantize rounds first, then all linear rounds: the linear runs leave the allocator in
+    # a state (large freed blocks) that makes later small-temporary workloads measurably slower.
     x = torch.randn(4096, 4096)
-    base_clone = min(median_time(lambda: x.clone(), 1) for _ in range(args.repeats))
-    hidden, tokens = 2048, 4096
-    xl = torch.randn(tokens, hidden)
-    dyl = torch.randn(tokens, hidden)
-    ref = torch.nn.Linear(hidden, hidden, bias=False)
-    ref_run = linear_fwd_bwd(ref, xl, dyl, contextlib.nullcontext)
-    lin_bases: list[float] = []
-
-    table = Table(title=f"Emulated quantization cost (torch threads: {torch.get_num_threads()})")
-    table.add_column("recipe")
-    table.add_column("q+dq input\n(x clone)", justify="right")
-    table.add_column("q+dq grad\n(x clone)", justify="right")
-    table.add_column("linear fwd+bwd\n(x fp32 nn.Linear)", justify="right")
-    table.add_column("targets\nq+dq / linear", justify="right")
-    table.add_column("result", justify="center")
-    # All quantize rows first, then all linear rows: the linear runs leave the allocator in a
-    # state (large freed blocks) that makes later small-temporary workloads measurably slower.
-    qdq = {}
-    for name, make in RECIPES.items():
-        recipe = make()
-        qdq[name] = (qdq_ratio(recipe, "input", x, args.repeats), qdq_ratio(recipe, "grad", x, args.repeats))
-    all_pass = True
-    for name, make in RECIPES.items():
-        recipe = make()
-        lin_txt, lin_ok = "-", True
-        lin_target = 2.0 if "sr" in name else 1.5
-        if not args.skip_linear:
-            lin = Linear(hidden, hidden, params_dtype=torch.float32)
-            run = linear_fwd_bwd(lin, xl, dyl, lambda r=recipe: autocast(r))
-            ratio, alt, b = paired_ratio(run, ref_run, args.repeats)
-            lin_bases.append(b)
-            lin_txt = f"{ratio:.2f} ({alt:.2f})"
-            lin_ok = min(ratio, alt) <= lin_target
-        r_in, r_gr = qdq[name]
-        in_ok, gr_ok = min(r_in) <= QDQ_TARGET, min(r_gr) <= QDQ_TARGET
-        checks = [("in", in_ok), ("grad", gr_ok)] + ([] if args.skip_linear else [("lin", lin_ok)])
-        verdict = " ".join(f"{label} {'PASS' if ok else 'FAIL'}" for label, ok in checks)
-        all_pass &= in_ok and gr_ok and lin_ok
-        table.add_row(name, f"{r_in[0]:.1f} ({r_in[1]:.1f})", f"{r_gr[0]:.1f} ({r_gr[1]:.1f})",
-                      lin_txt, f"<={QDQ_TARGET:g} / <={lin_target:g}", verdict)
-    console.print(table)
-    console.print(
-        "q+dq = quantize(x) with rowwise+columnwise usage (what the role needs in a quantized "
-        "linear) + dequantize('rowwise') + dequantize('columnwise'), 4096x4096 fp32; "
-        "grad role = NVFP4 stochastic rounding"
-    )
-    console.print("ratio = median of interleaved per-pair ratios; (min/min) shows the noise; "
-                  "PASS/FAIL on the smaller of the two")
-    console.print(
-        f"baselines: clone(4096x4096 fp32) {base_clone * 1e3:.1f} ms; "
-        + (f"nn.Linear fwd+bwd (2048x2048, 4096 tokens) {min(lin_bases) * 1e3:.0f} ms"
-           if lin_bases else "linear skipped")
-    )
-    console.print(f"overall: {'PASS' if all_pass else 'FAIL'} (repeats={args.repeats})")
+    cands = {f"{name} q+dq {role}": qdq(make(), role, x) for name, make in RECIPES.items()
+             for role in ("input", "grad")}
+    q = rounds(args, [Ratio(n, n, f"base:{n}", QDQ_TARGET) for n in cands]).run(
+        paired(cands, lambda: x.clone()))
+    figures = q.figures()
+    notes = [f"q+dq: {q.n} rounds ({q.stop_reason()}); clone(4096x4096 fp32) "
+             f"{min(q.series['base:' + next(iter(cands))]) * 1e3:.1f} ms"]
+    if not args.skip_linear:
+        hidden, tokens = 2048, 4096
+        xl, dyl = torch.randn(tokens, hidden), torch.randn(tokens, hidden)
+        ref = torch.nn.Linear(hidden, hidden, bias=False)
+        ref_run = linear_fwd_bwd(ref, xl, dyl, contextlib.nullcontext)
+        lin = {}
+        for name, make in RECIPES.items():
+            module = Linear(hidden, hidden, params_dtype=torch.float32)
+            lin[f"{name} linear fwd+bwd"] = linear_fwd_bwd(module, xl, dyl, lambda r=make(): autocast(r))
+        lr = rounds(args, [Ratio(n, n, f"base:{n}", 2.0 if "sr" in n else 1.5) for n in lin]).run(
+            paired(lin, ref_run))
+        figures += lr.figures()
+        notes.append(f"linear: {lr.n} rounds ({lr.stop_reason()}); nn.Linear fwd+bwd (2048x2048, "
+                     f"4096 tokens) {min(lr.series['base:' + next(iter(lin))]) * 1e3:.0f} ms")
+    note = ("q+dq = quantize(x) with rowwise+columnwise usage + dequantize('rowwise') + "
+            "dequantize('columnwise'), 4096x4096 fp32, x clone(); grad role = NVFP4 stochastic "
+            "rounding; linear = quantized Linear fwd+bwd x fp32 nn.Linear\n" + "\n".join(notes))
+    report(console, "quantize", f"Emulated quantization cost (torch threads: {torch.get_num_threads()})",
+           figures, args, note)
 
 
 if __name__ == "__main__":

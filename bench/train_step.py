@@ -4,22 +4,24 @@ lptrain: ``TrainEngine.train_step`` on batches from lptrain's loader (forward, b
 the fp32 grad buffer, NaN check, grad norm and clip, AdamW on fp32 masters, masters written
 back into the bf16 params). Baseline, measured in the same run on the same model and
 batches: ``loss.backward(); torch.optim.AdamW.step(); zero_grad()`` on the bf16 params.
-Steps alternate between the two so machine-load drift hits both alike; medians are reported.
+Steps alternate between the two so machine-load drift hits both alike; the rounds repeat
+until each ratio's median is known within ``--spread`` or ``--cap`` seconds pass per shape
+(``bench/harness.py``; REGRESSED against ``bench/baseline.json``).
 Target: lptrain at most 1.10x the plain loop, at tiny_cpu's shape and at 4 layers, hidden
 256, seq 256.
 
-    .venv/bin/python bench/train_step.py [--steps 30] [--threads 1]
+    .venv/bin/python bench/train_step.py [--cap 40] [--threads 1] [--save-baseline]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import time
+from typing import Any
 
 import torch
+from harness import Figure, Ratio, add_args, report, rounds
 from rich.console import Console
-from rich.table import Table
 
 from lptrain.config import World, derive
 from lptrain.config.compose import load
@@ -39,7 +41,7 @@ COMMON = ["data.builtin_max_mb=2", "logging.progress=false", "checkpoint.save=nu
           "train.global_batch_size=8", "train.micro_batch_size=4"]
 
 
-def _bench(name: str, overrides: list[str], steps: int) -> tuple[float, float, float]:
+def _bench(name: str, overrides: list[str], args: Any) -> tuple[Figure, float, float]:
     cfg = derive(load("tiny_cpu.yaml", [*COMMON, *overrides]).cfg, World.detect())
     engine = TrainEngine(cfg)
     plain_model = build_model(cfg)  # same layers and init (seeded by name), no engine
@@ -50,11 +52,13 @@ def _bench(name: str, overrides: list[str], steps: int) -> tuple[float, float, f
         global_batch_size=t.global_batch_size, dp_rank=0, dp_size=1, vocab_size=cfg.model.vocab_size,
     )
     n = t.global_batch_size // t.micro_batch_size
+    step = [0]
 
-    def lptrain_step(step: int) -> None:
-        engine.train_step([next(train_it) for _ in range(n)], step)
+    def lptrain_step() -> None:
+        step[0] += 1
+        engine.train_step([next(train_it) for _ in range(n)], step[0])
 
-    def plain_step(step: int) -> None:
+    def plain_step() -> None:
         for _ in range(n):
             b = next(train_it)
             loss, _ = plain_model(b["tokens"], labels=b["labels"])
@@ -62,36 +66,26 @@ def _bench(name: str, overrides: list[str], steps: int) -> tuple[float, float, f
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    ours, theirs = [], []
-    for step in range(1, steps + 4):
-        for fn, acc in ((lptrain_step, ours), (plain_step, theirs)):
-            t0 = time.perf_counter()
-            fn(step)
-            if step > 3:  # warm-up
-                acc.append(time.perf_counter() - t0)
+    r = rounds(args, [Ratio(name, "lptrain", "plain", TARGET)])
+    r.run({"lptrain": lptrain_step, "plain": plain_step}, warmup=3)
     tokens = t.global_batch_size * cfg.model.seq_length
-    a, b = statistics.median(ours), statistics.median(theirs)
-    return tokens / a, tokens / b, a / b
+    return (r.figures()[0], tokens / statistics.median(r.series["lptrain"]),
+            tokens / statistics.median(r.series["plain"]))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--threads", type=int, default=1)
+    add_args(ap, cap_s=40.0)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    table = Table(title=f"training step vs plain PyTorch loop (DP=1, target <= {TARGET:.2f}x)")
-    for col in ("shape", "lptrain tokens/s", "plain tokens/s", "ratio", "result"):
-        table.add_column(col)
-    ok = True
+    figures, lines = [], []
     for name, ov in SHAPES.items():
-        ours, theirs, ratio = _bench(name, ov, args.steps)
-        passed = ratio <= TARGET
-        ok &= passed
-        table.add_row(name, f"{ours:,.0f}", f"{theirs:,.0f}", f"{ratio:.2f}x", "PASS" if passed else "FAIL")
-    console = Console()
-    console.print(table)
-    console.print(f"overall: {'PASS' if ok else 'FAIL'}")
+        fig, ours, theirs = _bench(name, ov, args)
+        figures.append(fig)
+        lines.append(f"{name}: lptrain {ours:,.0f} tokens/s, plain {theirs:,.0f} tokens/s, {len(fig.samples)} rounds")
+    report(Console(width=120), "train_step", f"training step vs plain PyTorch loop (DP=1, {args.threads} thread(s))",
+           figures, args, "\n".join(lines))
 
 
 if __name__ == "__main__":

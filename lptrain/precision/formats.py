@@ -251,17 +251,25 @@ def e2m1_to_float(codes: torch.Tensor) -> torch.Tensor:
     return _E2M1_LUT.to(codes.device)[codes.long()]
 
 
-def draw_rbits(n: int, generator: Optional[torch.Generator], device: torch.device) -> torch.Tensor:
+def draw_rbits(
+    n: int, generator: Optional[torch.Generator], device: torch.device, ws: Optional[Workspace] = None
+) -> torch.Tensor:
     """``n`` uniform random bytes (uint8), deterministic for a seeded ``generator``.
 
     Drawn as int64 words over the full int64 range (every byte uniform) and viewed as bytes:
     one generator call per 8 elements is ~6x cheaper than per-element uint8 draws. The words
     are drawn where ``generator`` lives (a seeded CPU generator: the same bits whatever
     ``device`` is, so a CUDA run quantizes bit-identically to the CPU emulation; a CUDA
-    kernel cannot draw from a CPU generator) and copied to ``device``.
+    kernel cannot draw from a CPU generator) and copied to ``device``. With ``ws`` (a
+    workspace on the generator's device) the words go into its reused ``"rbits"`` slot
+    instead of a fresh buffer per chunk (the same draw, so the same bits).
     """
     where = generator.device if generator is not None else device
-    words = torch.empty((n + 7) // 8, dtype=torch.int64, device=where)
+    words_n = (n + 7) // 8
+    if ws is not None and ws.device == torch.device(where):
+        words = ws.get("rbits", (words_n,), torch.int64)
+    else:
+        words = torch.empty(words_n, dtype=torch.int64, device=where)
     words.random_(-(2**63), None, generator=generator)
     return words.view(torch.uint8)[:n].to(device)
 

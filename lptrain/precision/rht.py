@@ -10,6 +10,7 @@ The rotation cancels inside the wgrad GEMM because both operands get the same R.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -37,9 +38,23 @@ def rht_matrix() -> torch.Tensor:
 _CHUNK_ELEMS = 1 << 19  # ~2 MiB of fp32 per pass: GEMM outputs stay cached before rounding
 
 
+_MATRICES: dict[tuple[bool, torch.device], torch.Tensor] = {}
+
+
 def _matrix(inverse: bool, device: torch.device) -> torch.Tensor:
-    r = rht_matrix().to(device)
-    return r.t().contiguous() if inverse else r
+    """R (``inverse``: R^T, contiguous) on ``device``.
+
+    Cached per device: building it takes ~25 small ops, which on the tiny tensors of a small
+    model cost more than the rotation itself (the values are constants, so a cached copy
+    gives the same bits; callers never write to it)."""
+    key = (inverse, torch.device(device))
+    m = _MATRICES.get(key)
+    if m is None:
+        with torch.inference_mode(False):  # a normal tensor even when first built in inference
+            r = rht_matrix().to(device)
+            m = r.t().contiguous() if inverse else r
+        _MATRICES[key] = m
+    return m
 
 
 def _round_bf16_(y: torch.Tensor) -> None:
@@ -65,6 +80,41 @@ def rotate_group_rows_into(
     if round_to_bf16:
         _round_bf16_(out)
     return out
+
+
+_SCRATCH = threading.local()
+
+
+def rotated_scratch(shape: tuple[int, int], device: torch.device) -> torch.Tensor:
+    """A bf16 [M, K] buffer for the rotated (bf16-rounded) operand of one quantization.
+
+    Why: the NVFP4 quantizer needs the rotated values twice (block amaxes first, then the
+    codes, since the global amax must be known before any code); keeping the first pass's
+    bf16 rounding -- exact, the values are bf16 by construction -- replaces the second
+    rotation GEMM by a copy. On the CPU a fresh buffer of that size would be page-faulted in
+    on every call (no caching allocator), so one buffer per thread is kept and grown to the
+    largest operand seen; elsewhere the device's caching allocator makes a fresh one cheap.
+    The contents are only valid until the next quantization on the same thread.
+    """
+    m, k = shape
+    if torch.device(device).type != "cpu":
+        return torch.empty(m, k, dtype=torch.bfloat16, device=device)
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.numel() < m * k:
+        with torch.inference_mode(False):
+            buf = torch.empty(m * k, dtype=torch.bfloat16)
+        _SCRATCH.buf = buf
+    return buf[: m * k].view(m, k)
+
+
+def rotate_group_rows_keep(x: torch.Tensor, out: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """:func:`rotate_group_rows_into` (forward, rounded to bf16) that also leaves the bf16
+    values in ``keep`` (same shape): the same GEMM call, and the rounding that
+    ``_round_bf16_`` does (fp32 -> bf16 round-to-nearest-even, widened back), so ``out``
+    holds the same bits and ``keep`` their exact bf16 form."""
+    rotate_group_rows_into(x, out, round_to_bf16=False)
+    keep.copy_(out)
+    return out.copy_(keep)
 
 
 def rotate_token_groups(x: torch.Tensor, inverse: bool = False, round_to_bf16: bool = True) -> torch.Tensor:

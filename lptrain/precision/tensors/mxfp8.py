@@ -81,8 +81,7 @@ class MXFP8Quantizer(FP8Quantizer):
 
     def _blocks(self, xv: torch.Tensor, dim: int | tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(codes, fp8 bytes) for ``xv`` with blocks reduced over ``dim`` (kept for broadcast)."""
-        codes = _scaling.e8m0_from_amax(_scaling.block_amax(xv, dim), self.fp8_format.max)
-        mult = _scaling.e8m0_to_quant_multiplier(codes)
+        codes, mult = _scaling.mxfp8_block_scales(_scaling.block_amax(xv, dim), self.fp8_format.max)
         dims = (dim,) if isinstance(dim, int) else dim
         for d in sorted(dims):
             mult = mult.unsqueeze(d)

@@ -26,7 +26,7 @@ from ..formats import (
     pack_fp4_rows,
     sr_e2m1_codes_i32,
 )
-from ..rht import rht_rows_from_chunks, rotate_group_rows_into
+from ..rht import rht_rows_from_chunks, rotate_group_rows_keep, rotated_scratch
 from ._chunks import map_row_chunks, map_row_ranges
 from .base import Orientation, QuantizedTensor, Quantizer, Role, rows_of
 
@@ -211,11 +211,12 @@ class NVFP4Quantizer(Quantizer):
         """int32 E2M1 codes of fp32(x * enc) (RNE, or SR with fresh bits), in ``ws``."""
         y = torch.mul(x, enc, out=ws.get("y", x.shape, torch.float32))
         if self.stochastic_rounding:
-            return sr_e2m1_codes_i32(y, draw_rbits(y.numel(), self.generator, y.device), ws)
+            return sr_e2m1_codes_i32(y, draw_rbits(y.numel(), self.generator, y.device, ws), ws)
         return e2m1_codes_i32(y, ws)
 
     def _quantize_blocks(
-        self, xf: torch.Tensor, gamax: torch.Tensor, dim: int, bamax: torch.Tensor, rotate: bool = False
+        self, xf: torch.Tensor, gamax: torch.Tensor, dim: int, bamax: torch.Tensor,
+        rotated: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(packed bytes, scale bytes) with 16-element blocks along ``dim`` of ``xf`` [M, K],
         given their block amaxes ``bamax`` ([M, K/16] for dim=1, [M/16, K] for dim=0).
@@ -223,8 +224,9 @@ class NVFP4Quantizer(Quantizer):
         dim=1: rowwise 1x16 blocks; bytes [M, K/2] packed along K, scales [M, K/16].
         dim=0: blocks of 16 rows computed in place on [M, K] (elementwise math, so identical
         to quantizing x^T) with scales [M/16, K]; the bytes pair rows 2i, 2i+1 ([M/2, K]), so
-        their transpose is the [K, M/2] packing of x^T. ``rotate`` (dim=0 only): each chunk
-        is first rotated by the RHT into a scratch buffer (:func:`rotate_group_rows_into`).
+        their transpose is the [K, M/2] packing of x^T. ``rotated`` (dim=0 only): the RHT of
+        ``xf`` as bf16, kept by :meth:`_block_amaxes`; each chunk is read from it (widened to
+        fp32 in a scratch buffer) instead of from ``xf``.
         """
         k = xf.shape[1]
         scaler = _scaling.NVFP4BlockScaler(_scaling.nvfp4_global_encode_scale(gamax))
@@ -236,8 +238,8 @@ class NVFP4Quantizer(Quantizer):
             return pack_fp4_i32(self._codes(xv, enc[:, :, None], ws).view(c.shape[0], k)), sbytes
 
         def cols(c: torch.Tensor, r0: int) -> tuple[torch.Tensor, torch.Tensor]:
-            if rotate:
-                c = rotate_group_rows_into(c, ws.get("rot", c.shape, torch.float32))
+            if rotated is not None:
+                c = ws.get("rot", c.shape, torch.float32).copy_(rotated[r0 : r0 + c.shape[0]])
             xv = c.view(c.shape[0] // NV_BLOCK, NV_BLOCK, k)
             g0 = r0 // NV_BLOCK
             sbytes, enc = scaler(bamax[g0 : g0 + xv.shape[0]])
@@ -249,31 +251,32 @@ class NVFP4Quantizer(Quantizer):
 
     @staticmethod
     def _block_amaxes(
-        xf: torch.Tensor, rowwise: bool, columnwise: bool, rotate: bool = False
+        xf: torch.Tensor, rowwise: bool, columnwise: bool, rotated: Optional[torch.Tensor] = None
     ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         """(rowwise [M, K/16], columnwise [M/16, K]) block amaxes of ``xf`` [M, K] (see
-        :meth:`_quantize_blocks`; ``rotate``: columnwise ones of its RHT-rotated chunks), both
-        from one chunked pass over ``xf``. Their max is the global amax (exact: a max of
+        :meth:`_quantize_blocks`; with ``rotated`` ([M, K] bf16): columnwise ones of its
+        RHT-rotated chunks, whose bf16 values are left in ``rotated`` for the codes pass),
+        both from one chunked pass over ``xf``. Their max is the global amax (exact: a max of
         NaN-ignoring maxes), so no separate amax pass is needed. The chunks are those of
-        :meth:`_quantize_blocks` (16-row aligned), so a rotated chunk is rotated identically
-        in both passes."""
+        :meth:`_quantize_blocks` (16-row aligned)."""
         m, k = xf.shape
         if m == 0:
             z = xf.new_zeros(0, k // NV_BLOCK), xf.new_zeros(0, k)
             return (z[0] if rowwise else None), (z[1] if columnwise else None)
         ws = Workspace(xf.device)
 
-        def both(c: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        def both(c: torch.Tensor, r0: int) -> tuple[torch.Tensor, ...]:
             res: list[torch.Tensor] = []
             if rowwise:
                 res.append(_scaling.block_amax(c.view(c.shape[0], k // NV_BLOCK, NV_BLOCK), 2, ws))
             if columnwise:
-                if rotate:
-                    c = rotate_group_rows_into(c, ws.get("rot", c.shape, torch.float32))
+                if rotated is not None:
+                    c = rotate_group_rows_keep(c, ws.get("rot", c.shape, torch.float32),
+                                               rotated[r0 : r0 + c.shape[0]])
                 res.append(_scaling.block_amax(c.view(c.shape[0] // NV_BLOCK, NV_BLOCK, k), 1, ws))
             return tuple(res)
 
-        out = iter(map_row_chunks(both, xf, NV_BLOCK))
+        out = iter(map_row_ranges(both, xf, NV_BLOCK))
         return (next(out) if rowwise else None), (next(out) if columnwise else None)
 
     def _quantize_fields(self, x2d: torch.Tensor) -> dict[str, Optional[torch.Tensor]]:
@@ -305,8 +308,10 @@ class NVFP4Quantizer(Quantizer):
             return out
         # Block amaxes first, in their own chunked pass: the global amax is their max, so no
         # separate amax pass is needed (with RHT the columnwise ones come from rotated chunks).
-        rotate = self.with_rht  # columnwise: 16-token groups of x^T, rounded to bf16, own amax
-        row_bamax, col_bamax = self._block_amaxes(xf, self.rowwise, self.columnwise, rotate)
+        # columnwise with RHT: 16-token groups of x^T, rounded to bf16, with their own amax
+        rotate = self.with_rht and self.columnwise
+        rotated = rotated_scratch(tuple(xf.shape), xf.device) if rotate else None
+        row_bamax, col_bamax = self._block_amaxes(xf, self.rowwise, self.columnwise, rotated)
         gamax: Optional[torch.Tensor] = None
         if row_bamax is not None:
             gamax = _global_amax(row_bamax)
@@ -314,7 +319,7 @@ class NVFP4Quantizer(Quantizer):
             out["amax_rowwise"] = gamax
         if col_bamax is not None:
             camax = gamax.clone() if gamax is not None and not rotate else _global_amax(col_bamax)
-            data, sbytes = self._quantize_blocks(xf, camax, 0, col_bamax, rotate=rotate)
+            data, sbytes = self._quantize_blocks(xf, camax, 0, col_bamax, rotated=rotated)
             out["columnwise_data"] = data.t().contiguous()
             out["columnwise_scale_inv"] = sbytes.t().contiguous()
             out["amax_columnwise"] = camax

@@ -263,3 +263,21 @@ def test_chunked_rht_columnwise_quantize_equals_quantizing_the_rotated_tensor(ro
     for k in ("columnwise_data", "columnwise_scale_inv", "amax_columnwise"):
         assert torch.equal(v[k].view(torch.uint8), p[k].view(torch.uint8)), k
     assert ("rowwise_data" in v) == rowwise
+
+
+def test_mxfp8_block_scales_equal_the_generic_e8m0_functions() -> None:
+    """The MXFP8 quantizer's six-op block scales give the bits of ``e8m0_from_amax`` and
+    ``e8m0_to_quant_multiplier`` on their domain (block amaxes: >= +0, never NaN): every
+    exponent with edge mantissas (0, 1, the 2^-127 subnormal boundary 0x400000 and its
+    neighbours, all ones), inf, +0 and random finite patterns, for both element formats."""
+    e = torch.arange(0, 255, dtype=torch.int64)
+    m = torch.tensor([0, 1, 2, 0x3FFFFF, 0x400000, 0x400001, 0x7FFFFE, 0x7FFFFF])
+    bits = ((e[:, None] << 23) | m[None, :]).reshape(-1).to(torch.int32)
+    g = torch.Generator().manual_seed(0)
+    rnd = torch.randint(0, 0x7F800000, (20000,), generator=g, dtype=torch.int64).to(torch.int32)
+    v = torch.cat([bits.view(torch.float32), rnd.view(torch.float32), torch.tensor([float("inf"), 0.0])])
+    for fmt in (E4M3, E5M2):
+        codes, mult = scaling.mxfp8_block_scales(v.clone(), fmt.max)
+        want = scaling.e8m0_from_amax(v, fmt.max)
+        assert torch.equal(codes, want)
+        assert torch.equal(mult.view(torch.int32), scaling.e8m0_to_quant_multiplier(want).view(torch.int32))
