@@ -157,6 +157,13 @@ def open_dataset(prefix: str, tokenizer: str, vocab_size: int) -> IndexedDataset
             key="data.tokenizer",
             fix=tokenizer_fix(prefix, str(got.get("name"))),
         )
+    if ds.eos_id != want.eos_id:
+        raise DataError(
+            f"dataset {prefix} records EOS id {ds.eos_id} but its tokenizer {want.name} has EOS id "
+            f"{want.eos_id}: the index is corrupt or was edited",
+            key="data.tokenizer",
+            fix="prepare the dataset again with `lptrain prepare-data`",
+        )
     ds.check_vocab(vocab_size)
     return ds
 
