@@ -7,7 +7,8 @@ two :class:`BatchIterator` objects. Each yields ``{"tokens", "labels"}`` LongTen
 ``[micro_batch_size, seq_length]`` forever and exposes its position (``consumed_samples``, in
 global samples) through ``state_dict()``/``load_state_dict()`` for checkpoints. The validation
 iterator continues where it stopped; to evaluate the same batches every time, reset it with
-``valid_iter.load_state_dict({"consumed_samples": 0})`` before each evaluation.
+``valid_iter.load_state_dict({"consumed_samples": 0})`` before each evaluation, and read
+:func:`eval_micro_batches` batches per rank (the same samples at any DP size).
 """
 
 from __future__ import annotations
@@ -208,6 +209,13 @@ def build_train_valid_loaders(
         return BatchIterator(stream, sampler, workers)
 
     return make(train), (make(valid) if valid is not None else None)
+
+
+def eval_micro_batches(valid_iter: BatchIterator, eval_iters: int) -> int:
+    """Micro-batches each rank evaluates for ``train.eval_iters``: that many *global* batches
+    (Megatron's ``eval_iters x global_batch_size`` samples), split over the DP ranks as in
+    training, so an evaluation reads the same samples at any DP size."""
+    return int(eval_iters) * valid_iter.sampler.num_micro_batches
 
 
 def data_state(train_iter: BatchIterator, valid_iter: BatchIterator | None) -> dict[str, Any]:

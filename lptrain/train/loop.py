@@ -31,7 +31,7 @@ from lptrain.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from lptrain.config import World, derive
 from lptrain.config.render import config_yaml
 from lptrain.config.schema import LPTrainConfig
-from lptrain.data.loader import BatchIterator, data_state, load_data_state
+from lptrain.data.loader import BatchIterator, data_state, eval_micro_batches, load_data_state
 from lptrain.model.flops import flops_per_token
 from lptrain.train.console import LogWindow, RunLog
 from lptrain.train.engine import TrainEngine, TrainingDivergedError
@@ -224,7 +224,8 @@ class _Job:
         rec, dt = self._train_step(state.step)
         if self.evals.due(state.step):
             self.valid_it.load_state_dict({"consumed_samples": 0})  # same batches every eval
-            rec["val_loss"] = self.engine.evaluate(self.valid_it, self.cfg.train.eval_iters)
+            n = eval_micro_batches(self.valid_it, self.cfg.train.eval_iters)  # same samples at any DP
+            rec["val_loss"] = self.engine.evaluate(self.valid_it, n)
         self.outputs.write(rec)
         self._print(rec, dt)
         signum, late = watcher.poll(self.device)
