@@ -197,20 +197,27 @@ class _Job:
         signal :class:`TrainingInterrupted`)."""
         state = self.state
         self.log.start(state.start_iter, self.cfg.train.train_iters)
-        try:
-            with StopWatcher(self.cfg.train.exit_duration_mins) as watcher:
+        # The watcher also covers finish(): a launcher's SIGTERM while the summary and plots
+        # are written is recorded, not raised (it would lose them and the real error).
+        with StopWatcher(self.cfg.train.exit_duration_mins) as watcher:
+            try:
                 while state.step < self.cfg.train.train_iters:
                     if self._step(watcher) is not None:
                         break
-        except TrainingDivergedError as e:
-            state.status, state.error = "diverged", str(e)
-            raise
-        except BaseException as e:
-            if state.status == "running":
-                state.status, state.error = "failed", f"{type(e).__name__}: {e}"
-            raise
-        finally:
-            summary = self.finish()
+            except TrainingDivergedError as e:
+                state.status, state.error = "diverged", str(e)
+                raise
+            except BaseException as e:
+                if state.status == "running":
+                    state.status, state.error = "failed", f"{type(e).__name__}: {e}"
+                raise
+            finally:
+                summary = self.finish()
+            if state.signum is not None:
+                # Every rank stops after the same step; none exits before the main rank has
+                # written its summary and plots (a launcher tears the world down at the first
+                # rank's exit).
+                _barrier()
         if state.signum is not None:
             raise TrainingInterrupted(state.signum, summary)
         return summary
