@@ -20,6 +20,7 @@ from typing import Any
 from lptrain.distributed.launch_env import world_from_env
 from lptrain.errors import RunFailedError
 from lptrain.launch.exit_status import SIGNAL_STATUSES, describe, normalized, signal_stop_status
+from lptrain.launch.torchrun import quiet_agent_logs
 
 __all__ = ["launch_local", "world_from_env"]
 
@@ -56,7 +57,7 @@ def launch_local(nproc: int, args: Sequence[str]) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    _quiet_agent_logs()
+    quiet_agent_logs()
 
     try:
         elastic_launch(config, sys.executable)("-m", "lptrain", *args)
@@ -75,17 +76,6 @@ def launch_local(nproc: int, args: Sequence[str]) -> int:
             fix="see the failing rank's error line above",
         ) from None
     return 0
-
-
-def _quiet_agent_logs() -> None:
-    """The agent logs every teardown step ("Sending process N closing signal SIGTERM",
-    "failed (exitcode: -9) local_rank: 1 ..."); the launch says what happened in one line of
-    its own, so only its critical messages stay."""
-    import logging
-
-    for name in list(logging.Logger.manager.loggerDict):
-        if name.startswith("torch.distributed.elastic"):
-            logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
 def _first_real_failure(failures: dict[int, Any]) -> tuple[int, Any]:
