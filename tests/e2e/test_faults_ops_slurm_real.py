@@ -163,3 +163,20 @@ def test_submit_requeue_then_preempt(cluster: dict[str, str], tmp_path: Path) ->
     batch = (out / "slurm" / f"slurm-{job_id}.out").read_text()
     assert batch.count("the job exits 143 (resumable)") == 2, batch[-3000:]
     assert "resuming from" in (logs / f"job{job_id}-restart1" / "node0.log").read_text()
+
+
+def test_template_is_accepted_on_a_cpu_cluster(cluster: dict[str, str], tmp_path: Path) -> None:
+    """Issue row 16: the hand-editable template requests no GPU, so sbatch on a cluster
+    without GPUs accepts it (the old `#SBATCH --gpus-per-node=8` line is refused there)."""
+    from lptrain.config.compose import repo_root
+
+    template = repo_root() / "scripts" / "slurm" / "pretrain.sbatch"
+    r = subprocess.run(["sbatch", "--test-only", "--nodes=1", str(template), "tiny_cpu.yaml"],
+                       env=cluster, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    gpu = tmp_path / "gpu.sbatch"
+    text = template.read_text()
+    gpu.write_text(text.replace("#SBATCH --job-name", "#SBATCH --gpus-per-node=8\n#SBATCH --job-name", 1))
+    r = subprocess.run(["sbatch", "--test-only", "--nodes=1", str(gpu), "tiny_cpu.yaml"],
+                       env=cluster, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0, r.stderr  # the check can fail
