@@ -12,14 +12,16 @@ launch exit 143/130, not "failed" (:mod:`lptrain.launch.exit_status`).
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import uuid
 from collections.abc import Sequence
 from typing import Any
 
 from lptrain.distributed.launch_env import world_from_env
-from lptrain.errors import RunFailedError
+from lptrain.errors import EXIT_SIGINT, EXIT_SIGTERM, RunFailedError
 from lptrain.launch.exit_status import SIGNAL_STATUSES, describe, normalized, signal_stop_status
+from lptrain.launch.peers import publish_peer_exits
 from lptrain.launch.torchrun import quiet_agent_logs
 
 __all__ = ["launch_local", "world_from_env"]
@@ -60,11 +62,12 @@ def launch_local(nproc: int, args: Sequence[str]) -> int:
     quiet_agent_logs()
 
     try:
-        elastic_launch(config, sys.executable)("-m", "lptrain", *args)
+        with publish_peer_exits():  # a survivor names how its lost peer ended
+            elastic_launch(config, sys.executable)("-m", "lptrain", *args)
     except SignalException as e:
         # SIGTERM/SIGINT to the launcher: the agent forwarded it to the ranks (which save a
-        # checkpoint and stop) and stopped them; exit as the ranks do, 128 + signal number.
-        raise SystemExit(128 + int(e.sigval)) from None
+        # checkpoint and stop) and stopped them; exit as the ranks do (130 SIGINT, else 143).
+        raise SystemExit(EXIT_SIGINT if e.sigval == signal.SIGINT else EXIT_SIGTERM) from None
     except ChildFailedError as e:
         status = signal_stop_status(f.exitcode for f in e.failures.values())
         if status is not None:  # every failed rank stopped on SIGTERM/SIGINT, checkpoint saved

@@ -9,28 +9,108 @@ recognises such a failure in a multi-rank run and turns it into
 
 Which peer: the ranks on this node are the launcher's children (``torchrun``, the elastic
 agent of ``--nproc-per-node``), so the survivor lists its siblings in ``/proc``: the live ones
-say their ``RANK`` in their environment, a dead one not yet reaped by the launcher is a zombie
-whose wait status ``/proc/PID/stat`` still holds. A peer on another node, or one the launcher
-already reaped, is named as far as it can be ("exit unknown"); the launcher's own line then
-gives its exit status.
+say their ``RANK`` in their environment; the missing one is the lost peer. How it ended: both
+of lptrain's launchers (``--nproc-per-node`` and :mod:`lptrain.launch.torchrun`) run the agent
+under :func:`publish_peer_exits`, which writes each failed rank's exit code to a file named by
+``$LPTRAIN_PEER_EXITS`` as soon as the agent sees it (before it stops the others); failing
+that, a dead peer not yet reaped is a zombie whose wait status ``/proc/PID/stat`` still holds.
+A peer on another node is named as far as it can be ("exit unknown"); the launcher's own line
+then gives its exit status.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import shutil
 import signal
+import tempfile
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from lptrain.errors import RunFailedError
 
 # What the collective backends say when the other end of a connection went away.
+# (Not "connection refused": that is a rendezvous that never formed, not a peer that died.)
 _PEER_GONE = (
     "connection closed by peer", "connection reset by peer", "broken pipe",
-    "remote process exited", "connection refused", "communicator was aborted",
-    "socket closed", "ncclremoteerror", "transport endpoint is not connected",
+    "remote process exited", "communicator was aborted", "ncclremoteerror",
+    "transport endpoint is not connected",
 )
+
+
+PEER_EXITS_ENV = "LPTRAIN_PEER_EXITS"
+_PUBLISH_WAIT_S = 2.0  # how long a survivor waits for the launcher's record
+
+
+@contextlib.contextmanager
+def publish_peer_exits() -> Iterator[None]:
+    """In the launcher's process, around the elastic agent's run: every rank failure the
+    agent's process context sees is written (``{local rank: exit code}``) to
+    ``$LPTRAIN_PEER_EXITS``, which the ranks inherit, before it stops the surviving ranks (the
+    hook is the context's failure capture, which runs just before that teardown). Without
+    that hook in this torch version it does nothing (the survivors fall back to ``/proc``)."""
+    try:
+        from torch.distributed.elastic.multiprocessing.api import SubprocessContext
+    except ImportError:
+        yield
+        return
+    original = getattr(SubprocessContext, "_capture_process_failures", None)
+    if original is None:
+        yield
+        return
+    folder = Path(tempfile.mkdtemp(prefix="lptrain-exits-"))
+    path = folder / "exits.json"
+    previous = os.environ.get(PEER_EXITS_ENV)
+    os.environ[PEER_EXITS_ENV] = str(path)
+
+    def capture(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        failures = getattr(self, "_failures", None) or {}
+        if failures and not path.exists():  # the first failures: before the teardown's
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps({str(r): int(f.exitcode) for r, f in failures.items()}))
+            os.replace(tmp, path)
+        return result
+
+    SubprocessContext._capture_process_failures = capture  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        SubprocessContext._capture_process_failures = original  # type: ignore[method-assign]
+        if previous is None:
+            os.environ.pop(PEER_EXITS_ENV, None)
+        else:
+            os.environ[PEER_EXITS_ENV] = previous
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _published_exit(local_rank: int) -> Optional[int]:
+    """The exit code of this node's ``local_rank`` as the launcher recorded it (waiting
+    briefly), else None."""
+    name = os.environ.get(PEER_EXITS_ENV)
+    if not name:
+        return None
+    deadline = time.monotonic() + _PUBLISH_WAIT_S
+    while True:
+        with contextlib.suppress(OSError, ValueError):
+            code = json.loads(Path(name).read_text()).get(str(local_rank))
+            if code is not None:
+                return int(code)
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.05)
+
+
+def _exit_code_text(exitcode: int) -> str:
+    """A launcher's exit code (negative: killed by that signal) as ``exit X, signal S``."""
+    if exitcode < 0:
+        return _how_it_ended(-exitcode)  # a wait status whose low bits are the signal
+    return f"exit {exitcode}, signal none"
 
 
 @dataclass(frozen=True)
@@ -101,6 +181,9 @@ def describe_lost_peer(rank: int, world_size: int) -> str:
     missing = sorted(expected - alive)
     status = _how_it_ended(zombies[0].wait_status if len(zombies) == 1 else None)
     if len(missing) == 1:
+        published = _published_exit(missing[0] - first)
+        if published is not None:
+            status = _exit_code_text(published)
         return f"rank {rank} lost peer {missing[0]} ({status})"
     if missing:
         return f"rank {rank} lost peers {', '.join(map(str, missing))} ({status})"

@@ -28,6 +28,7 @@ from typing import Optional
 
 from lptrain.errors import EXIT_RUN_FAILED, EXIT_SIGINT, EXIT_SIGTERM
 from lptrain.launch.exit_status import signal_stop_status
+from lptrain.launch.peers import publish_peer_exits
 
 
 def _node_log(log_dir: Optional[str]) -> Optional[Path]:
@@ -72,7 +73,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     quiet_agent_logs()
     try:
-        run(args)
+        with publish_peer_exits():  # a survivor names how its lost peer ended
+            run(args)
     except SignalException as e:
         status = EXIT_SIGINT if e.sigval == signal.SIGINT else EXIT_SIGTERM
         where = _to_node_log(args.log_dir, e)

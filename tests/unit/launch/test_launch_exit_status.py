@@ -60,6 +60,22 @@ def test_lost_peer_line_only_for_a_peer_failure_in_a_world(monkeypatch: pytest.M
     assert peers.lost_peer_error(chained) is not None
 
 
+def test_published_exit_names_how_the_peer_ended(monkeypatch: pytest.MonkeyPatch,
+                                                 tmp_path: Path) -> None:
+    """The launcher's record (written under publish_peer_exits) wins over /proc guessing."""
+    with peers.publish_peer_exits():
+        path = Path(os.environ[peers.PEER_EXITS_ENV])
+        assert path.parent.is_dir()
+        path.write_text('{"1": -9}')
+        assert peers._published_exit(1) == -9
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("RANK", "0")
+        monkeypatch.setenv("LOCAL_RANK", "0")
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+        assert peers.describe_lost_peer(0, 2) == "rank 0 lost peer 1 (exit 137, signal SIGKILL)"
+    assert peers.PEER_EXITS_ENV not in os.environ and not path.parent.exists()
+
+
 def test_zombie_wait_status_is_decoded() -> None:
     assert peers._how_it_ended(9) == "exit 137, signal SIGKILL"  # waitpid status: killed by 9
     assert peers._how_it_ended(3 << 8) == "exit 3, signal none"
