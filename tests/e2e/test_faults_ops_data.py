@@ -13,8 +13,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-import subprocess
-import sys
+import threading
 import time
 from pathlib import Path
 
@@ -92,23 +91,26 @@ def test_eos_flip_in_unsigned_index_is_refused(dataset: Path, tmp_path: Path) ->
 
 
 def test_dataset_truncated_under_a_running_job(dataset: Path, tmp_path: Path) -> None:
+    """In process (a thread truncates the file once the first step is logged): the run stops
+    at its next read with one line and exit 3, and writes the summary of the steps done."""
     prefix = _copy(dataset, tmp_path / "trunc")
     out = tmp_path / "run"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "lptrain", "pretrain", "--recipe", "tiny_cpu.yaml", "--output-dir",
-         str(out), f"data.source={prefix}", *BASE, "train.train_iters=100000",
-         "logging.plots=false"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"})
     metrics = out / "metrics.jsonl"
-    deadline = time.monotonic() + 60
-    while not (metrics.exists() and metrics.stat().st_size > 0):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.05)
-    os.truncate(f"{prefix}.bin", 100000)  # what `truncate -s 100000 x.bin` does
-    _, stderr = proc.communicate(timeout=60)
-    line = _one_error_line(stderr)
-    assert proc.returncode == 3, stderr
+
+    def truncate_after_first_step() -> None:
+        deadline = time.monotonic() + 120
+        while not (metrics.exists() and metrics.stat().st_size > 0) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        os.truncate(f"{prefix}.bin", 100000)  # what `truncate -s 100000 x.bin` does
+
+    thread = threading.Thread(target=truncate_after_first_step, daemon=True)
+    thread.start()
+    r = CliRunner().invoke(app, ["pretrain", "--recipe", "tiny_cpu.yaml", "--output-dir", str(out),
+                                 f"data.source={prefix}", *BASE, "train.train_iters=2000",
+                                 "logging.plots=false"])
+    thread.join(timeout=5)
+    line = _one_error_line(r.stderr)
+    assert r.exit_code == 3, r.output[-2000:]
     assert f"{prefix}.bin changed under the running job" in line, line
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["status"] == "failed" and summary["steps"] >= 1, summary
+    assert summary["status"] == "failed" and 1 <= summary["steps"] < 2000, summary
