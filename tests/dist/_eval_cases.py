@@ -23,30 +23,36 @@ def _engine_and_loaders(recipe: str, overrides: Sequence[str]) -> tuple[Any, Any
     return cfg, engine, train, valid
 
 
-def trained_weights(recipe: str, overrides: Sequence[str], steps: int) -> dict[str, Any]:
-    """The global checkpoint state after ``steps`` steps at one rank (so the evaluated model
-    has per-sample losses that differ, as a real run's do)."""
-    cfg, engine, train, _ = _engine_and_loaders(recipe, overrides)
+def _measure(cfg: Any, engine: Any, valid: Any) -> dict[str, Any]:
+    """The validation loss as the loop computes it (``eval_micro_batches`` per rank), the
+    samples it read, and the loss with the old per-rank count (``eval_iters`` micro-batches
+    on every rank) to show the test can fail."""
+    from lptrain.data import eval_micro_batches
+
+    valid.load_state_dict({"consumed_samples": 0})
+    loss = engine.evaluate(valid, eval_micro_batches(valid, cfg.train.eval_iters))
+    samples = valid.consumed_samples
+    valid.load_state_dict({"consumed_samples": 0})
+    per_rank_count = engine.evaluate(valid, cfg.train.eval_iters)
+    return {"loss": loss, "samples": samples, "per_rank_count": per_rank_count}
+
+
+def train_at_one_rank(recipe: str, overrides: Sequence[str], steps: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``steps`` steps at one rank (so the evaluated model's per-sample losses differ, as a
+    real run's do): the global checkpoint state and the DP=1 measurement."""
+    cfg, engine, train, valid = _engine_and_loaders(recipe, overrides)
     n = cfg.train.global_batch_size // cfg.train.micro_batch_size
     for step in range(1, steps + 1):
         engine.train_step([next(train) for _ in range(n)], step)
-    return engine.checkpoint_state()["global"]
+    return engine.checkpoint_state()["global"], _measure(cfg, engine, valid)
 
 
 def evaluate(rank: int, world: int, weights: dict[str, dict[str, Any]],
              overrides: Sequence[str]) -> dict[str, Any]:
-    """Per recipe: the validation loss of ``weights`` as the loop computes it
-    (``eval_micro_batches`` per rank), the samples it read, and the loss with the old
-    per-rank count (``eval_iters`` micro-batches on every rank) to show the test can fail."""
-    from lptrain.data import eval_micro_batches
-
+    """Per recipe, :func:`_measure` of ``weights`` loaded into this world's engine."""
     out: dict[str, Any] = {}
     for recipe, state in weights.items():
         cfg, engine, _, valid = _engine_and_loaders(recipe, overrides)
         engine.load_checkpoint_state({"global": state, "local": None})
-        loss = engine.evaluate(valid, eval_micro_batches(valid, cfg.train.eval_iters))
-        samples = valid.consumed_samples
-        valid.load_state_dict({"consumed_samples": 0})
-        per_rank_count = engine.evaluate(valid, cfg.train.eval_iters)
-        out[recipe] = {"loss": loss, "samples": samples, "per_rank_count": per_rank_count}
+        out[recipe] = _measure(cfg, engine, valid)
     return out

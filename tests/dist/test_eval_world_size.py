@@ -2,7 +2,8 @@
 ``eval_iters x global_batch_size``), so the validation loss agrees across world sizes.
 
 Tolerance 1e-5 relative: both worlds evaluate the same micro-batches of ``micro_batch_size``
-samples with the same weights (trained 2 steps at one rank, loaded into both worlds); what differs is
+samples with the same weights (trained 2 steps at one rank, evaluated there and loaded into the
+2-rank world); what differs is
 fp32 rounding inside the GEMMs (one process with the parent's thread count vs single-thread
 ranks) and the order in which the per-batch losses are summed (float64, then one all-reduce).
 The loss the old per-rank count gives (``eval_iters`` micro-batches on every rank, so twice
@@ -12,7 +13,7 @@ the samples at DP=2) is shown to differ by far more, so the check can fail.
 from __future__ import annotations
 
 import pytest
-from _eval_cases import evaluate, trained_weights
+from _eval_cases import evaluate, train_at_one_rank
 
 from lptrain.testing.dist import run_distributed
 
@@ -25,8 +26,9 @@ REL_TOL = 1e-5
 
 
 def test_validation_loss_is_independent_of_world_size() -> None:
-    weights = {r: trained_weights(r, OVERRIDES, steps=2) for r in RECIPES}
-    one = evaluate(0, 1, weights, OVERRIDES)
+    trained = {r: train_at_one_rank(r, OVERRIDES, steps=2) for r in RECIPES}
+    one = {r: measured for r, (_, measured) in trained.items()}
+    weights = {r: state for r, (state, _) in trained.items()}
     two = run_distributed(evaluate, 2, args=(weights, OVERRIDES), timeout_s=240)
     for recipe in RECIPES:
         a, b0, b1 = one[recipe], two[0][recipe], two[1][recipe]
