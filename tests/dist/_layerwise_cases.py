@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _engine_cases import BASE, TINY  # lr 0.01: large for spectral Muon, amplifies mismatches
 
 from lptrain.testing.parity import first_difference, patched, train_steps
 
+from _engine_cases import BASE, TINY  # lr 0.01: large for spectral Muon, amplifies mismatches
 LAYER_WISE = ["optimizer.name=muon", "ddp.use_distributed_optimizer=true"]
 PADDED = [*LAYER_WISE, "optimizer.layer_wise_param_layout=padded"]
 SMALL_BUCKETS = ["ddp.bucket_size=6000"]
