@@ -79,8 +79,8 @@ class TokenFile:
             what = ("replaced by another file" if ino != was[2]
                     else f"truncated to {size} bytes" if size < was[0]
                     else "rewritten" if size == was[0] else f"grown to {size} bytes")
-            raise self._changed(f"it was {what} (size {was[0]} -> {size}, mtime changed: "
-                                f"{mtime != was[1]})")
+            touched = ", modified since" if mtime != was[1] else ""
+            raise self._changed(f"it was {what} (size {was[0]} -> {size} bytes{touched})")
 
     def _changed(self, why: str) -> DatasetChangedError:
         return DatasetChangedError(f"dataset token file {self.path} changed under the running job: {why}",

@@ -165,7 +165,10 @@ def _how_it_ended(wait_status: Optional[int]) -> str:
         return "exit unknown, signal unknown: already reaped by the launcher"
     if os.WIFSIGNALED(wait_status):
         sig = os.WTERMSIG(wait_status)
-        name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else str(sig)
+        try:
+            name = signal.Signals(sig).name
+        except ValueError:
+            name = str(sig)
         return f"exit {128 + sig}, signal {name}"
     return f"exit {os.WEXITSTATUS(wait_status)}, signal none"
 
