@@ -142,3 +142,11 @@ class LPTrainGroup(TyperGroup):
             summary = " ".join(f"{type(exc).__name__}: {exc}".split())
             _echo_err(f"error: internal error ({summary[:300]}); {BUG_REPORT}")
             raise typer.Exit(EXIT_INTERNAL) from None
+        except BaseException as exc:  # torch's CheckpointException (a peer died mid-save)
+            lost = None if isinstance(exc, (SystemExit, GeneratorExit)) else _lost_peer(exc)
+            if lost is None:
+                raise
+            if debug_enabled(ctx):
+                _print_traceback(exc)
+            _echo_err(f"error: {lost}")
+            raise typer.Exit(lost.exit_code) from None

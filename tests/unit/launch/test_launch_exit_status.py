@@ -129,3 +129,38 @@ def test_torchrun_wrapper_on_its_own_signal(monkeypatch: pytest.MonkeyPatch, tmp
     err = capsys.readouterr().err
     assert code == 143 and "torchrun got SIGUSR1" in err and "Traceback" not in err
     assert os.listdir(tmp_path)
+
+
+def test_cli_turns_a_lost_peer_into_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the CLI's error surface, also for a BaseException such as torch's
+    CheckpointException wrapping the backend error (a peer died mid-save)."""
+    import typer
+    from typer.testing import CliRunner
+
+    from lptrain.cli.errors import LPTrainGroup
+
+    class CheckpointLike(BaseException):
+        pass
+
+    app = typer.Typer(cls=LPTrainGroup)
+    raised: list[BaseException] = []
+
+    @app.command()
+    def boom() -> None:
+        raise raised[0]
+
+    @app.command()
+    def other() -> None:
+        pass
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    for exc in (RuntimeError("[gloo] Connection reset by peer"),
+                CheckpointLike("ranks [1]: RuntimeError: Connection closed by peer [10.0.0.2]:1")):
+        raised[:] = [exc]
+        r = CliRunner().invoke(app, ["boom"])
+        assert r.exit_code == 3, r.output
+        assert r.stderr.startswith("error: rank 1 lost peer 0 (") and r.stderr.count("\n") == 1
+        assert "Traceback" not in r.output and "bug in lptrain" not in r.output
