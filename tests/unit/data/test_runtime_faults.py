@@ -133,3 +133,20 @@ def test_header_written_with_its_checksum(tmp_path: Path) -> None:
     raw = idx_path(prefix).read_bytes()
     start, end = _header_span(raw)
     assert len(json.loads(raw[start:end])[HEADER_CHECKSUM_KEY]) == 64
+
+
+def test_token_file_reopens_in_a_worker_and_keeps_the_opened_identity(tmp_path: Path) -> None:
+    """A DataLoader worker started with spawn unpickles the reader: it reopens the path, and a
+    file replaced since the parent opened it is refused there too."""
+    import pickle
+
+    prefix = _ds(tmp_path)
+    ds = IndexedDataset(prefix)
+    blob = pickle.dumps(ds.tokens)
+    again = pickle.loads(blob)
+    assert np.array_equal(again[5:50], ds.tokens[5:50])
+    other = tmp_path / "other.bin"
+    other.write_bytes(bin_path(prefix).read_bytes())
+    os.replace(other, bin_path(prefix))
+    with pytest.raises(DatasetChangedError, match="replaced by another file"):
+        pickle.loads(blob)
