@@ -26,6 +26,7 @@ from lptrain.data.errors import DataError
 from lptrain.data.gpt_dataset import GPTDataset, split_documents, split_seed
 from lptrain.data.indexed import IndexedDataset, tokenizer_fix
 from lptrain.data.sampler import GlobalBatchSampler
+from lptrain.data.token_file import DatasetChangedError
 
 _DEFAULT_CACHE = "~/.cache/lptrain"  # DataConfig.cache_dir's default; LPTRAIN_CACHE_DIR overrides it
 
@@ -96,7 +97,13 @@ class BatchIterator:
             return collate(self.stream, self.sampler.next_positions())
         if self._it is None:
             self._it = self._worker_iter()
-        batch = next(self._it)
+        try:
+            batch = next(self._it)
+        except DatasetChangedError:
+            # Re-raised from a worker with the worker's traceback in its message: check the
+            # files here, which raises the same fault as its own one line.
+            self.stream.check_unchanged()
+            raise
         self.sampler.consumed_samples += self.sampler.micro_batch_size * self.sampler.dp_size
         return batch
 

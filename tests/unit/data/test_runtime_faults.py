@@ -150,3 +150,22 @@ def test_token_file_reopens_in_a_worker_and_keeps_the_opened_identity(tmp_path: 
     os.replace(other, bin_path(prefix))
     with pytest.raises(DatasetChangedError, match="replaced by another file"):
         pickle.loads(blob)
+
+
+def test_truncation_seen_by_a_loader_worker_is_still_one_line(tmp_path: Path) -> None:
+    """With data.num_workers > 0 the fault surfaces in a worker; the iterator re-checks the
+    file in the main process, so the error is the one-line message, not the worker's
+    re-raised traceback text."""
+    from lptrain.config.schema import DataConfig
+    from lptrain.data.loader import build_train_valid_loaders
+
+    prefix = _ds(tmp_path)
+    cfg = DataConfig(source=str(prefix), split_valid_fraction=0.0, num_workers=1)
+    train, _ = build_train_valid_loaders(cfg, 16, 2, 2, 0, 1, 512)
+    next(train)
+    os.truncate(bin_path(prefix), 64)
+    with pytest.raises(DatasetChangedError) as info:
+        for _ in range(200):
+            next(train)
+    assert "Traceback" not in str(info.value) and "\n" not in str(info.value)
+    assert "ds.bin changed under the running job: it was truncated" in str(info.value)
