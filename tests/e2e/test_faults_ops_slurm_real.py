@@ -1,6 +1,7 @@
 """A real single-node SLURM (slurmctld + slurmd started here, private config and ports):
 `lptrain slurm` submits the rendered script of a 2-process CPU run from a shell without the
-virtual environment, `scontrol requeue` stops and requeues it, the requeued job resumes, and a
+virtual environment; USR1 to the batch shell (what `--signal=B:USR1` sends before the time
+limit) makes the ranks save and stop and the job requeue itself; the requeued job resumes; a
 preemption without requeue (`scancel`) ends the job CANCELLED with exit code 143:0 (not
 torchrun's 1:0). Metrics stay contiguous across both stops; no traceback in the node logs.
 
@@ -139,8 +140,10 @@ def test_submit_requeue_then_preempt(cluster: dict[str, str], tmp_path: Path) ->
     metrics = out / "metrics.jsonl"
     try:
         _wait("the first steps", lambda: len(_steps(metrics)) >= 5, 180)
-        subprocess.run(["scontrol", "requeue", job_id], env=env, check=True)
-        _wait("the requeue", lambda: _job(env, job_id).get("JobState") == "PENDING", 120)
+        # What SLURM sends before the time limit (--signal=B:USR1): the batch shell forwards
+        # it, the ranks save and stop, and the shell requeues the job itself.
+        subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], env=env, check=True)
+        _wait("the self-requeue", lambda: _job(env, job_id).get("JobState") == "PENDING", 120)
         first = _steps(metrics)[-1]
         # A requeued job waits for the credential lifetime (~2 min) before it is eligible.
         subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=env, check=True)
@@ -162,6 +165,7 @@ def test_submit_requeue_then_preempt(cluster: dict[str, str], tmp_path: Path) ->
         assert "Traceback" not in text and "resumable" not in text, (node_log, text[-2000:])
     batch = (out / "slurm" / f"slurm-{job_id}.out").read_text()
     assert batch.count("the job exits 143 (resumable)") == 2, batch[-3000:]
+    assert f"requeueing job {job_id}" in batch
     assert "resuming from" in (logs / f"job{job_id}-restart1" / "node0.log").read_text()
 
 
