@@ -8,6 +8,8 @@ Every command (including those added by ``register(app)`` hooks) runs inside
   several independent problems (``lines``: each incompatible key of a resume) prints one
   ``error:`` line per problem;
 * Ctrl-C exits 130, SIGTERM 143, each with one line;
+* a collective that failed because a peer rank died is one line ``rank N lost peer M``, exit 3
+  (also when it arrives inside a ``BaseException`` such as torch's ``CheckpointException``);
 * anything else is a bug: its traceback, then one line asking for a bug report, exit 70 --
   a ``BaseException`` that is neither a signal nor an exit (torch's ``CheckpointException``)
   included.
@@ -92,6 +94,14 @@ def _print_traceback(exc: BaseException) -> None:
     typer.echo("".join(traceback.format_exception(exc)).rstrip("\n"), err=True)
 
 
+def _lost_peer(exc: BaseException) -> LPTrainError | None:
+    """The one-line error when ``exc`` is a collective that failed because a peer rank
+    died (:mod:`lptrain.launch.peers`), else None."""
+    from lptrain.launch.peers import lost_peer_error
+
+    return lost_peer_error(exc)
+
+
 class LPTrainGroup(TyperGroup):
     """The root command group: ``--debug`` anywhere, and one error surface for all commands."""
 
@@ -130,6 +140,12 @@ class LPTrainGroup(TyperGroup):
         except (SystemExit, GeneratorExit):
             raise
         except BaseException as exc:
+            lost = _lost_peer(exc)
+            if lost is not None:  # a peer rank died: not a bug here, one line and exit 3
+                if debug_enabled(ctx):
+                    _print_traceback(exc)
+                _echo_err(f"error: {lost}")
+                raise typer.Exit(lost.exit_code) from None
             _print_traceback(exc)
             summary = " ".join(f"{type(exc).__name__}: {exc}".split())
             _echo_err(f"error: internal error ({summary[:300]}); {BUG_REPORT}")

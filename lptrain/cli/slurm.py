@@ -37,12 +37,19 @@ def slurm(
     recipe: Optional[str] = typer.Option(None, "--recipe", "-r", help=RECIPE_HELP),
     nodes: int = typer.Option(1, "--nodes", "-N", min=1, help="Nodes to allocate."),
     gpus_per_node: int = typer.Option(
-        8, "--gpus-per-node", "-G", min=1, help="GPUs (= training processes) per node."),
+        8, "--gpus-per-node", "-G", min=1,
+        help="GPUs (= training processes) per node; for a cpu target, gloo processes per node "
+        "(no GPU is requested)."),
     partition: Optional[str] = typer.Option(None, "--partition", "-p", help="SLURM partition."),
     time: Optional[str] = typer.Option(None, "--time", "-t", help="Time limit, e.g. 04:00:00."),
     account: Optional[str] = typer.Option(None, "--account", "-A", help="SLURM account."),
     container: Optional[str] = typer.Option(
-        None, "--container", help="Run inside this image (pyxis srun --container-image)."),
+        None, "--container", help="Run inside this image (pyxis srun --container-image), "
+        "with the image's python."),
+    env_activate: Optional[str] = typer.Option(
+        None, "--env-activate", help="Shell code that activates lptrain's environment on the "
+        "nodes (e.g. 'module load cuda; source ~/venv/bin/activate'); default: the "
+        "environment of this lptrain (its interpreter and prefix)."),
     output_dir: Optional[str] = typer.Option(
         None, "--output-dir", "-o", help="Run folder (default: run.output_dir of the recipe); "
         "a requeued or resubmitted job resumes from it."),
@@ -80,11 +87,13 @@ def slurm(
     out = _run_folder(composed)
     _refuse_invalid(composed, recipe, nodes * gpus_per_node, tgt)
     recipe_arg = str(Path(recipe).expanduser().absolute()) if "/" in recipe else recipe
+    python, activate = _environment(container, env_activate)
     job = SlurmJob(
         recipe=recipe_arg, nodes=nodes, gpus_per_node=gpus_per_node, output_dir=str(out),
         overrides=tuple(user_overrides), gpu=tgt != "cpu",
         job_name=re.sub(r"[^A-Za-z0-9_.-]", "_", f"lptrain-{composed.cfg.run.name}"), partition=partition, time=time,
-        account=account, container=container, signal_lead_s=signal_lead)
+        account=account, container=container, signal_lead_s=signal_lead, python=python,
+        env_activate=activate)
     if not composed.cfg.checkpoint.save:
         typer.echo("note: checkpoint.save is not set, so a preempted or requeued job restarts "
                    "from step 0; set checkpoint.save=${run.output_dir}/checkpoints to resume",
@@ -94,11 +103,42 @@ def slurm(
         typer.echo(text, nl=False)
         return
     path = script_path(job)
+    created = _missing_parents(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
-    job_id = submit(path)
+    try:
+        job_id = submit(path)
+    except typer.Exit:  # refused: leave nothing behind (script, and folders made for it)
+        path.unlink(missing_ok=True)
+        for folder in created:
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # only when empty
+        raise
     typer.echo(f"submitted job {job_id} ({nodes} node(s) x {gpus_per_node}); script {path}; "
                f"logs in {path.parent / 'logs'}")
+
+
+def _environment(container: Optional[str], env_activate: Optional[str]) -> tuple[str, str]:
+    """``(python, activation)`` for the nodes: inside a container the image's ``python``;
+    with ``--env-activate`` that code and the ``python`` it puts on ``PATH``; else this
+    lptrain's own interpreter and prefix."""
+    from lptrain.launch.slurm import interpreter_environment
+
+    if container:
+        return "python", ""
+    if env_activate is not None:
+        return "python", env_activate
+    return interpreter_environment()
+
+
+def _missing_parents(path: Path) -> list[Path]:
+    """The folders above ``path`` that do not exist yet, deepest first."""
+    out = []
+    for parent in path.parents:
+        if parent.exists():
+            break
+        out.append(parent)
+    return out
 
 
 def _check_sbatch_values(**values: Optional[str]) -> None:

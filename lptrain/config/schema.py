@@ -294,7 +294,7 @@ class TrainConfig:
     global_batch_size: int = opt(8, "Sequences per optimizer step over all ranks.")
     train_iters: int = opt(100, "Optimizer steps to run.")
     eval_interval: Optional[int] = opt(None, "Evaluate every N steps (null = only at the end).")
-    eval_iters: int = opt(10, "Batches per evaluation.")
+    eval_iters: int = opt(10, "Global batches per evaluation (the same samples at any DP size).")
     log_interval: Optional[int] = opt(10, "Log metrics every N steps.")
     exit_interval: Optional[int] = opt(None, "Stop after N steps in this job (for requeue).")
     exit_duration_mins: Optional[float] = opt(

@@ -22,6 +22,7 @@ _EXPORTS = {
     "build_train_valid_loaders": "lptrain.data.loader",
     "data_state": "lptrain.data.loader",
     "load_data_state": "lptrain.data.loader",
+    "eval_micro_batches": "lptrain.data.loader",
     "ensure_builtin_dataset": "lptrain.data.builtin",
     "prepare_dataset": "lptrain.data.prepare",
     "load_tokenizer": "lptrain.data.tokenizer",

@@ -69,6 +69,11 @@ class BlendedStream:
         self._ds_idx = np.concatenate([self._ds_idx, idx])
         self._ds_pos = np.concatenate([self._ds_pos, pos])
 
+    def check_unchanged(self) -> None:
+        """Raise ``DatasetChangedError`` when a dataset's token file changed since it was opened."""
+        for d in self.datasets:
+            d.indexed.check_unchanged()
+
     def locate(self, position: int) -> tuple[int, int]:
         if len(self.datasets) == 1:
             return 0, int(position)

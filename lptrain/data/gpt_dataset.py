@@ -99,6 +99,7 @@ class GPTDataset:
     def _layout(self, epoch: int) -> _EpochLayout:
         lay = self._cache.get(epoch)
         if lay is None:
+            self.indexed.check_unchanged()  # an epoch boundary: the file must be the one opened
             rng = np.random.default_rng([self.seed, epoch, 0x6E7])
             order = rng.permutation(len(self.doc_ids))
             lengths = self._lengths[order]

@@ -8,9 +8,11 @@ one small binary file::
 
 The JSON header records dtype, vocabulary size, EOS id, tokenizer identity (name + sha256),
 document/token counts, the largest token id and blake2b checksums of the token file and of the
-offsets. Writers produce temp files and rename them, the index last (after removing any old
-index), so a crash never leaves a pair that passes verification. Readers memory-map the tokens
-(never a full load) and check sizes, offsets and checksums before use.
+offsets, and a checksum of the header itself (:mod:`lptrain.data.index_header` checks every
+field on open). Writers produce temp files and rename them, the index last (after removing any
+old index), so a crash never leaves a pair that passes verification. Readers check sizes,
+offsets and checksums before use, then read the tokens with ``pread`` (never a full load; a
+file truncated or replaced under a running job is one error line, :mod:`lptrain.data.token_file`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from typing import Any
 import numpy as np
 
 from lptrain.data.errors import DataError
+from lptrain.data.index_header import HEADER_CHECKSUM_KEY, header_digest, validate_header
+from lptrain.data.token_file import TokenFile
 from lptrain.errors import OutputDirError
 
 MAGIC = b"LPTIDX01"
@@ -186,6 +190,7 @@ class IndexedDatasetWriter:
             "offsets_blake2b": _offsets_digest(offsets),
             "extra": self.extra,
         }
+        header[HEADER_CHECKSUM_KEY] = header_digest(header)
         idx = idx_path(self.prefix)
         tmp_idx = idx.with_name(idx.name + f".tmp-{os.getpid()}")
         with open(tmp_idx, "wb") as f:
@@ -232,11 +237,14 @@ def read_index(prefix: str | os.PathLike[str]) -> tuple[dict[str, Any], np.ndarr
         header = json.loads(raw[start : start + hlen].decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise DataError(f"corrupt index header in {path}: {exc}", fix=REPREPARE) from None
+    if not isinstance(header, dict):
+        raise DataError(f"corrupt index header in {path}: not a JSON object", fix=REPREPARE)
     if header.get("format") != "lptrain-indexed" or header.get("version") != FORMAT_VERSION:
         raise DataError(
             f"{path}: unsupported index format {header.get('format')!r} v{header.get('version')!r}",
             fix=REPREPARE,
         )
+    validate_header(header, path, REPREPARE)
     n_docs = int(header["num_documents"])
     body = raw[start + hlen :]
     if len(body) != 8 * (n_docs + 1):
@@ -282,14 +290,19 @@ class IndexedDataset:
                 "(wrong dtype, truncated or from another dataset)",
                 fix=REPREPARE,
             )
+        self.tokens = TokenFile(bpath, self.dtype, h["num_tokens"])  # opened first: verified = read
         if verify is None:
             verify = size <= _FULL_VERIFY_LIMIT
         if verify and _blake2b_file(bpath) != h["tokens_blake2b"]:
             raise DataError(
                 f"token checksum mismatch for {bpath}: the dataset is corrupt or was replaced", fix=REPREPARE
             )
-        self.tokens = np.memmap(bpath, dtype=self.dtype, mode="r")
         self.doc_lengths = np.diff(self.offsets)
+
+    def check_unchanged(self) -> None:
+        """Raise :class:`~lptrain.data.token_file.DatasetChangedError` (exit 3) when the token
+        file was truncated or replaced since it was opened (called at epoch boundaries)."""
+        self.tokens.check_unchanged()
 
     @property
     def vocab_size(self) -> int:

@@ -7,7 +7,8 @@ two :class:`BatchIterator` objects. Each yields ``{"tokens", "labels"}`` LongTen
 ``[micro_batch_size, seq_length]`` forever and exposes its position (``consumed_samples``, in
 global samples) through ``state_dict()``/``load_state_dict()`` for checkpoints. The validation
 iterator continues where it stopped; to evaluate the same batches every time, reset it with
-``valid_iter.load_state_dict({"consumed_samples": 0})`` before each evaluation.
+``valid_iter.load_state_dict({"consumed_samples": 0})`` before each evaluation, and read
+:func:`eval_micro_batches` batches per rank (the same samples at any DP size).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from lptrain.data.errors import DataError
 from lptrain.data.gpt_dataset import GPTDataset, split_documents, split_seed
 from lptrain.data.indexed import IndexedDataset, tokenizer_fix
 from lptrain.data.sampler import GlobalBatchSampler
+from lptrain.data.token_file import DatasetChangedError
 
 _DEFAULT_CACHE = "~/.cache/lptrain"  # DataConfig.cache_dir's default; LPTRAIN_CACHE_DIR overrides it
 
@@ -95,7 +97,13 @@ class BatchIterator:
             return collate(self.stream, self.sampler.next_positions())
         if self._it is None:
             self._it = self._worker_iter()
-        batch = next(self._it)
+        try:
+            batch = next(self._it)
+        except DatasetChangedError:
+            # Re-raised from a worker with the worker's traceback in its message: check the
+            # files here, which raises the same fault as its own one line.
+            self.stream.check_unchanged()
+            raise
         self.sampler.consumed_samples += self.sampler.micro_batch_size * self.sampler.dp_size
         return batch
 
@@ -157,6 +165,13 @@ def open_dataset(prefix: str, tokenizer: str, vocab_size: int) -> IndexedDataset
             key="data.tokenizer",
             fix=tokenizer_fix(prefix, str(got.get("name"))),
         )
+    if ds.eos_id != want.eos_id:
+        raise DataError(
+            f"dataset {prefix} records EOS id {ds.eos_id} but its tokenizer {want.name} has EOS id "
+            f"{want.eos_id}: the index is corrupt or was edited",
+            key="data.tokenizer",
+            fix="prepare the dataset again with `lptrain prepare-data`",
+        )
     ds.check_vocab(vocab_size)
     return ds
 
@@ -201,6 +216,13 @@ def build_train_valid_loaders(
         return BatchIterator(stream, sampler, workers)
 
     return make(train), (make(valid) if valid is not None else None)
+
+
+def eval_micro_batches(valid_iter: BatchIterator, eval_iters: int) -> int:
+    """Micro-batches each rank evaluates for ``train.eval_iters``: that many *global* batches
+    (Megatron's ``eval_iters x global_batch_size`` samples), split over the DP ranks as in
+    training, so an evaluation reads the same samples at any DP size."""
+    return int(eval_iters) * valid_iter.sampler.num_micro_batches
 
 
 def data_state(train_iter: BatchIterator, valid_iter: BatchIterator | None) -> dict[str, Any]:

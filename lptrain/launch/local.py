@@ -5,18 +5,24 @@ of ``python -m lptrain pretrain ...`` through torch's elastic launcher (the API 
 ``torchrun``) with a c10d rendezvous on this host. When any rank fails, the agent ends the
 others and the failure is reported with that rank's exit status. Each rank then joins the
 world from its environment (:mod:`lptrain.distributed.launch_env`, which also provides
-:func:`world_from_env`).
+:func:`world_from_env`). Ranks that all stopped on SIGTERM/SIGINT (checkpoint saved) make the
+launch exit 143/130, not "failed" (:mod:`lptrain.launch.exit_status`).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import uuid
 from collections.abc import Sequence
+from typing import Any
 
 from lptrain.distributed.launch_env import world_from_env
-from lptrain.errors import RunFailedError
+from lptrain.errors import EXIT_SIGINT, EXIT_SIGTERM, RunFailedError
+from lptrain.launch.exit_status import SIGNAL_STATUSES, describe, normalized, signal_stop_status
+from lptrain.launch.peers import publish_peer_exits
+from lptrain.launch.torchrun import quiet_agent_logs
 
 __all__ = ["launch_local", "world_from_env"]
 
@@ -53,17 +59,32 @@ def launch_local(nproc: int, args: Sequence[str]) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
+    quiet_agent_logs()
+
     try:
-        elastic_launch(config, sys.executable)("-m", "lptrain", *args)
+        with publish_peer_exits():  # a survivor names how its lost peer ended
+            elastic_launch(config, sys.executable)("-m", "lptrain", *args)
     except SignalException as e:
         # SIGTERM/SIGINT to the launcher: the agent forwarded it to the ranks (which save a
-        # checkpoint and stop) and stopped them; exit as the ranks do, 128 + signal number.
-        raise SystemExit(128 + int(e.sigval)) from None
+        # checkpoint and stop) and stopped them; exit as the ranks do (130 SIGINT, else 143).
+        raise SystemExit(EXIT_SIGINT if e.sigval == signal.SIGINT else EXIT_SIGTERM) from None
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
+        status = signal_stop_status(f.exitcode for f in e.failures.values())
+        if status is not None:  # every failed rank stopped on SIGTERM/SIGINT, checkpoint saved
+            raise SystemExit(status) from None
+        rank, failure = _first_real_failure(e.failures)
         raise RunFailedError(
-            f"rank {rank} of {nproc} failed with exit status {failure.exitcode}; the other "
-            "ranks were stopped (its error is printed above)",
+            f"rank {rank} of {nproc} failed with {describe(failure.exitcode)}; the other "
+            "ranks were stopped (its error, if it could print one, is above)",
             fix="see the failing rank's error line above",
         ) from None
     return 0
+
+
+def _first_real_failure(failures: dict[int, Any]) -> tuple[int, Any]:
+    """The earliest rank that failed other than by a signal-driven stop (a rank the agent
+    stopped after the failure exits 143 too, later)."""
+    real = {r: f for r, f in failures.items() if normalized(f.exitcode) not in SIGNAL_STATUSES}
+    pool = real or failures
+    rank = min(pool, key=lambda r: pool[r].timestamp)
+    return rank, pool[rank]

@@ -9,10 +9,20 @@ shared, so a fix lands in both.
 
 What the script does, and why:
 
-* one SLURM task per node, each running ``torchrun`` for the node's GPUs with a c10d
-  rendezvous on the allocation's first node (``scontrol show hostnames``); a node list that
-  cannot be resolved stops the job before any GPU is touched, instead of hanging in the
-  rendezvous;
+* the environment lptrain was installed in: ``lptrain slurm`` records the interpreter it
+  runs under (``sys.executable``) and how to activate its prefix (a venv's ``bin/activate``,
+  else its ``bin`` first on ``PATH``), so a job submitted from a shell without the venv finds
+  the same lptrain; ``--env-activate CMD`` replaces the activation (``module load ...``,
+  ``conda activate ...``) and ``--container IMAGE`` uses the image's ``python``;
+* one SLURM task per node, each running torchrun through that interpreter
+  (``python -m lptrain.launch.torchrun``, torch's ``torch.distributed.run`` with the exit
+  status mapped: a preemption's 143 stays 143, torchrun's traceback goes to the rank logs)
+  for the node's processes with a c10d rendezvous on the allocation's first node
+  (``scontrol show hostnames``); a node list that cannot be resolved stops the job before any
+  GPU is touched, instead of hanging in the rendezvous;
+* no GPU request for a CPU target (``--gpus-per-node`` is then the number of gloo processes
+  per node), and none in the hand-editable template, which reads the process count from
+  ``LPTRAIN_PROCS_PER_NODE`` or the GPUs SLURM allocated;
 * ``--requeue`` plus a run folder passed as ``--output-dir``: a requeued job runs the same
   ``lptrain pretrain`` on the same folder, which resumes from its latest checkpoint;
 * ``--signal=B:USR1@LEAD``: SLURM signals only the batch shell, which forwards ``USR1`` to the
@@ -63,6 +73,8 @@ class SlurmJob:
     account: Optional[str] = None
     container: Optional[str] = None
     signal_lead_s: int = DEFAULT_SIGNAL_LEAD_S
+    python: str = "python3"  # the interpreter on the nodes (lptrain slurm: its own)
+    env_activate: str = ""  # shell code run first (lptrain slurm: activate its own prefix)
 
 
 # --------------------------------------------------------------------------- script blocks
@@ -78,10 +90,15 @@ _TEMPLATE_HEADER = """\
 # in) use `lptrain slurm --recipe R --nodes N --gpus-per-node G --dry-run`.
 #
 # Usage:
-#   sbatch --nodes=4 --gpus-per-node=8 scripts/slurm/pretrain.sbatch RECIPE [key=value ...]
-# Environment (optional): LPTRAIN_OUTPUT_DIR (run folder; default runs/<recipe>-<job id>),
-#   LPTRAIN_CONTAINER_IMAGE (run inside this image with pyxis), LPTRAIN_CONTAINER_MOUNTS,
-#   LPTRAIN_RDZV_PORT (default @@PORT@@), LPTRAIN_MAX_REQUEUES (default 100).
+#   GPUs: sbatch --nodes=4 --gpus-per-node=8 scripts/slurm/pretrain.sbatch RECIPE [key=value ...]
+#   CPU:  LPTRAIN_PROCS_PER_NODE=2 sbatch --nodes=1 scripts/slurm/pretrain.sbatch tiny_cpu.yaml
+# Environment (optional): LPTRAIN_PROCS_PER_NODE (training processes per node; default: the
+#   GPUs SLURM allocated, else 1), LPTRAIN_PYTHON (the interpreter lptrain is installed in;
+#   default python3), LPTRAIN_ENV_ACTIVATE (shell code that activates its environment, e.g.
+#   "source /path/venv/bin/activate"), LPTRAIN_OUTPUT_DIR (run folder; default
+#   runs/<recipe>-<job id>), LPTRAIN_CONTAINER_IMAGE (run inside this image with pyxis),
+#   LPTRAIN_CONTAINER_MOUNTS, LPTRAIN_RDZV_PORT (default @@PORT@@), LPTRAIN_MAX_REQUEUES
+#   (default 100).
 """
 
 _JOB_HEADER = """\
@@ -94,19 +111,23 @@ _TEMPLATE_PARAMS = """\
 RECIPE=${1:?usage: sbatch [--nodes=N] [--gpus-per-node=G] pretrain.sbatch RECIPE [key=value ...]}
 shift
 OVERRIDES=("$@")
-GPUS_PER_NODE=${SLURM_GPUS_PER_NODE:-8}
-GPUS_PER_NODE=${GPUS_PER_NODE##*:}  # "h100:8" -> 8
+PROCS_PER_NODE=${LPTRAIN_PROCS_PER_NODE:-${SLURM_GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-1}}}
+PROCS_PER_NODE=${PROCS_PER_NODE##*:}  # "h100:8" -> 8
 RECIPE_STEM=$(basename "$RECIPE")
 OUTPUT_DIR=${LPTRAIN_OUTPUT_DIR:-$PWD/runs/${RECIPE_STEM%.y*ml}-$SLURM_JOB_ID}
 CONTAINER_IMAGE=${LPTRAIN_CONTAINER_IMAGE:-}
+PYTHON=${LPTRAIN_PYTHON:-python3}
+ENV_ACTIVATE=${LPTRAIN_ENV_ACTIVATE:-}
 """
 
 _JOB_PARAMS = """\
 RECIPE=@@RECIPE@@
 OVERRIDES=(@@OVERRIDES@@)
-GPUS_PER_NODE=@@GPUS@@
+PROCS_PER_NODE=@@GPUS@@
 OUTPUT_DIR=@@OUTPUT_DIR@@
 CONTAINER_IMAGE=@@CONTAINER@@
+PYTHON=@@PYTHON@@  # the interpreter lptrain is installed in
+ENV_ACTIVATE=@@ENV_ACTIVATE@@
 """
 
 # The shared body. Every line below is the same in the template and in rendered jobs.
@@ -128,6 +149,13 @@ export TORCH_NCCL_ASYNC_ERROR_HANDLING TORCH_NCCL_AVOID_RECORD_STREAMS NCCL_DEBU
   PYTORCH_ALLOC_CONF PET_SIGNALS_TO_HANDLE TORCH_ELASTIC_SHUTDOWN_TIMEOUT
 # Site-specific, set them here or in your environment: NCCL_SOCKET_IFNAME, NCCL_IB_HCA.
 
+# The environment lptrain was installed in (outside a container, which brings its own).
+if [ -z "$CONTAINER_IMAGE" ] && [ -n "$ENV_ACTIVATE" ]; then
+  set +u  # activation scripts read unset variables
+  eval "$ENV_ACTIVATE"
+  set -u
+fi
+
 # Rendezvous host: the allocation's first node. Fail loudly rather than hang in torchrun.
 lptrain_head_node() {
   local head
@@ -141,11 +169,11 @@ lptrain_head_node() {
 }
 HEAD=$(lptrain_head_node) || exit 1
 
-DP=$((SLURM_NNODES * GPUS_PER_NODE))
+DP=$((SLURM_NNODES * PROCS_PER_NODE))
 LOG_DIR=$OUTPUT_DIR/slurm/logs/job${SLURM_JOB_ID}-restart${SLURM_RESTART_COUNT:-0}
 mkdir -p "$LOG_DIR"
 echo "lptrain: job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0}: $SLURM_NNODES node(s) x" \\
-  "$GPUS_PER_NODE, dp $DP, rendezvous $HEAD:$PORT, run folder $OUTPUT_DIR, logs $LOG_DIR"
+  "$PROCS_PER_NODE, dp $DP, rendezvous $HEAD:$PORT, run folder $OUTPUT_DIR, logs $LOG_DIR"
 
 SRUN_ARGS=(--ntasks-per-node=1 --kill-on-bad-exit=1 --output="$LOG_DIR/node%t.log")
 if [ -n "$CONTAINER_IMAGE" ]; then
@@ -157,7 +185,7 @@ if [ -n "$CONTAINER_IMAGE" ]; then
 else
   # Check the recipe for the world this allocation really has before any GPU is touched.
   # (${OVERRIDES[@]+...}: bash < 4.4 calls an empty array unbound under `set -u`.)
-  lptrain validate-config --recipe "$RECIPE" --dp "$DP" ${OVERRIDES[@]+"${OVERRIDES[@]}"}
+  "$PYTHON" -m lptrain validate-config --recipe "$RECIPE" --dp "$DP" ${OVERRIDES[@]+"${OVERRIDES[@]}"}
 fi
 
 # Preemption: SLURM sends USR1 to this shell SIGNAL_LEAD_S before the time limit.
@@ -190,9 +218,12 @@ lptrain_on_term() {
 trap lptrain_on_usr1 USR1
 trap lptrain_on_term TERM
 
-# One task per node; torchrun ignores USR1 unless it forwards it (see PET_SIGNALS_TO_HANDLE).
+# One task per node: torchrun (torch.distributed.run) through lptrain's interpreter, with a
+# signal-driven stop reported as 143 and torchrun's traceback kept in the rank logs
+# (lptrain.launch.torchrun). It ignores USR1 unless it forwards it (PET_SIGNALS_TO_HANDLE).
 srun "${SRUN_ARGS[@]}" bash -c 'trap "" USR1; exec "$@"' lptrain-node \\
-  torchrun --nnodes="$SLURM_NNODES" --nproc-per-node="$GPUS_PER_NODE" \\
+  "$PYTHON" -m lptrain.launch.torchrun \\
+  --nnodes="$SLURM_NNODES" --nproc-per-node="$PROCS_PER_NODE" \\
   --rdzv-backend=c10d --rdzv-endpoint="$HEAD:$PORT" --rdzv-id="$SLURM_JOB_ID" \\
   --log-dir="$LOG_DIR/ranks" --tee=3 \\
   -m lptrain pretrain --recipe "$RECIPE" --output-dir "$OUTPUT_DIR" ${OVERRIDES[@]+"${OVERRIDES[@]}"} &
@@ -206,6 +237,9 @@ while :; do
 done
 if [ -n "$WATCHDOG_PID" ]; then kill "$WATCHDOG_PID" 2>/dev/null || true; fi
 echo "lptrain: step finished with status $RC" >&2
+if [ "$RC" = 143 ] || [ "$RC" = 130 ]; then
+  echo "lptrain: the run stopped on a signal after saving; the job exits $RC (resumable)" >&2
+fi
 if [ "$PREEMPTED" = 1 ]; then lptrain_requeue; fi
 exit "$RC"
 """
@@ -230,8 +264,7 @@ def _common_sbatch(lead_s: int) -> list[str]:
 
 def render_template(signal_lead_s: int = DEFAULT_SIGNAL_LEAD_S) -> str:
     """The hand-editable ``scripts/slurm/pretrain.sbatch``: parameters from sbatch's arguments."""
-    sbatch = ["--job-name=lptrain", "--gpus-per-node=8", *_common_sbatch(signal_lead_s),
-              "--output=slurm-%j.out"]
+    sbatch = ["--job-name=lptrain", *_common_sbatch(signal_lead_s), "--output=slurm-%j.out"]
     return (_fill(_TEMPLATE_HEADER, PORT=DEFAULT_RDZV_PORT) + _sbatch_lines(sbatch)
             + "set -euo pipefail\n\n" + _TEMPLATE_PARAMS + "\n"
             + _fill(_BODY, PORT=DEFAULT_RDZV_PORT, LEAD=signal_lead_s))
@@ -258,9 +291,26 @@ def render(job: SlurmJob) -> str:
     params = _fill(_JOB_PARAMS, RECIPE=q(job.recipe),
                    OVERRIDES=" ".join(q(o) for o in job.overrides),
                    GPUS=job.gpus_per_node, OUTPUT_DIR=q(job.output_dir),
-                   CONTAINER=q(job.container or ""))
+                   CONTAINER=q(job.container or ""), PYTHON=q(job.python),
+                   ENV_ACTIVATE=q(job.env_activate))
     return (header + _sbatch_lines(sbatch) + "set -euo pipefail\n\n" + params + "\n"
             + _fill(_BODY, PORT=DEFAULT_RDZV_PORT, LEAD=job.signal_lead_s))
+
+
+def interpreter_environment() -> tuple[str, str]:
+    """``(python, activation)`` of the environment this lptrain runs in: the interpreter's
+    absolute path, and ``source PREFIX/bin/activate`` for a venv (or ``PREFIX/bin`` first on
+    ``PATH`` for another prefix, a conda env say), so the job runs this lptrain."""
+    import os
+    import sys
+
+    prefix = Path(sys.prefix)
+    activate = prefix / "bin" / "activate"
+    if sys.prefix != sys.base_prefix and activate.is_file():
+        code = f"source {shlex.quote(str(activate))}"
+    else:
+        code = f'export PATH={shlex.quote(str(prefix / "bin"))}:"$PATH"'
+    return os.path.abspath(sys.executable), code
 
 
 def parse_submitted(stdout: str) -> Optional[str]:

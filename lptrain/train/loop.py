@@ -39,7 +39,7 @@ from lptrain.checkpoint.atomic import write_atomically
 from lptrain.config import World, derive
 from lptrain.config.render import config_yaml
 from lptrain.config.schema import LPTrainConfig
-from lptrain.data.loader import BatchIterator, data_state, load_data_state
+from lptrain.data.loader import BatchIterator, data_state, eval_micro_batches, load_data_state
 from lptrain.errors import RunFailedError
 from lptrain.model.flops import flops_per_token
 from lptrain.train.console import LogWindow, RunLog
@@ -240,23 +240,30 @@ class _Job:
         signal :class:`TrainingInterrupted`)."""
         state = self.state
         self.log.start(state.start_iter, self.cfg.train.train_iters)
-        try:
-            with StopWatcher(self.cfg.train.exit_duration_mins) as watcher:
+        # The watcher also covers finish(): a launcher's SIGTERM while the summary and plots
+        # are written is recorded, not raised (it would lose them and the real error).
+        with StopWatcher(self.cfg.train.exit_duration_mins) as watcher:
+            try:
                 while state.step < self.cfg.train.train_iters:
                     if self._step(watcher) is not None:
                         break
-        except TrainingDivergedError as e:
-            state.status, state.error = "diverged", str(e)
-            raise
-        except RunFailedError as e:  # a failed save, a full disk: one line, exit 3
-            state.status, state.error = "failed", str(e)
-            raise
-        except BaseException as e:
-            if state.status == "running":
-                state.status, state.error = "failed", f"{type(e).__name__}: {e}"
-            raise
-        finally:
-            summary = self.finish()
+            except TrainingDivergedError as e:
+                state.status, state.error = "diverged", str(e)
+                raise
+            except RunFailedError as e:  # a failed save, a full disk: one line, exit 3
+                state.status, state.error = "failed", str(e)
+                raise
+            except BaseException as e:
+                if state.status == "running":
+                    state.status, state.error = "failed", f"{type(e).__name__}: {e}"
+                raise
+            finally:
+                summary = self.finish()
+            if state.signum is not None:
+                # Every rank stops after the same step; none exits before the main rank has
+                # written its summary and plots (a launcher tears the world down at the first
+                # rank's exit).
+                _barrier()
         if self.unwritten:
             raise RunFailedError(self.unwritten[0], fix="free space on that filesystem or make "
                                  "the run folder writable; the checkpoint and metrics are kept")
@@ -273,7 +280,8 @@ class _Job:
         rec, dt = self._train_step(state.step)
         if self.evals.due(state.step):
             self.valid_it.load_state_dict({"consumed_samples": 0})  # same batches every eval
-            rec["val_loss"] = self.engine.evaluate(self.valid_it, self.cfg.train.eval_iters)
+            n = eval_micro_batches(self.valid_it, self.cfg.train.eval_iters)  # same samples at any DP
+            rec["val_loss"] = self.engine.evaluate(self.valid_it, n)
         self.outputs.write(rec)
         self._print(rec, dt)
         signum, late = watcher.poll(self.device)

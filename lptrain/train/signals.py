@@ -10,7 +10,11 @@ raises :class:`TrainingInterrupted` -- a ``SystemExit`` with the documented stat
 
 A second SIGINT raises ``KeyboardInterrupt`` at once (the user insists). With several ranks
 the stop decision is all-reduced (MAX) every step, so every rank stops after the same step
-even when only one of them got the signal.
+even when only one of them got the signal. The watcher stays installed while the loop writes
+its summary and plots, and after a signal-driven stop every rank waits for the main rank to
+finish them: a launcher ends the other ranks (SIGTERM) as soon as the first one exits, which
+must not cost the main rank its files. The launch then exits 143/130 too
+(:mod:`lptrain.launch.exit_status`).
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from typer.testing import CliRunner
 
 from lptrain.cli import app
 from lptrain.cli.errors import LPTrainGroup, root_callback
+from lptrain.data.index_header import HEADER_CHECKSUM_KEY, header_digest
 from lptrain.data.indexed import MAGIC, bin_path, encode_index, idx_path, read_index
 from lptrain.data.prepare import prepare_dataset
 from lptrain.errors import RunFailedError
@@ -76,8 +77,10 @@ def pretrain(prefix: Path, tmp_path: Path, *extra: str):
 
 
 def _rewrite_header(prefix: Path, **changes: object) -> None:
+    """Edit header fields and re-sign the header, so the checks behind its checksum run."""
     header, offsets = read_index(prefix)
     header.update(changes)
+    header[HEADER_CHECKSUM_KEY] = header_digest(header)
     idx_path(prefix).write_bytes(encode_index(header, offsets))
 
 
@@ -183,8 +186,9 @@ def test_missing_bin(ds_copy: Path, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("changes", "text"),
-    [({"dtype": "uint32"}, "wrong dtype"), ({"dtype": "float32"}, "unsupported token dtype"),
-     ({"dtype": "uint16", "vocab_size": 100_000}, "cannot hold vocabulary"),
+    [({"dtype": "uint32"}, "wrong dtype"), ({"dtype": "float32"}, "field 'dtype' is 'float32'"),
+     ({"dtype": "uint16", "vocab_size": 100_000}, "field 'vocab_size' is 100000"),
+     ({"max_token_id": "x"}, "field 'max_token_id' is 'x', not an integer"),
      ({"num_documents": 3}, "index size mismatch")],
 )
 def test_bad_index_header(ds_copy: Path, tmp_path: Path, changes: dict, text: str) -> None:

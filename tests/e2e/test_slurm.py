@@ -10,6 +10,7 @@ regenerate them with ``LPTRAIN_UPDATE_GOLDEN=1`` after an intended change and re
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -24,6 +25,7 @@ from lptrain.cli import app
 from lptrain.config.compose import repo_root
 from lptrain.launch.slurm import (
     SlurmJob,
+    interpreter_environment,
     parse_submitted,
     render,
     render_template,
@@ -53,7 +55,9 @@ def dry_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, args: list[str]) ->
 
 
 def check_golden(text: str, tmp_path: Path, name: str) -> None:
-    normalized = text.replace(str(tmp_path), "@CWD@")
+    python, _ = interpreter_environment()  # this machine's interpreter and prefix
+    normalized = (text.replace(python, "@PYTHON@").replace(sys.prefix, "@PREFIX@")
+                  .replace(str(tmp_path), "@CWD@"))
     path = GOLDEN / name
     if os.environ.get("LPTRAIN_UPDATE_GOLDEN") == "1":
         path.parent.mkdir(exist_ok=True)
@@ -73,11 +77,18 @@ def test_dry_run_four_nodes_golden(tmp_path: Path, monkeypatch: pytest.MonkeyPat
                       "--signal=B:USR1@120", "--partition=gpu", "--time=04:00:00",
                       "--account=proj", f"--output={tmp_path}/runs/mxfp8_muon/slurm/slurm-%j.out"):
         assert f"#SBATCH {directive}" in lines, directive
-    assert "GPUS_PER_NODE=8" in lines
+    assert "PROCS_PER_NODE=8" in lines
     assert "OVERRIDES=(train.train_iters=500 optimizer.warmup_iters=10)" in lines
     assert f"OUTPUT_DIR={tmp_path}/runs/mxfp8_muon" in lines
     assert 'scontrol show hostnames "${SLURM_JOB_NODELIST:-}"' in text
-    assert '--nnodes="$SLURM_NNODES" --nproc-per-node="$GPUS_PER_NODE"' in text
+    assert '--nnodes="$SLURM_NNODES" --nproc-per-node="$PROCS_PER_NODE"' in text
+    # lptrain's own interpreter and environment, never `lptrain`/`torchrun` found on PATH
+    python, activate = interpreter_environment()
+    assert f"PYTHON={python}  # the interpreter lptrain is installed in" in lines
+    assert f"ENV_ACTIVATE={shlex.quote(activate)}" in lines
+    assert '"$PYTHON" -m lptrain.launch.torchrun' in text
+    assert '"$PYTHON" -m lptrain validate-config' in text
+    assert not [x for x in lines if x.lstrip().startswith(("torchrun", "lptrain "))]
     assert '--rdzv-backend=c10d --rdzv-endpoint="$HEAD:$PORT"' in text
     assert "trap lptrain_on_usr1 USR1" in text
     # Nothing is written by a dry run.
@@ -89,14 +100,16 @@ def test_dry_run_one_node_golden(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     check_golden(text, tmp_path, "slurm_1node.sbatch")
     lines = text.splitlines()
     assert "#SBATCH --nodes=1" in lines and "#SBATCH --gpus-per-node=4" in lines
-    assert "GPUS_PER_NODE=4" in lines and "OVERRIDES=()" in lines
+    assert "PROCS_PER_NODE=4" in lines and "OVERRIDES=()" in lines
 
 
 def test_cpu_target_requests_no_gpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     text = dry_run(tmp_path, monkeypatch, ["--recipe", "tiny_cpu.yaml", "--nodes", "2",
                                            "--gpus-per-node", "1"])
     assert "--gpus-per-node" not in "".join(x for x in text.splitlines() if x.startswith("#SBATCH"))
-    assert "GPUS_PER_NODE=1" in text.splitlines()
+    assert "PROCS_PER_NODE=1" in text.splitlines()
+    template = [x for x in render_template().splitlines() if x.startswith("#SBATCH")]
+    assert template and not [x for x in template if "gpu" in x]  # sbatch on a CPU cluster takes it
     r = slurm("--recipe", "tiny_cpu.yaml", "--gpus-per-node", "1", "--dry-run")
     assert "checkpoint.save is not set" not in r.stderr  # tiny_cpu saves checkpoints
     r = slurm("--recipe", "tiny_cpu.yaml", "--gpus-per-node", "1", "--dry-run", "checkpoint.save=null")
@@ -178,7 +191,15 @@ def test_scripts_parse_and_lint(tmp_path: Path) -> None:
 
 # --------------------------------------------------------------------------- fake SLURM
 
-_RECORD = 'printf "%s\\0" "$@" > "$STUB_LOG/{name}.argv"\n'
+
+_PYTHON = """#!/usr/bin/env bash
+# Stub interpreter: record what `python -m lptrain ...` and the torchrun wrapper were given.
+case "$1 $2" in
+  "-m lptrain.launch.torchrun") shift 2; printf "%s\\0" "$@" > "$STUB_LOG/torchrun.argv" ;;
+  "-m lptrain") shift 2; printf "%s\\0" "$@" > "$STUB_LOG/lptrain.argv" ;;
+  *) exit 9 ;;
+esac
+"""
 
 _SRUN_EXEC = """#!/usr/bin/env bash
 # Stub srun: record argv, then run the task command (everything from `bash` on) locally.
@@ -219,8 +240,7 @@ def fake_slurm(tmp_path: Path, srun: str, **env: str) -> dict[str, str]:
     bin_dir.mkdir()
     log.mkdir()
     stubs = {"srun": srun, "scontrol": _SCONTROL,
-             "torchrun": "#!/usr/bin/env bash\n" + _RECORD.format(name="torchrun"),
-             "lptrain": "#!/usr/bin/env bash\n" + _RECORD.format(name="lptrain")}
+             "python": _PYTHON}
     for name, text in stubs.items():
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
@@ -238,7 +258,7 @@ def write_job(tmp_path: Path, lead_s: int = 120) -> tuple[Path, Path]:
     out = tmp_path / "run"
     job = SlurmJob(recipe="mxfp8_muon.yaml", nodes=4, gpus_per_node=8, output_dir=str(out),
                    overrides=("train.train_iters=50", "run.name=a b"),
-                   signal_lead_s=lead_s)
+                   signal_lead_s=lead_s, python=str(tmp_path / "bin" / "python"))
     script = tmp_path / "job.sbatch"
     script.write_text(render(job))
     return script, out
@@ -277,7 +297,7 @@ def test_no_overrides_launch_line(tmp_path: Path) -> None:
     out = tmp_path / "run"
     script = tmp_path / "job.sbatch"
     script.write_text(render(SlurmJob(recipe="/abs/r.yaml", nodes=1, gpus_per_node=2,
-                                      output_dir=str(out))))
+                                      output_dir=str(out), python="python")))
     env = fake_slurm(tmp_path, _SRUN_EXEC, SLURM_NNODES="1", STUB_HOSTS="localhost")
     r = subprocess.run([BASH, str(script)], env=env, cwd=tmp_path, capture_output=True,
                        text=True, timeout=60)
@@ -363,6 +383,37 @@ def test_submit_saves_script_and_prints_job_id(tmp_path: Path,
     saved = tmp_path / "runs" / "one" / "slurm" / "job.sbatch"
     assert (bin_dir / "submitted").read_text().strip() == str(saved)
     assert "#SBATCH --nodes=1" in saved.read_text()
+
+
+def test_refused_submit_leaves_nothing_behind(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue row 18: sbatch refuses (`--partition nosuch`): exit 2, one line, and neither the
+    script nor the folders made for it are left."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(
+        '#!/usr/bin/env bash\necho "sbatch: error: invalid partition specified: nosuch" >&2\n'
+        'echo "sbatch: error: Batch job submission failed: Invalid partition name specified" >&2\n'
+        "exit 1\n")
+    (bin_dir / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.chdir(tmp_path)
+    r = slurm(*ONE_NODE_ARGS, "--partition", "nosuch", "--output-dir", "runs/p")
+    assert r.exit_code == 2, r.output
+    assert r.stderr.count("\n") == 1 and "sbatch refused" in r.stderr, r.stderr
+    assert "Invalid partition name" in r.stderr and "Traceback" not in r.output
+    assert not (tmp_path / "runs").exists()
+
+
+def test_environment_options(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--env-activate replaces the activation; --container uses the image's python."""
+    text = dry_run(tmp_path, monkeypatch, [*ONE_NODE_ARGS, "--env-activate",
+                                           "module load cuda; source ~/v/bin/activate"])
+    lines = text.splitlines()
+    assert "ENV_ACTIVATE='module load cuda; source ~/v/bin/activate'" in lines
+    assert "PYTHON=python  # the interpreter lptrain is installed in" in lines
+    text = dry_run(tmp_path, monkeypatch, [*ONE_NODE_ARGS, "--container", "nvcr.io/x/y:1"])
+    assert "ENV_ACTIVATE=''" in text.splitlines() and "PYTHON=python  #" in text
 
 
 def test_submit_without_sbatch_is_one_line(tmp_path: Path,

@@ -232,7 +232,11 @@ SITES: dict[str, ByRule | NotConfig] = {
         "read_index::DataError: offsets checksum mismatch in {}: the index is corr",
         "read_index::DataError: inconsistent document offsets in {}",
         "read_index::DataError: corrupt index header in {}: {}",
+        "read_index::DataError: corrupt index header in {}: not a JSON object",
     )},
+    "lptrain/data/loader.py::open_dataset::DataError: dataset {} records EOS id {} but its tokeni":
+        NotConfig("a corrupt index: the tokenizer's identity matched, only its recorded EOS id "
+                  "disagrees (the dataset's files, not a config value)"),
     "lptrain/data/indexed.py::IndexedDatasetWriter.__post_init__::OutputDirError: cannot write the dataset {}: {}":
         NotConfig("prepare-data's --output folder (a command-line argument, not a config key)"),
     # data-parallel buffers

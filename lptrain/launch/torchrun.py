@@ -1,0 +1,97 @@
+"""``python -m lptrain.launch.torchrun ARGS``: torchrun (``torch.distributed.run``, same
+arguments) in the interpreter lptrain is installed in, with the exit status a scheduler
+should see. The sbatch script of ``lptrain slurm`` runs it on every node.
+
+Why not plain ``torchrun``: (1) ``torchrun`` found by name on a node's ``PATH`` is whatever
+environment happens to be active there (a job submitted from a shell without the venv failed
+with exit 127); (2) torchrun exits 1 with a Python traceback whenever a rank exits non-zero,
+so a preemption -- every rank saved and exited 143 -- showed in SLURM as FAILED 1:0 with one
+traceback per preemption in the node log. Here:
+
+* every failed rank stopped on a signal (143/130), or torchrun itself got SIGTERM/SIGUSR1/
+  SIGINT and stopped its ranks: exit 143 (130 for SIGINT) with one line; torchrun's report
+  and traceback go to ``LOG_DIR/torchrun-NODE.log`` next to the rank logs (``--log-dir``);
+* any other rank failure: torchrun's failure report (which rank, its exit status) on stderr,
+  exit 3 (lptrain's "a run that failed").
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Optional
+
+from lptrain.errors import EXIT_RUN_FAILED, EXIT_SIGINT, EXIT_SIGTERM
+from lptrain.launch.exit_status import signal_stop_status
+from lptrain.launch.peers import publish_peer_exits
+
+
+def _node_log(log_dir: Optional[str]) -> Optional[Path]:
+    if not log_dir:
+        return None
+    node = os.environ.get("SLURM_NODEID") or socket.gethostname()
+    return Path(log_dir) / f"torchrun-node{node}.log"
+
+
+def _to_node_log(log_dir: Optional[str], exc: BaseException) -> str:
+    """Append torchrun's report and traceback to the node's log file; where it went."""
+    path = _node_log(log_dir)
+    text = "".join(traceback.format_exception(exc))
+    if path is None:
+        return "not kept (no --log-dir)"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            f.write(text)
+    except OSError as e:
+        return f"not kept ({path}: {e.strerror or e})"
+    return str(path)
+
+
+def quiet_agent_logs() -> None:
+    """The elastic agent logs every teardown step ("Sending process N closing signal
+    SIGTERM", "failed (exitcode: -9) local_rank: 1 ..."); the launch says what happened in one
+    line of its own, so only the agent's critical messages stay."""
+    import logging
+
+    for name in list(logging.Logger.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run torchrun with ``argv``; returns the exit status (see the module docstring)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    quiet_agent_logs()
+    try:
+        with publish_peer_exits():  # a survivor names how its lost peer ended
+            run(args)
+    except SignalException as e:
+        status = EXIT_SIGINT if e.sigval == signal.SIGINT else EXIT_SIGTERM
+        where = _to_node_log(args.log_dir, e)
+        print(f"lptrain: torchrun got {signal.Signals(e.sigval).name} and stopped its ranks; "
+              f"exit {status} (its report: {where})", file=sys.stderr)
+        return status
+    except ChildFailedError as e:
+        status = signal_stop_status(f.exitcode for f in e.failures.values())
+        where = _to_node_log(args.log_dir, e)
+        if status is not None:
+            print(f"lptrain: the ranks stopped on a signal (exit {status}) after saving; "
+                  f"torchrun's report: {where}", file=sys.stderr)
+            return status
+        print(e.format_msg(), file=sys.stderr)
+        return EXIT_RUN_FAILED
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
