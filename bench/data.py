@@ -127,7 +127,10 @@ def bench_loader(prefix: str, seq: int, mbs: int, args: argparse.Namespace, step
     cfg = DataConfig(source=prefix, split_valid_fraction=0.0)
     train, _ = build_train_valid_loaders(cfg, seq, mbs, mbs, 0, 1, 259)
 
-    mm = IndexedDataset(prefix).tokens
+    ds = IndexedDataset(prefix)
+    # the baseline stays a plain memory map of the token file: the loader reads with pread
+    # (no SIGBUS on a truncated file), and that cost belongs to the loader's side
+    mm = np.memmap(ds.tokens.path, dtype=ds.dtype, mode="r", shape=(ds.tokens.num_tokens,))
     rng = np.random.default_rng(0)
     starts = rng.integers(0, len(mm) - seq - 1, size=1 << 16)
     state = {"i": 0}
