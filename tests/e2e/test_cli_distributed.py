@@ -42,21 +42,17 @@ def _close(a: list[dict], b: list[dict]) -> None:
     assert la[-1] < la[0]  # it trains
 
 
-def test_tiny_cpu_two_ranks_matches_one(tmp_path: Path) -> None:
-    one = _pretrain(tmp_path, "one", "tiny_cpu.yaml", 1)
-    two = _pretrain(tmp_path, "two", "tiny_cpu.yaml", 2)
-    _close(one, two)
-    assert any("val_loss" in r for r in two)
-
-
-@pytest.mark.parametrize("overlap", ["true", "false"])
-def test_mxfp8_adamw_two_ranks_matches_one(tmp_path: Path, overlap: str) -> None:
+def test_mxfp8_adamw_two_ranks_matches_one(tmp_path: Path) -> None:
     """Distributed optimizer, MXFP8 primary weights gathered through the reused grad buffer,
-    with both overlaps on and off."""
-    ov = (f"ddp.overlap_grad_reduce={overlap}", f"ddp.overlap_param_gather={overlap}")
+    both overlaps on, through the CLI's launcher; the run evaluates. (Overlap on == off
+    bitwise, and tiny_cpu at DP=2 == DP=1, are held at the engine level in
+    tests/dist/test_ddp_engine.py and tests/dist/test_eval_world_size.py, without the
+    launcher's start-up cost.)"""
+    ov = ("ddp.overlap_grad_reduce=true", "ddp.overlap_param_gather=true")
     one = _pretrain(tmp_path, "one", "mxfp8_adamw_cpu.yaml", 1, *ov)
     two = _pretrain(tmp_path, "two", "mxfp8_adamw_cpu.yaml", 2, *ov)
     _close(one, two)
+    assert any("val_loss" in r for r in two)
 
 
 def test_a_failing_rank_ends_the_run(tmp_path: Path) -> None:
@@ -85,6 +81,10 @@ def test_layer_wise_muon_with_expert_parallelism_matches_ep1(tmp_path: Path) -> 
     for a, b in zip(one, two, strict=True):
         if "grad_norm" in a:
             assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-3 * a["grad_norm"]
+    # routing metrics under EP: the mean tokens per expert counts the whole world's tokens
+    # (tokens x top-k / experts, whatever the routing), as in the recipe's single-rank run
+    steps = [r for r in two if "loss" in r and "step" in r]
+    assert len(steps) == 4 and all(r["moe_tokens_per_expert_mean"] == 512.0 for r in steps)
 
 
 def test_sigterm_to_the_launcher_saves_and_exits_143(tmp_path: Path) -> None:

@@ -73,7 +73,7 @@ def test_bit_flip_in_index_header_is_one_line(dataset: Path, tmp_path: Path, fie
     assert str(idx) in line and ("checksum mismatch" in line or "corrupt" in line), line
     # refused before training: no metrics, summary or checkpoint (the resolved config is the
     # CLI's, written first: part of the run-folder work of the same issue)
-    assert not out.exists() or {p.name for p in out.iterdir()} <= {"resolved_config.yaml"}
+    assert not out.exists() or {p.name for p in out.iterdir()} <= {"resolved_config.yaml", ".lptrain.lock"}  # the run-folder lock stays (empty holder)
 
 
 def test_eos_flip_in_unsigned_index_is_refused(dataset: Path, tmp_path: Path) -> None:
