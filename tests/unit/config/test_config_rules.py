@@ -289,10 +289,6 @@ CASES: list[tuple[str, list[str], tuple[str, ...], list[str], World]] = [
     ("RECOMPUTE-MODULES", ["model.recompute_granularity=selective", "model.recompute_modules=[attn]"],
      ("model.recompute_modules",),
      ["model.recompute_granularity=selective", "model.recompute_modules=[core_attn]"], CPU),
-    ("RECOMPUTE-TE-GEMMS", [TE, E4M3, "model.recompute_granularity=full"],
-     ("model.recompute_granularity",),
-     [TE, E4M3, "model.recompute_granularity=selective", "model.recompute_modules=[core_attn,mlp_act]"],
-     SM90),
     ("INERT-WANDB-KEYS", ["logging.wandb_mode=online"], ("logging.wandb_mode",),
      ["logging.wandb_mode=online", "logging.wandb=true"], CPU),
 ]
