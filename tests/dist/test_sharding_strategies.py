@@ -18,10 +18,11 @@ and off, and each DP size has a quantized and an unquantized case.
 Layer-wise Muon (padded layout: each whole matrix inside its owner's equal shard, so the
 owner's reduced grad shard and param shard hold the whole gradient and value) runs the same
 matrix: bf16 dense with overlap and MXFP8 MoE without it at DP=2 (the padded layout refuses
-FP8 primary weights, rule MUON-PADDED-NO-PG, so MXFP8 quantizes in the forward), bf16 MoE
-at DP=4 (experts shard over the expert-data-parallel group); plus a ZeRO-3 train-eval-
-train, a ZeRO-2 checkpoint resumed under every strategy and the Muon buffers' measured
-bytes at DP=2.
+FP8 primary weights, rule MUON-PADDED-NO-PG, so MXFP8 quantizes in the forward); at DP=4 the
+memory runs are bf16 Muon on an MoE model (experts shard over the expert-data-parallel
+group), bitwise alike under the three strategies; plus a ZeRO-3 train-eval-train, a ZeRO-2
+checkpoint resumed under the other strategies and the Muon buffers' measured bytes (and
+estimate-memory's) at DP=2 and DP=4.
 """
 
 from __future__ import annotations
@@ -50,8 +51,7 @@ DP2_MUON = {
     "muon-mxfp8-moe-sync": [*MUON, *C.MXFP8, *C.MOE, *C.NO_OVERLAP],
 }
 DP2 = {**DP2, **DP2_MUON}
-DP4 = {"mxfp8-dense-sync": [*C.MXFP8, *C.FP8_PG, *C.NO_OVERLAP, *MB2],
-       "muon-moe-sync": [*MUON, *C.MOE, *C.NO_OVERLAP, *MB2]}
+DP4 = {"mxfp8-dense-sync": [*C.MXFP8, *C.FP8_PG, *C.NO_OVERLAP, *MB2]}
 
 
 # Recompute at DP=2 (DP=1: tests/unit/model/test_recompute.py): a matrix case (the "off"
@@ -133,7 +133,9 @@ def test_strategies_bitwise_dp2_with_eval_resume_and_memory() -> None:
         "eval": {k: v for k, v in _cases(DP2).items()
                  if k in ("mxfp8-moe-overlap|optim_grads_params", "muon-mxfp8-moe-sync|optim_grads_params")},
         "resume": {
-            "blockwise": ([*C.BLOCKWISE, *C.FP8_PG, *C.OVERLAP], ["optim_grads_params", "optim", "optim_grads"]),
+            # (base, [saved under, resumed under...])
+            "blockwise": ([*C.BLOCKWISE, *C.FP8_PG, *C.OVERLAP],
+                          ["optim_grads_params", "optim_grads_params", "optim", "optim_grads"]),
             "muon": (muon_moe, ["optim_grads", "optim", "optim_grads_params"]),
         },
         "memory": ([*MUON, *C.NO_OVERLAP], list(STRATEGIES)),
@@ -149,23 +151,26 @@ def test_strategies_bitwise_dp2_with_eval_resume_and_memory() -> None:
         ref = {k: res[0]["matrix"][case][k] for k in ev}
         d = first_difference(ref, ev)
         assert d is None, f"{case}: eval and forced syncs changed training: {d}"
-    for name, (_, saved_under) in spec["resume"].items():
+    for name, (_, strategies) in spec["resume"].items():
         resume = res[0]["resume"][name]
-        for s in STRATEGIES:
+        for s in strategies[1:]:
             d = first_difference(resume["continued"], resume[s])
-            assert d is None, f"{name}: saved under {saved_under[0]}, resumed under {s}: {d}"
+            assert d is None, f"{name}: saved under {strategies[0]}, resumed under {s}: {d}"
     for r in res:
         _assert_memory(r["memory"], 2)
         _assert_muon_memory(r["memory"], 2)
 
 
 def test_strategies_bitwise_dp4_and_memory() -> None:
-    spec = {"matrix": _cases(DP4), "memory": ([*C.NO_OVERLAP, *MB2], list(STRATEGIES))}
+    # the memory runs: bf16 layer-wise Muon (padded) on an MoE model, experts sharded over
+    # the 4-rank expert-data-parallel group, AdamW for the rest
+    spec = {"matrix": _cases(DP4), "memory": ([*MUON, *C.MOE, *C.NO_OVERLAP, *MB2], list(STRATEGIES))}
     res = run_distributed(S.run_suite, 4, args=(spec,), timeout_s=400)
     _assert_matrix(res, DP4)
     for r in res:
         _assert_memory(r["memory"], 4)
-        # the memory runs (bf16, one step) train alike too
+        _assert_muon_memory(r["memory"], 4)
+        # the memory runs (one step) train alike too
         for s in STRATEGIES[1:]:
             d = first_difference(r["memory"]["optim"]["trained"], r["memory"][s]["trained"])
-            assert d is None, f"bf16 DP=4: {s} differs from optim: {d}"
+            assert d is None, f"Muon MoE DP=4: {s} differs from optim: {d}"
