@@ -505,13 +505,18 @@ def plan_run_layout(cfg: Any, specs: Sequence[ParamSpec], dp: int) -> BufferLayo
 
 
 def with_strategy(layout: BufferLayout, strategy: Optional[str]) -> BufferLayout:
-    """Mark ``layout``'s sharded, non-Muon buffers with what ``strategy`` shards beyond the
-    optimizer state (Muon buffers keep whole grads and params: Newton-Schulz needs them)."""
+    """Mark ``layout``'s sharded buffers with what ``strategy`` shards beyond the optimizer
+    state. That includes padded layer-wise Muon buffers (``sharded`` too): each whole matrix
+    lies inside one rank's equal shard, so its owner's reduced grad shard holds the whole
+    gradient and its param shard the whole value -- the owner-side whole-param layout
+    Newton-Schulz needs. Compact Muon buffers are never sharded (grads all-reduced, params
+    gathered unevenly) and keep everything whole; the rule DDP-SHARDED-GRADS-NOT-MUON
+    refuses them under sharded grads."""
     strategy = strategy or ("optim" if layout.sharded else "no_shard")
     level = SHARDING_LEVELS[strategy]
     layout.strategy = strategy
     for b in layout.buffers:
-        if b.sharded and not b.key.is_muon:
+        if b.sharded:
             b.shards_grads = level >= 2
             b.shards_params = level >= 3
     return layout

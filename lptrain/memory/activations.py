@@ -106,61 +106,86 @@ def _selective_saving(cfg: LPTrainConfig, a: int, quantized: bool, quantizers: O
     return max(0.0, save)
 
 
+def _layers(cfg: LPTrainConfig, model: torch.nn.Module, a: int, quantizers: Optional[Any],
+            modules: tuple[str, ...]) -> tuple[list[float], list[float]]:
+    """(bytes per token of every layer, of which selective recompute of ``modules`` saves)."""
+    factory = getattr(model, "factory", None)
+    per_layer, savings = [], []
+    for i, layer in enumerate(getattr(model, "layers", [])):
+        quantized = factory is not None and not factory.is_bf16_layer(i + 1)
+        moe = bool(getattr(layer, "is_moe", False))
+        per_layer.append(_layer_terms(cfg, a, quantized, quantizers, moe))
+        savings.append(_selective_saving(cfg, a, quantized, quantizers, moe, modules))
+    return per_layer, savings
+
+
+def _peak_per_token(cfg: LPTrainConfig, a: int, per_layer: list[float], savings: list[float],
+                    granularity: Optional[str], method: str, num_layers: int) -> float:
+    """Peak bytes per token: the larger of the two moments a step's activations peak at.
+
+    * the end of the forward: every kept tensor, the head's, and the loss's fp32 gradient of
+      the logits (``4 * vocab``, the backward's first allocation, alive with all of them);
+    * a layer's backward: what is kept then -- with recompute, the regions' inputs plus the
+      region just recomputed (the head and every layer above it are freed by then) -- plus
+      the layer's largest activation gradient, the SwiGLU's fp32 ``[gate|up]`` gradient
+      (``8f``; ``router_topk`` of them in an MoE layer).
+    """
+    m = cfg.model
+    head = 8 * m.hidden_size + a * m.hidden_size + 4 * m.vocab_size
+    f = m.ffn_hidden_size or 4 * m.hidden_size
+    if m.moe.num_experts:
+        f = max(f, m.moe.router_topk * (m.moe.ffn_hidden_size or f))
+    grad = 8 * f
+    x = a * m.hidden_size  # a layer's (or chunk's) input
+    n = len(per_layer)
+    recompute = 0.0  # (no recompute: the backward's moment is the kept tensors')
+    if granularity == "full" and n:
+        k = min(num_layers, n)
+        if method == "block":  # the first k layers, recomputed last
+            kept = k * x + sum(per_layer[k:])
+            recompute = k * x + max(per_layer[:k])
+        else:
+            kept = -(-n // k) * x
+            recompute = kept + k * max(per_layer)
+    elif granularity == "selective" and n:
+        kept = sum(per_layer) - sum(savings)
+        recompute = kept + max(savings)
+    else:
+        kept = sum(per_layer)
+    return max(kept + head + 4 * m.vocab_size, max(kept, recompute) + grad)
+
+
 def activation_bytes(
     cfg: LPTrainConfig, model: torch.nn.Module, a: int, quantizers: Optional[Any]
 ) -> tuple[int, int]:
-    """(no recompute, full recompute) bytes of one micro-batch's saved activations."""
-    m = cfg.model
-    tokens = cfg.train.micro_batch_size * m.seq_length
-    factory = getattr(model, "factory", None)
-    layers = getattr(model, "layers", [])
-    per_layer = []
-    for i, layer in enumerate(layers):
-        quantized = factory is not None and not factory.is_bf16_layer(i + 1)
-        per_layer.append(_layer_terms(cfg, a, quantized, quantizers, bool(getattr(layer, "is_moe", False))))
-    vocab = m.vocab_size
-    head = 8 * m.hidden_size + a * m.hidden_size + 4 * vocab
-    full = tokens * (sum(per_layer) + head)
-    recompute = tokens * (len(per_layer) * a * m.hidden_size + max(per_layer, default=0) + head)
-    return int(full), int(recompute)
+    """(no recompute, full per-layer recompute) peak bytes of one micro-batch's activations."""
+    tokens = cfg.train.micro_batch_size * cfg.model.seq_length
+    per_layer, savings = _layers(cfg, model, a, quantizers, ())
+    none = _peak_per_token(cfg, a, per_layer, savings, None, "uniform", 1)
+    full = _peak_per_token(cfg, a, per_layer, savings, "full", "uniform", 1)
+    return int(tokens * none), int(tokens * full)
 
 
 def configured_activation_bytes(
     cfg: LPTrainConfig, model: torch.nn.Module, a: int, quantizers: Optional[Any]
 ) -> int:
     """Peak bytes of one micro-batch's activations under the run's recompute settings
-    (``model.recompute_*``): what the forward keeps, plus one recomputed region's
-    activations while the backward recomputes it (the regions are recomputed one by one).
+    (``model.recompute_*``), at the larger of the end of the forward and a recompute
+    (:func:`_peak_per_token`); the regions are recomputed one by one:
 
     * none: every layer's activations;
-    * full, uniform ``k``: each chunk's input (``a*h`` per token), plus ``k`` layers;
-    * full, block ``k``: the first ``k`` layers' inputs plus one of them, the rest whole;
-    * selective: every layer less :func:`_selective_saving`, plus one layer's saving.
+    * full, uniform ``k``: each chunk's input (``a*h`` per token); recomputing, plus ``k``
+      layers;
+    * full, block ``k``: the first ``k`` layers' inputs and the other layers whole;
+      recomputing (the first ``k`` come last, the layers above them are freed by then), the
+      inputs plus one layer;
+    * selective: every layer less :func:`_selective_saving`; recomputing, plus one layer's
+      saving.
     """
     from lptrain.model.recompute import RecomputePlan
 
-    m = cfg.model
-    plan = RecomputePlan.of(m)
-    tokens = cfg.train.micro_batch_size * m.seq_length
-    factory = getattr(model, "factory", None)
-    layers = list(getattr(model, "layers", []))
-    per_layer, savings = [], []
-    for i, layer in enumerate(layers):
-        quantized = factory is not None and not factory.is_bf16_layer(i + 1)
-        moe = bool(getattr(layer, "is_moe", False))
-        per_layer.append(_layer_terms(cfg, a, quantized, quantizers, moe))
-        savings.append(_selective_saving(cfg, a, quantized, quantizers, moe, plan.modules))
-    head = 8 * m.hidden_size + a * m.hidden_size + 4 * m.vocab_size
-    x = a * m.hidden_size  # a layer's (or chunk's) input
-    n = len(per_layer)
-    if plan.granularity == "full" and n:
-        k = min(plan.num_layers, n)
-        if plan.method == "block":
-            kept = k * x + max(per_layer[:k]) + sum(per_layer[k:])
-        else:
-            kept = -(-n // k) * x + k * max(per_layer)
-    elif plan.granularity == "selective" and n:
-        kept = sum(per_layer) - sum(savings) + max(savings)
-    else:
-        kept = sum(per_layer)
-    return int(tokens * (kept + head))
+    plan = RecomputePlan.of(cfg.model)
+    tokens = cfg.train.micro_batch_size * cfg.model.seq_length
+    per_layer, savings = _layers(cfg, model, a, quantizers, plan.modules)
+    return int(tokens * _peak_per_token(cfg, a, per_layer, savings, plan.granularity, plan.method,
+                                        plan.num_layers))

@@ -259,7 +259,8 @@ class OwnedUnit:
     master: torch.Tensor
 
     def grad_view(self) -> torch.Tensor:
-        return self.buffer.grad_data[self.unit.lo : self.unit.hi].view(self.master.shape)
+        # grad_slice: with sharded grads (padded layout) the unit lies in the kept shard
+        return self.buffer.grad_slice(self.unit.lo, self.unit.hi).view(self.master.shape)
 
 
 class LayerWiseMuon(MasterOptimizer):
@@ -365,7 +366,7 @@ class LayerWiseMuon(MasterOptimizer):
                     gather.stage(masters)
             else:
                 for pc in self.pieces:
-                    dst = pc.buffer.param_data[pc.unit.lo : pc.unit.hi]  # type: ignore[index]
+                    dst = pc.buffer.param_slice(pc.unit.lo, pc.unit.hi)  # (ZeRO-3: the shard)
                     dst.copy_(pc.master.reshape(-1))
         for buf in self.buffers:
             for bucket in buf.buckets:

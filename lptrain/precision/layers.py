@@ -400,10 +400,15 @@ class LayerFactory:
 
         Emulated backend: the forward records what its quantized GEMMs used (delayed-scaling
         scales, quantized weights) and the recompute replays it without recording amaxes
-        (:func:`lptrain.precision.autocast.recompute_context_fn`). TE layers get no context:
-        the rule RECOMPUTE-TE-GEMMS keeps quantized TE GEMMs out of recomputed regions."""
+        (:func:`lptrain.precision.autocast.recompute_context_fn`). TE backend: TE's own
+        recompute phase, the contexts ``te.pytorch.checkpoint`` uses
+        (:func:`lptrain.precision.te_adapter.te_recompute_contexts`)."""
         if self.backend == "te":
-            return contextlib.nullcontext(), contextlib.nullcontext()
+            if self.recipe is None:
+                return contextlib.nullcontext(), contextlib.nullcontext()
+            from lptrain.precision import te_adapter
+
+            return te_adapter.te_recompute_contexts()
         return _ac.recompute_context_fn()
 
     @contextlib.contextmanager

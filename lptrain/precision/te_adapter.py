@@ -175,6 +175,40 @@ def te_autocast(recipe: Any, enabled: bool = True, amax_reduction_group: Any = N
         yield
 
 
+def _fp8_state_manager() -> Any:
+    """TE's ``FP8GlobalStateManager`` (``transformer_engine.pytorch.quantization`` from 2.9,
+    ``.fp8`` before; ``.fp8`` stays as a deprecated alias)."""
+    try:
+        from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+    except ImportError:
+        from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
+    return FP8GlobalStateManager
+
+
+def te_recompute_contexts() -> tuple[Any, Any]:
+    """``torch.utils.checkpoint``'s ``context_fn`` pair for a region of TE layers: what
+    ``te.pytorch.checkpoint(use_reentrant=False)`` wraps around the same non-reentrant
+    torch checkpoint (TE 2.2-2.18): TE's own recompute-phase contexts
+    (``get_activation_recompute_contexts``: the forward stashes each delayed-scaling
+    module's amax history and scale, the recompute quantizes with them and joins no amax
+    reduction or scale update), and for the recompute TE's autocast with the FP8 state the
+    region was entered under (the backward runs outside the forward's autocast). Call it
+    where the checkpoint is taken, inside the forward."""
+    import transformer_engine.pytorch.distributed as ted
+
+    manager = _fp8_state_manager()
+    forward_ctx, recompute_ctx = ted.get_activation_recompute_contexts()
+    fp8 = bool(manager.is_fp8_enabled())
+    recipe = manager.get_fp8_recipe() if fp8 else None
+
+    @contextlib.contextmanager
+    def recompute() -> Iterator[None]:
+        with recompute_ctx, te_autocast(recipe, enabled=fp8):
+            yield
+
+    return forward_ctx, recompute()
+
+
 @contextlib.contextmanager
 def te_model_init(recipe: Any, preserve_high_precision_init_val: bool = True) -> Iterator[None]:
     """``te.pytorch.quantized_model_init`` (``fp8_model_init`` on older TE)."""

@@ -47,8 +47,9 @@ def _batches(engine: Any, step: int) -> list[dict[str, torch.Tensor]]:
 
 
 def run_resume_across(rank: int, world: int, base: Sequence[str], strategies: Sequence[str]) -> dict[str, Any]:
-    """Train 2 steps under ``strategies[0]``, save, then for every strategy: a fresh engine
-    loads the checkpoint and trains step 3. ``continued`` is the saving engine's own step 3."""
+    """Train 2 steps under ``strategies[0]``, save, then for every strategy of
+    ``strategies[1:]``: a fresh engine loads the checkpoint and trains step 3. ``continued``
+    is the saving engine's own step 3."""
     first = _engine([*base, f"ddp.data_parallel_sharding_strategy={strategies[0]}"])
     for step in (1, 2):
         first.train_step(_batches(first, step), step)
@@ -57,7 +58,7 @@ def run_resume_across(rank: int, world: int, base: Sequence[str], strategies: Se
     out: dict[str, Any] = {}
     res = first.train_step(_batches(first, 3), 3)
     out["continued"] = (res.loss, res.grad_norm, first.checkpoint_state()["global"]["model"])
-    for s in strategies:
+    for s in strategies[1:]:
         e = _engine([*base, f"ddp.data_parallel_sharding_strategy={s}"])
         e.load_checkpoint_state(state)
         res = e.train_step(_batches(e, 3), 3)
@@ -66,16 +67,23 @@ def run_resume_across(rank: int, world: int, base: Sequence[str], strategies: Se
 
 
 def run_memory(rank: int, world: int, base: Sequence[str], strategies: Sequence[str]) -> dict[str, Any]:
-    """Per strategy: this rank's measured breakdown after one step and the layout's kept
-    grad elements (params + padding) for this rank, from the planner's accounting."""
+    """Per strategy: this rank's measured breakdown after one step, the layout's kept grad
+    elements (params + padding) for this rank from the planner's accounting, the Muon
+    buffers' bytes, and the measured persistent categories with ``estimate-memory``'s."""
     from lptrain.memory.accounting import kept_grad_elements
+    from lptrain.memory.measure import measure_engine
+    from lptrain.memory.plan import estimate_memory
 
     out = {}
     for s in strategies:
         e = _engine([*base, f"ddp.data_parallel_sharding_strategy={s}"])
         res = e.train_step(_batches(e, 1), 1)
+        measured = measure_engine(e)
+        planned = estimate_memory(e.cfg, world, "cpu").ranks[rank].bytes
         kept = [kept_grad_elements(b.spec, b.groups.intra.rank, b.groups.intra.size) for b in e.ddp.buffers]
-        out[s] = {"measured": e.memory_breakdown(), "kept": kept,
+        muon = [(b.spec.numel, b.nbytes()) for b in e.ddp.buffers if b.key.is_muon]
+        out[s] = {"measured": e.memory_breakdown(), "kept": kept, "muon_buffers": muon,
+                  "categories": measured, "planned": {k: planned[k] for k in measured},
                   "trained": (res.loss, res.grad_norm, e.checkpoint_state()["global"]["model"]),
                   "unpadded": sum(s.end - s.start for b in e.layout.buffers for s in b.params), "padded": e.layout.numel}
     return out
@@ -87,8 +95,8 @@ def same(a: Any, b: Any) -> Any:
 
 def run_suite(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     """Everything one world checks: ``matrix`` (cases), ``eval`` (cases trained with an
-    eval and a forced sync after every step), ``resume`` and ``memory`` (base overrides,
-    strategies)."""
+    eval and a forced sync after every step), ``resume`` (``{name: (base overrides,
+    strategies)}``) and ``memory`` (base overrides, strategies)."""
     out: dict[str, Any] = {}
     if "matrix" in spec:
         out["matrix"] = run_matrix(rank, world, spec["matrix"])
@@ -100,7 +108,7 @@ def run_suite(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
             for name, ov in spec["eval"].items()
         }
     if "resume" in spec:
-        out["resume"] = run_resume_across(rank, world, *spec["resume"])
+        out["resume"] = {name: run_resume_across(rank, world, *args) for name, args in spec["resume"].items()}
     if "memory" in spec:
         out["memory"] = run_memory(rank, world, *spec["memory"])
     return out

@@ -14,6 +14,15 @@ primary weights gathered; at DP=4 MXFP8 (dense, no overlap, FP8 primary weights)
 (dense, the memory runs: one step).
 Every recipe appears with and without param gather interplay, dense and MoE, overlap on
 and off, and each DP size has a quantized and an unquantized case.
+
+Layer-wise Muon (padded layout: each whole matrix inside its owner's equal shard, so the
+owner's reduced grad shard and param shard hold the whole gradient and value) runs the same
+matrix: bf16 dense with overlap and MXFP8 MoE without it at DP=2 (the padded layout refuses
+FP8 primary weights, rule MUON-PADDED-NO-PG, so MXFP8 quantizes in the forward); at DP=4 the
+memory runs are bf16 Muon on an MoE model (experts shard over the expert-data-parallel
+group), bitwise alike under the three strategies; plus a ZeRO-3 train-eval-train, a ZeRO-2
+checkpoint resumed under the other strategies and the Muon buffers' measured bytes (and
+estimate-memory's) at DP=2 and DP=4.
 """
 
 from __future__ import annotations
@@ -36,6 +45,12 @@ DP2 = {
     "blockwise-dense-overlap": [*C.BLOCKWISE, *C.FP8_PG, *C.OVERLAP],
     "mxfp8-moe-overlap": [*C.MXFP8, *C.FP8_PG, *C.MOE, *C.OVERLAP],
 }
+MUON = ["optimizer.name=muon", "optimizer.layer_wise_param_layout=padded"]
+DP2_MUON = {
+    "muon-dense-overlap": [*MUON, *C.OVERLAP],
+    "muon-mxfp8-moe-sync": [*MUON, *C.MXFP8, *C.MOE, *C.NO_OVERLAP],
+}
+DP2 = {**DP2, **DP2_MUON}
 DP4 = {"mxfp8-dense-sync": [*C.MXFP8, *C.FP8_PG, *C.NO_OVERLAP, *MB2]}
 
 
@@ -95,12 +110,35 @@ def _assert_memory(mem: dict, dp: int) -> None:
     assert z3["measured"]["param_buffer"] == pad * param_bytes  # (the shard's padding)
 
 
+def _assert_muon_memory(mem: dict, dp: int) -> None:
+    """The padded Muon buffers' measured bytes (``ParamAndGradBuffer.nbytes()``, after the
+    step: no full bucket is alive): ``optim`` holds the whole grad buffer and param buffer,
+    ``optim_grads`` exactly 1/dp of the grads (padded Muon buckets are ``dp`` equal shards),
+    ``optim_grads_params`` 1/dp of the params too; and ``estimate-memory`` plans every
+    persistent category of the run exactly (the same layout and accounting code)."""
+    for s in STRATEGIES:  # estimate-memory models the same placement, byte for byte
+        assert mem[s]["planned"] == mem[s]["categories"], s
+    full, z2, z3 = (mem[s]["muon_buffers"] for s in STRATEGIES)
+    assert full, "no Muon buffer"
+    for (numel, b1), (_, b2), (_, b3) in zip(full, z2, z3, strict=True):
+        assert b1 == {"grad": numel * 4, "param": numel * 2}
+        assert b2 == {"grad": numel * 4 // dp, "param": numel * 2}
+        assert b3 == {"grad": numel * 4 // dp, "param": numel * 2 // dp}
+
+
 def test_strategies_bitwise_dp2_with_eval_resume_and_memory() -> None:
+    muon_moe = DP2_MUON["muon-mxfp8-moe-sync"]
     spec = {
         "matrix": {**_cases(DP2), **_recompute_cases(_cases(DP2))},
-        "eval": {k: v for k, v in _cases(DP2).items() if k == "mxfp8-moe-overlap|optim_grads_params"},
-        "resume": ([*C.BLOCKWISE, *C.FP8_PG, *C.OVERLAP], ["optim_grads_params", "optim", "optim_grads"]),
-        "memory": ([*C.NO_OVERLAP], list(STRATEGIES)),
+        "eval": {k: v for k, v in _cases(DP2).items()
+                 if k in ("mxfp8-moe-overlap|optim_grads_params", "muon-mxfp8-moe-sync|optim_grads_params")},
+        "resume": {
+            # (base, [saved under, resumed under...])
+            "blockwise": ([*C.BLOCKWISE, *C.FP8_PG, *C.OVERLAP],
+                          ["optim_grads_params", "optim_grads_params", "optim", "optim_grads"]),
+            "muon": (muon_moe, ["optim_grads", "optim", "optim_grads_params"]),
+        },
+        "memory": ([*MUON, *C.NO_OVERLAP], list(STRATEGIES)),
     }
     res = run_distributed(S.run_suite, 2, args=(spec,), timeout_s=400)
     _assert_matrix(res, DP2)
@@ -113,20 +151,26 @@ def test_strategies_bitwise_dp2_with_eval_resume_and_memory() -> None:
         ref = {k: res[0]["matrix"][case][k] for k in ev}
         d = first_difference(ref, ev)
         assert d is None, f"{case}: eval and forced syncs changed training: {d}"
-    resume = res[0]["resume"]
-    for s in STRATEGIES:
-        d = first_difference(resume["continued"], resume[s])
-        assert d is None, f"saved under optim_grads_params, resumed under {s}: {d}"
-    _assert_memory(res[0]["memory"], 2)
+    for name, (_, strategies) in spec["resume"].items():
+        resume = res[0]["resume"][name]
+        for s in strategies[1:]:
+            d = first_difference(resume["continued"], resume[s])
+            assert d is None, f"{name}: saved under {strategies[0]}, resumed under {s}: {d}"
+    for r in res:
+        _assert_memory(r["memory"], 2)
+        _assert_muon_memory(r["memory"], 2)
 
 
 def test_strategies_bitwise_dp4_and_memory() -> None:
-    spec = {"matrix": _cases(DP4), "memory": ([*C.NO_OVERLAP, *MB2], list(STRATEGIES))}
+    # the memory runs: bf16 layer-wise Muon (padded) on an MoE model, experts sharded over
+    # the 4-rank expert-data-parallel group, AdamW for the rest
+    spec = {"matrix": _cases(DP4), "memory": ([*MUON, *C.MOE, *C.NO_OVERLAP, *MB2], list(STRATEGIES))}
     res = run_distributed(S.run_suite, 4, args=(spec,), timeout_s=400)
     _assert_matrix(res, DP4)
     for r in res:
         _assert_memory(r["memory"], 4)
-        # the memory runs (bf16, one step) train alike too
+        _assert_muon_memory(r["memory"], 4)
+        # the memory runs (one step) train alike too
         for s in STRATEGIES[1:]:
             d = first_difference(r["memory"]["optim"]["trained"], r["memory"][s]["trained"])
-            assert d is None, f"bf16 DP=4: {s} differs from optim: {d}"
+            assert d is None, f"Muon MoE DP=4: {s} differs from optim: {d}"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lptrain.config.rules import Rule
+from lptrain.config.rules import Rule, padded_layout
 
 S = "Data-parallel engine"
 
@@ -68,15 +68,20 @@ RULES = [
     ),
     Rule(
         id="DDP-SHARDED-GRADS-NOT-MUON", severity="error",
-        keys=("ddp.data_parallel_sharding_strategy", "optimizer.name"),
-        when=lambda c, w: shards_grads(c) and c.optimizer.name == "muon",
+        keys=("ddp.data_parallel_sharding_strategy", "optimizer.name",
+              "optimizer.layer_wise_param_layout"),
+        when=lambda c, w: shards_grads(c) and c.optimizer.name == "muon" and not padded_layout(c),
         message="data_parallel_sharding_strategy={cfg.ddp.data_parallel_sharding_strategy} with "
-                "Muon: Newton-Schulz needs each matrix's whole gradient and value on its owner, "
-                "and lptrain has no owner-side whole-param gather for sharded grads or params",
-        fix="set ddp.data_parallel_sharding_strategy=optim (the layer-wise optimizer), or "
-            "optimizer.name=adamw",
-        condition="strategy optim_grads* -> optimizer.name != muon",
-        why="Muon's layer-wise distributed optimizer owns whole matrices", section=S,
+                "Muon needs the padded layer-wise layout (layer_wise_param_layout="
+                "{cfg.optimizer.layer_wise_param_layout}): the compact layout all-reduces every "
+                "Muon gradient whole and gathers the owners' updates unevenly, so there is no "
+                "equal per-rank shard to keep",
+        fix="set optimizer.layer_wise_param_layout=padded (each matrix inside its owner's "
+            "shard), or ddp.data_parallel_sharding_strategy=optim",
+        condition="strategy optim_grads* and optimizer.name=muon -> padded layer-wise layout",
+        why="Newton-Schulz needs each matrix's whole gradient and value on its owner; only the "
+            "padded layout puts whole matrices inside the equal DP shards",
+        section=S,
     ),
     Rule(
         id="DDP-OVERLAP-PG-NEEDS-DISTOPT", severity="error",

@@ -4,13 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from lptrain.config.rules import Rule, decay_end, quant_recipe
+from lptrain.config.rules import Rule, decay_end
 from lptrain.config.schema import RECOMPUTE_MODULES, SHARDING_TYPES, LPTrainConfig
 from lptrain.config.world import World
-
-
-def quantizes(c: LPTrainConfig) -> bool:
-    return quant_recipe(c) is not None
 
 S = "Model, batch, schedule, checkpoint"
 
@@ -166,19 +162,5 @@ RULES = [
         fix="set model.recompute_modules to a list of " + ", ".join(RECOMPUTE_MODULES),
         condition="recompute_granularity=selective -> recompute_modules non-empty, each known",
         section=S,
-    ),
-    Rule(
-        id="RECOMPUTE-TE-GEMMS", severity="error",
-        keys=("model.recompute_granularity", "model.recompute_modules", "precision.backend"),
-        when=lambda c, w: c.precision.backend == "te" and quantizes(c) and (
-            c.model.recompute_granularity == "full"
-            or (c.model.recompute_granularity == "selective" and "mlp" in c.model.recompute_modules)),
-        message="recompute_granularity={cfg.model.recompute_granularity} recomputes quantized "
-                "GEMMs, and lptrain keeps quantizer state right in a recompute (no second "
-                "amax record, the forward's scales and weights) only on the emulated backend",
-        fix="use model.recompute_granularity=selective with recompute_modules core_attn and/or "
-            "mlp_act (no GEMMs inside), or precision.backend=emulated",
-        condition="backend=te and quantized -> no recomputed region contains a GEMM",
-        why="a recomputed TE GEMM would record delayed-scaling amaxes twice", section=S,
     ),
 ]

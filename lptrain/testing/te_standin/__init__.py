@@ -18,7 +18,7 @@ with ``use_grouped_tensor=True`` (whose native path rejects host ``m_splits``);
 ``Float8BlockwiseQTensor`` refusing inner-dimension reshapes up to 2.13;
 ``replace_raw_data`` / ``cast_master_weights_to_fp8`` as in :mod:`.utils`;
 ``post_all_gather_processing`` 2.13+, ``quantize_master_weights`` 2.14+; ``GroupedTensor``
-2.18+.
+2.18+; ``checkpoint`` and the delayed-scaling recompute phase (all, :mod:`.recompute`).
 
 Used by the tests and by ``lptrain pretrain --dry-run`` on a GPU target where TE is not
 installed; never imported by ``import lptrain``.
@@ -35,6 +35,7 @@ from typing import Any, Optional
 
 from . import modules as M
 from . import recipe as R
+from . import recompute as RC
 from . import tensors as T
 from . import utils as U
 
@@ -140,6 +141,23 @@ def make(version: str) -> dict[str, types.ModuleType]:
     pt.Linear, pt.GroupedLinear, pt.calls = _linear_cls(v), _grouped_cls(v), calls
     for name, fn in M.contexts(calls, new_api=v >= (2, 9)).items():
         setattr(pt, name, fn)
+    RC.FP8GlobalStateManager.reset()
+    distributed = _module("transformer_engine.pytorch.distributed")
+    for name in ("FP8GlobalStateManager", "activation_recompute_forward", "get_activation_recompute_contexts",
+                 "is_fp8_activation_recompute_enabled", "in_fp8_activation_recompute_phase"):
+        setattr(distributed, name, getattr(RC, name))
+    distributed.checkpoint = RC.make_checkpoint(
+        (lambda enabled, recipe: pt.fp8_autocast(enabled=enabled, fp8_recipe=recipe)) if v < (2, 9)
+        else (lambda enabled, recipe: pt.autocast(enabled=enabled, recipe=recipe)))
+    # the manager's home: transformer_engine.pytorch.fp8, .quantization from 2.9 (fp8 kept)
+    managers = [_module("transformer_engine.pytorch.fp8")]
+    if v >= (2, 9):
+        managers.append(_module("transformer_engine.pytorch.quantization"))
+    for mod in managers:
+        mod.FP8GlobalStateManager = RC.FP8GlobalStateManager
+        mods[mod.__name__] = mod
+    pt.checkpoint, pt.distributed = distributed.checkpoint, distributed
+    mods[distributed.__name__] = distributed
     for cls in (M.Linear, M.GroupedLinear):
         cls.__module__ = "transformer_engine.pytorch"
     pt.tensor, te.common, te.pytorch = tensor, common, pt

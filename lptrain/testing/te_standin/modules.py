@@ -17,7 +17,9 @@ with is kept:
   through ``get_extra_state()`` (a CPU ``uint8`` tensor of pickled state, as TE's), i.e.
   under the ``_extra_state`` key of ``state_dict()``; the module exposes ``fp8_meta``;
 * NVFP4 stochastic rounding draws from the CUDA default generator (TE's kernels use its
-  Philox state), not from a per-quantizer one.
+  Philox state), not from a per-quantizer one;
+* under activation recompute (``checkpoint``), a module stashes its forward delayed-scaling
+  state and its recompute quantizes with it, outside the scale update (:mod:`.recompute`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from torch import nn
 from lptrain.precision import autocast as _ac
 from lptrain.precision import linear_ops as _ops
 
+from . import recompute as RC
 from . import tensors as T
 
 # quantized_model_init state: [(recipe, preserve_high_precision_init_val)]
@@ -89,6 +92,7 @@ class _TEModule(nn.Module):
         self._states: dict[int, _ops.QuantState] = {}
         self._hp_state: Optional[_ops.QuantState] = None
         self._pending_extra: Optional[dict[str, Any]] = None
+        self._recompute_meta: dict[int, dict[str, Any]] = {}  # per QuantState (see .recompute)
         self.primary_weights_in_fp8 = bool(_MODEL_INIT)
 
     # ---- quantizer state --------------------------------------------------------------------
@@ -110,6 +114,30 @@ class _TEModule(nn.Module):
                 self._hp_state = _ops.high_precision_state(self._members)
             return self._hp_state
         return self._state(recipe)
+
+    def _prepare_forward(self) -> _ops.QuantState:
+        """TE's ``prepare_forward`` for delayed scaling under activation recompute (see
+        :mod:`.recompute`): the state this forward quantizes with."""
+        st = self._forward_state()
+        fwd = [ds for _, ds in st.slots(("input", "weight"))]
+        if not fwd:  # no delayed-scaling state: nothing to stash or swap
+            return st
+        meta = self._recompute_meta.setdefault(id(st), {})
+        meta["scaling_fwd"] = fwd
+        if RC.in_fp8_activation_recompute_phase():
+            if "twin" not in meta:
+                meta["twin"] = _ops.QuantState(st.recipe, self._members)
+            return RC.FP8GlobalStateManager.get_old_fp8_meta_tensors_for_recompute(meta)
+        if self.training and RC.is_fp8_activation_recompute_enabled():
+            RC.FP8GlobalStateManager.copy_forward_fp8_meta_tensors_for_recompute(meta)
+        return st
+
+    def _end_forward(self) -> None:
+        """TE's ``end_forward``: after a recompute, the module's updated state again."""
+        if RC.in_fp8_activation_recompute_phase():
+            for meta in self._recompute_meta.values():
+                if "updated_fwd" in meta:
+                    RC.FP8GlobalStateManager.restore_fp8_meta_tensors(meta)
 
     def _primary(self, w: torch.Tensor, member_quantizer: Any) -> torch.Tensor:
         """Under ``quantized_model_init``: the quantized primary weight made from ``w``."""
@@ -211,11 +239,12 @@ class Linear(_TEModule):
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=w.device)) if bias else None
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
-        st = self._forward_state()
+        st = self._prepare_forward()
         y = _ops.quantized_grouped_linear(
             inp.reshape(-1, inp.shape[-1]), [inp.numel() // inp.shape[-1]], [_operand(self.weight)],
             st, single=False, out_features=self.out_features, fuse_wgrad=self.fuse_wgrad_accumulation,
         ).reshape(*inp.shape[:-1], self.out_features).to(inp.dtype)
+        self._end_forward()
         return y + self.bias.to(y.dtype) if self.bias is not None else y
 
 
@@ -289,10 +318,12 @@ class GroupedLinear(_TEModule):
         splits = m_splits.tolist() if isinstance(m_splits, torch.Tensor) else list(m_splits)
         weights = ([_operand(self.weight)] if self.single_grouped_weight
                    else [_operand(getattr(self, f"weight{i}")) for i in range(self.num_gemms)])
-        return _ops.quantized_grouped_linear(
-            inp, splits, weights, self._forward_state(), single=self.single_grouped_weight,
+        y = _ops.quantized_grouped_linear(
+            inp, splits, weights, self._prepare_forward(), single=self.single_grouped_weight,
             out_features=self.out_features, fuse_wgrad=self.fuse_wgrad_accumulation,
         ).to(inp.dtype)
+        self._end_forward()
+        return y
 
 
 # ---- contexts ------------------------------------------------------------------------------
@@ -314,12 +345,17 @@ def _emulated(te_recipe: Any) -> Any:
 @contextlib.contextmanager
 def _autocast(enabled: bool, recipe: Any, group: Any, calls: list, name: str) -> Iterator[None]:
     calls.append((name, {"enabled": enabled, "recipe": recipe, "group": group}))
-    if recipe is None or not hasattr(recipe, "to_emulated"):
-        with _ac.autocast(enabled=False) if not enabled else contextlib.nullcontext():
+    stack = RC.FP8GlobalStateManager.autocast_stack
+    stack.append((enabled, recipe))  # what FP8GlobalStateManager.is_fp8_enabled() reads
+    try:
+        if recipe is None or not hasattr(recipe, "to_emulated"):
+            with _ac.autocast(enabled=False) if not enabled else contextlib.nullcontext():
+                yield
+            return
+        with _ac.autocast(_emulated(recipe), enabled=enabled, amax_reduction_group=group):
             yield
-        return
-    with _ac.autocast(_emulated(recipe), enabled=enabled, amax_reduction_group=group):
-        yield
+    finally:
+        stack.pop()
 
 
 @contextlib.contextmanager
