@@ -3,8 +3,9 @@
 Not a test: prints two tables.
 
 1. **Step time** (tiny_cpu, 2 gloo ranks, emulated backend): the optimizer part of a
-   training step -- ``ChainedOptimizer.step`` (norm, clip, update) plus staging and the
-   param sync -- for distributed AdamW, layer-wise Muon compact (both gather strategies:
+   training step -- ``ChainedOptimizer.step`` (norm, clip, update), staging and the param
+   sync, the zero count (layer-wise Muon's grad norm all-reduce is that one) and reading the
+   update RMS (layer-wise Muon's RMS all-reduce runs asynchronously, waited for there) -- for distributed AdamW, layer-wise Muon compact (both gather strategies:
    ``pad`` = one padded all-gather then trim, ``broadcast`` = one broadcast per owner) and
    padded. Variants are interleaved per round so load drift hits them alike; rounds repeat
    until each ratio's median is known within ``--spread`` or ``--cap`` seconds pass
@@ -95,7 +96,6 @@ def _timed_rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, An
         step += 1
         times = {}
         for name, (engine, batches) in engines.items():
-            opt_step, after = engine.optimizer.step, engine.ddp.end_step
             spent = [0.0]
 
             def timed(f: Any, spent: list[float] = spent) -> Any:
@@ -106,9 +106,13 @@ def _timed_rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, An
                     return out
                 return g
 
-            engine.optimizer.step, engine.ddp.end_step = timed(opt_step), timed(after)
+            o = engine.optimizer
+            # layer-wise Muon sums its grad norm in count_zeros' all-reduce and waits for its
+            # RMS all-reduce in update_rms: both are part of its optimizer cost
+            saved = o.step, engine.ddp.end_step, o.count_zeros, o.update_rms
+            o.step, engine.ddp.end_step, o.count_zeros, o.update_rms = (timed(f) for f in saved)
             engine.train_step(batches(), step)
-            engine.optimizer.step, engine.ddp.end_step = opt_step, after
+            o.step, engine.ddp.end_step, o.count_zeros, o.update_rms = saved
             times[name] = spent[0]
         if step > 2 and r.add_max_over_ranks(times):  # 2 warm-up steps
             break

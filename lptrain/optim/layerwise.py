@@ -199,10 +199,10 @@ class CompactGather:
             p = self.params[ref.name]
             width = max(sum(u.numel for u in us) for us in per_rank)
             send = torch.zeros(width, dtype=transport_dtype(p), device=p.device)
-            off = 0
-            for u in per_rank[self.group.rank]:
-                send[off : off + u.numel].copy_(masters[u.key].reshape(-1))
-                off += u.numel
+            mine = per_rank[self.group.rank]
+            if mine:  # one batched copy (fp32 -> transport dtype), the same rounding as copy_
+                dsts = list(send[: sum(u.numel for u in mine)].split([u.numel for u in mine]))
+                torch._foreach_copy_(dsts, [masters[u.key].reshape(-1) for u in mine])
             self._send.append(send)
 
     def start(self, *, async_op: bool) -> None:
@@ -315,6 +315,8 @@ class LayerWiseMuon(MasterOptimizer):
         self.optimizer = build_muon([pc.master for pc in self.pieces], cfg)
         self.optimizers: list[torch.optim.Optimizer] = [self.optimizer]
         self._rms: Optional[float] = None
+        self._rms_pending: Optional[tuple[torch.Tensor, Any]] = None
+        self._norm_cache: Optional[torch.Tensor] = None
         self._stepped = False
         self.gathers: list[CompactGather] = []
         if param_layout == "compact":
@@ -330,21 +332,48 @@ class LayerWiseMuon(MasterOptimizer):
     # ---- the step (prepare_grads, lr_by_group: MasterOptimizer) ----------------------------
 
     def grad_norm_sq(self) -> torch.Tensor:
-        """Squared norm of every Muon grad, each unit once (on its owner), over the world."""
+        """Squared norm of every Muon grad, each unit once (on its owner), over the world.
+
+        The engine counts zeros right before the step (nothing writes the grads in
+        between), and :meth:`count_zeros` sums this norm in the same all-reduce: the first
+        norm after a count reuses it, saving one collective per step. The reuse is decided
+        by program flow alone (never by a rank-local test), so every rank takes the same
+        branch; :meth:`stage` and :meth:`discard_grads` drop an unused one."""
+        cached, self._norm_cache = self._norm_cache, None
+        if cached is not None:
+            return cached
+        return _world_sum(self._local_norm_sq())
+
+    def _local_norm_sq(self) -> torch.Tensor:
         local = torch.zeros((), dtype=torch.float64, device=self.device)
         for pc in self.pieces:
-            local += pc.master.grad.double().square().sum()  # type: ignore[union-attr]
-        return _world_sum(local)
+            # grad_view().double() == master.grad.double() bitwise (master.grad is the view
+            # itself, or its exact fp32 copy)
+            local += pc.grad_view().double().square().sum()
+        return local
 
     def count_zeros(self) -> int:
-        """Zero gradient entries of every Muon matrix, each once, summed over the world."""
-        local = torch.zeros((), dtype=torch.int64, device=self.device)
+        """Zero gradient entries of every Muon matrix, each once, summed over the world (in
+        one all-reduce with the squared grad norm, see :meth:`grad_norm_sq`)."""
+        zeros = torch.zeros((), dtype=torch.int64, device=self.device)
         for pc in self.pieces:
-            local += (pc.grad_view() == 0).sum()  # on the device: one host read per step
-        return int(_world_sum(local))
+            zeros += (pc.grad_view() == 0).sum()  # on the device: one host read per step
+        # fp64 holds the count exactly (below 2^53)
+        packed = _world_sum(torch.stack([self._local_norm_sq(), zeros.to(torch.float64)]))
+        self._norm_cache = packed[0]
+        return int(packed[1])
 
     def step(self, lrs: Mapping[str, float], clip_coef: Optional[float]) -> None:
-        super().step(lrs, clip_coef)
+        """Clip (one batched multiply), update, and launch the update-RMS all-reduce without
+        waiting: :meth:`update_rms` reads it, so its latency overlaps staging and the gather."""
+        self._finish_rms()
+        if clip_coef is not None and self.pieces:
+            torch._foreach_mul_([pc.master.grad for pc in self.pieces], clip_coef)  # type: ignore[misc]
+        for opt in self.optimizers:
+            for g in opt.param_groups:
+                g["lr"] = lrs[g["name"]]
+            opt.step()
+        self.discard_grads()
         self._stepped = True
         # Update RMS over every unit of the world (each counted once): one tiny all-reduce.
         sq, count = self.optimizer.last_update_stats
@@ -352,27 +381,45 @@ class LayerWiseMuon(MasterOptimizer):
         if sq is not None:
             stats[0] = sq
         stats[1] = float(count)
-        _world_sum(stats)
+        work = None
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            work = dist.all_reduce(stats, async_op=True)
+        self._rms_pending = (stats, work)
+
+    def discard_grads(self) -> None:
+        self._norm_cache = None
+        super().discard_grads()
+
+    def _finish_rms(self) -> None:
+        if self._rms_pending is None:
+            return
+        stats, work = self._rms_pending
+        self._rms_pending = None
+        if work is not None:
+            work.wait()
         total, n = stats.tolist()  # the step's one host read of Muon's statistics
         self._rms = math.sqrt(total / n) if n > 0 else None
 
     def stage(self) -> None:
         """Masters -> the gather: packs (compact) or the owner's shard of the param buffer
         (padded); every bucket is then marked staged for the bucket state machine."""
+        self._norm_cache = None
         with torch.no_grad():
             if self.param_layout == "compact":
                 masters = {pc.unit.key: pc.master for pc in self.pieces}
                 for gather in self.gathers:
                     gather.stage(masters)
             else:
-                for pc in self.pieces:
-                    dst = pc.buffer.param_slice(pc.unit.lo, pc.unit.hi)  # (ZeRO-3: the shard)
-                    dst.copy_(pc.master.reshape(-1))
+                dsts = [pc.buffer.param_slice(pc.unit.lo, pc.unit.hi)  # (ZeRO-3: the shard)
+                        for pc in self.pieces]
+                if dsts:
+                    torch._foreach_copy_(dsts, [pc.master.reshape(-1) for pc in self.pieces])
         for buf in self.buffers:
             for bucket in buf.buckets:
                 bucket.mark_staged()
 
     def update_rms(self) -> Optional[float]:
+        self._finish_rms()
         return self._rms
 
     # ---- checkpoint ------------------------------------------------------------------------

@@ -171,11 +171,17 @@ def _muon_group_step(
 ) -> tuple[Optional[torch.Tensor], int]:
     """One Muon step on every param of ``group`` that has a grad.
 
+    The elementwise parts common to every matrix run batched (``torch._foreach_*``: the same
+    per-tensor kernels, so bitwise what the per-matrix path computes, with one Python call
+    instead of one per matrix): the momentum update over all matrices; the Nesterov vector,
+    Newton-Schulz, the decoupled decay and the step then go matrix by matrix, so only one
+    matrix's temporaries are alive at a time. Matrices are independent, so this order
+    gives bitwise the updates of the matrix-at-a-time order.
+
     Returns the sum of squared update entries (``s * extra_scale_factor * O``, before lr) and
     their count, for :attr:`Muon.last_update_rms`; ``(None, 0)`` when no param had a grad.
     """
-    sq: list[torch.Tensor] = []
-    count = 0
+    mats: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[Sequence[int]]]] = []
     for p in group["params"]:
         if p.grad is None:
             continue
@@ -187,34 +193,34 @@ def _muon_group_step(
         buf = st["momentum_buffer"]
         if p.dim() == 3:
             # Per member on views: bitwise identical to discrete expert weights.
-            updates = [_update_matrix(p[i], p.grad[i], buf[i], group, None)
-                       for i in range(p.shape[0])]
+            mats += [(p[i], p.grad[i], buf[i], None) for i in range(p.shape[0])]
         else:
             shapes = getattr(p, "qkv_split_shapes", None)
             split = group["split_qkv"] and getattr(p, "is_qkv", False)
-            updates = [_update_matrix(p, p.grad, buf, group, shapes if split else None)]
-        for u in updates:
-            sq.append(u.square().sum())
-            count += u.numel()
-    return (torch.stack(sq).sum() if sq else None), count
-
-
-def _update_matrix(
-    p: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor, group: dict[str, Any],
-    qkv_split_shapes: Optional[Sequence[int]],
-) -> torch.Tensor:
-    """Decay and step one 2-D matrix in place; returns its (pre-lr) fp32 update."""
-    lr, wd = group["lr"], group["weight_decay"]
-    update = muon_update(
-        grad, buf, beta=group["momentum"], nesterov=group["nesterov"],
-        ns_steps=group["ns_steps"], coefficients=group["coefficients"],
-        scale_mode=group["scale_mode"], extra_scale_factor=group["extra_scale_factor"],
-        qkv_split_shapes=qkv_split_shapes, eps=group["eps"],
-    )
-    if wd != 0:
-        p.mul_(1.0 - lr * wd)
-    p.add_(update.to(p.dtype), alpha=-lr)
-    return update
+            mats.append((p, p.grad, buf, shapes if split else None))
+    if not mats:
+        return None, 0
+    lr, wd, beta = group["lr"], group["weight_decay"], group["momentum"]
+    grads = [g.float() for _, g, _, _ in mats]
+    bufs = [b for _, _, b, _ in mats]
+    torch._foreach_lerp_(bufs, grads, 1.0 - beta)  # muon_momentum_'s EMA, all matrices
+    sq: list[torch.Tensor] = []
+    count = 0
+    for (p, _, buf, shapes), grad in zip(mats, grads, strict=True):
+        u = grad.lerp(buf, beta) if group["nesterov"] else buf.clone()
+        update = orthogonalize(
+            u, ns_steps=group["ns_steps"], coefficients=group["coefficients"],
+            scale_mode=group["scale_mode"], extra_scale_factor=group["extra_scale_factor"],
+            qkv_split_shapes=shapes, eps=group["eps"],
+        )
+        if wd != 0:
+            # per matrix: _foreach_mul_ with a Python scalar rounds differently from mul_
+            # on bf16 tensors (not bitwise), so the decay is not batched
+            p.mul_(1.0 - lr * wd)
+        p.add_(update.to(p.dtype), alpha=-lr)
+        sq.append(update.square().sum())
+        count += update.numel()
+    return torch.stack(sq).sum(), count
 
 
 class _UpdateRMS:

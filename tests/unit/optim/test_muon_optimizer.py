@@ -37,6 +37,31 @@ def test_step_formula_bitwise() -> None:
     assert torch.equal(upd, newton_schulz(0.1 * p.grad, 5, "simple") * (0.5**0.5 * 0.3))
 
 
+@pytest.mark.parametrize("dtype,nesterov", [(torch.float32, True), (torch.bfloat16, True),
+                                            (torch.bfloat16, False)])
+def test_batched_step_equals_matrix_at_a_time_bitwise(dtype: torch.dtype, nesterov: bool) -> None:
+    """The step batches the momentum of all matrices (torch._foreach_*): bitwise the
+    matrix-at-a-time formula, for fp32 and bf16 params (a batched bf16 decay would not be:
+    _foreach_mul_ with a Python scalar rounds differently from mul_ there)."""
+    shapes = [(16, 32), (40, 24), (16, 32)]
+    params = [torch.randn(s, generator=_gen(i)).to(dtype) for i, s in enumerate(shapes)]
+    ref = [q.clone() for q in params]
+    bufs = [torch.zeros(s) for s in shapes]
+    opt = Muon(params, lr=0.05, weight_decay=0.1, momentum=0.9, nesterov=nesterov)
+    for step in range(2):
+        grads = [torch.randn(s, generator=_gen(10 * step + i)).to(dtype) for i, s in enumerate(shapes)]
+        for q, g in zip(params, grads, strict=True):
+            q.grad = g
+        opt.step()
+        for q, g, buf in zip(ref, grads, bufs, strict=True):
+            upd = muon_update(g, buf, beta=0.9, nesterov=nesterov, ns_steps=5,
+                              coefficients="quintic", scale_mode="spectral")
+            q.mul_(1 - 0.05 * 0.1).add_(upd.to(dtype), alpha=-0.05)
+        for q, r, buf in zip(params, ref, bufs, strict=True):
+            assert torch.equal(q, r)
+            assert torch.equal(opt.state[q]["momentum_buffer"], buf)
+
+
 def test_grouped_weight_equals_discrete_bitwise() -> None:
     E, out, inp = 3, 24, 40
     grouped = torch.randn(E, out, inp, generator=_gen(2))
