@@ -79,8 +79,6 @@ class Bucket:
         self.param_state = ParamState.READY
         self._grad_handles: list[Any] = []
         self._gather_handle: Optional[Any] = None
-        self._gather_out: Optional[torch.Tensor] = None
-        self._scatter_out: Optional[torch.Tensor] = None
         self._pending: set[str] = set(self.param_names)
         # sum of this rank's grads before the reduction: non-finite iff one of them is
         # (one cheap pass, no host sync; the position is looked up only on failure)
@@ -247,11 +245,11 @@ class Bucket:
                 reduce_scatter_flat(self.buffer.shard_of(self), view, group=intra.pg, async_op=async_op)
             )
         elif self.buffer.sharded and intra.active:
+            # in place: this rank's shard of the bucket is the output (equal shards in rank
+            # order, the in-place form NCCL and gloo support), so nothing is copied after
             lo, hi = self.shard_range()
-            self._scatter_out = torch.empty(hi - lo, dtype=view.dtype, device=view.device)
-            self._grad_handles.append(
-                reduce_scatter_flat(self._scatter_out, view, group=intra.pg, async_op=async_op)
-            )
+            out = self.buffer.grad_data[lo:hi]
+            self._grad_handles.append(reduce_scatter_flat(out, view, group=intra.pg, async_op=async_op))
         elif intra.active:
             self._grad_handles.append(dist.all_reduce(view, group=intra.pg, async_op=async_op))
         if not async_op:
@@ -262,10 +260,6 @@ class Bucket:
             if h is not None:
                 h.wait()
         self._grad_handles = []
-        if self._scatter_out is not None:
-            lo, hi = self.shard_range()
-            self.buffer.grad_data[lo:hi].copy_(self._scatter_out)
-            self._scatter_out = None
         if self.full_grad is not None:
             if not self.groups.intra.active:  # one shard-holder: the shard is the bucket
                 self.buffer.shard_of(self).copy_(self.full_grad)
@@ -320,11 +314,12 @@ class Bucket:
                 alias.set_(self.full_param.untyped_storage(), 0, self.full_param.shape)
                 alias.copy_(local)
         elif self.buffer.sharded and g.active:
+            # in place: the staged shard is this rank's slot of the bucket's param view (equal
+            # shards in rank order), so neither a copy of the input nor of the output is made
             lo, hi = self.shard_range()
-            local = self.buffer.param_data[lo:hi].clone()  # type: ignore[index]
-            self._gather_out = torch.empty(self.end - self.start, dtype=local.dtype, device=local.device)
+            full = self.param_view
             self._gather_handle = all_gather_flat(
-                self._gather_out, local, group=g.pg, async_op=async_op
+                full, full[lo - self.start : hi - self.start], group=g.pg, async_op=async_op
             )
         elif self.param_sync_hook is not None:
             self.param_sync_hook.start(async_op=async_op)
@@ -343,9 +338,6 @@ class Bucket:
         if self._gather_handle is not None:
             self._gather_handle.wait()
             self._gather_handle = None
-        if self._gather_out is not None:
-            self.param_view.copy_(self._gather_out)
-            self._gather_out = None
         if self.param_sync_hook is not None:
             self.param_sync_hook.finish()
         self.buffer.load_params_from_staging(self)

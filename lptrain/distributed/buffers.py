@@ -29,6 +29,7 @@ from lptrain.distributed.bucket_group import Bucket
 from lptrain.distributed.layout import BufferSpec
 from lptrain.precision.param_storage import (
     is_quantized,
+    load_all_from_staging,
     load_from_staging,
     place_in_buffer,
     release_storage,
@@ -94,6 +95,7 @@ class ParamAndGradBuffer:
             else:
                 self.param_data = torch.zeros(spec.numel, dtype=spec.key.param_dtype, device=device)
         self.aliased: dict[str, bool] = {}
+        self._staged: dict[int, list[tuple[torch.nn.Parameter, torch.Tensor]]] = {}
         self.buckets = [Bucket(self, i, self.groups) for i in range(len(spec.buckets))]
         self.bucket_of = {n: self.buckets[s.bucket] for n, s in self.slots.items()}
         for name, p in self.params.items():
@@ -134,9 +136,12 @@ class ParamAndGradBuffer:
             return
         if self.param_data is None:
             return
-        for name in bucket.param_names:
-            s = self.slots[name]
-            load_from_staging(self.params[name], self.param_data[s.start : s.end])
+        pairs = self._staged.get(bucket.index)
+        if pairs is None:  # (the slices are views of a buffer that lives as long as this one)
+            pairs = [(self.params[n], self.param_data[self.slots[n].start : self.slots[n].end])
+                     for n in bucket.param_names]
+            self._staged[bucket.index] = pairs
+        load_all_from_staging(pairs)
         if self.reuses_grad_buffer:
             bucket.param_view.zero_()
 

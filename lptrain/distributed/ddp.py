@@ -101,6 +101,10 @@ class DataParallel:
         self._is_last_microbatch = True
         self._pre_hooks_enabled = bool(ddp_cfg.overlap_param_gather) or self.shards_params
         self._hooks: list[Any] = []
+        # (listed once: walking model.parameters() every step costs a module-tree walk)
+        self._params = list(named.values())
+        for p in self._params:  # (the grad hook reads it without a default)
+            p.grad_added_to_main_grad = getattr(p, "grad_added_to_main_grad", False)
         for name, p in named.items():
             if p.requires_grad:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._make_grad_hook(name)))
@@ -185,22 +189,28 @@ class DataParallel:
         return post_hook
 
     def _make_grad_hook(self, name: str) -> Callable[[torch.Tensor], None]:
+        # Runs once per param per backward: everything that does not change during a run is
+        # decided here, so the hook itself is the accumulation plus what this layout needs.
         bucket = self.bucket_of[name]
         cfg = self.cfg
+        shards_grads = bucket.full_grad is not None
+        shards_params = bucket.full_param is not None
+        overlap = bool(cfg.overlap_grad_reduce)
+        ready_args = (name, bool(cfg.check_for_nan_in_grad), self.grad_scale, bool(cfg.average_in_collective))
 
         def hook(p: torch.Tensor) -> None:
-            bucket.acquire_grads()  # (sharded grads; a no-op otherwise)
-            if p.grad is not None:
-                if not getattr(p, "grad_added_to_main_grad", False):
-                    p.main_grad.add_(p.grad.view_as(p.main_grad))
+            if shards_grads:
+                bucket.acquire_grads()
+            grad = p.grad
+            if grad is not None:
+                if not p.grad_added_to_main_grad:
+                    p.main_grad.add_(grad.view_as(p.main_grad))
                 p.grad = None
             p.grad_added_to_main_grad = False
-            if bucket.full_param is not None:
-                bucket.grad_done(name)  # (sharded params: the last grad frees the bucket)
-            if cfg.overlap_grad_reduce and self._is_last_microbatch:
-                bucket.register_grad_ready(
-                    name, bool(cfg.check_for_nan_in_grad), self.grad_scale, bool(cfg.average_in_collective)
-                )
+            if shards_params:
+                bucket.grad_done(name)  # (the last grad frees the bucket)
+            if overlap and self._is_last_microbatch:
+                bucket.register_grad_ready(*ready_args)
 
         return hook
 
@@ -216,7 +226,7 @@ class DataParallel:
     def zero_grad_buffer(self) -> None:
         for b in self.buffers:
             b.zero_grads()
-        for p in self.model.parameters():
+        for p in self._params:
             p.grad_added_to_main_grad = False
 
     def finish_grad_sync(self) -> int:

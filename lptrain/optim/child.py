@@ -114,20 +114,32 @@ class MasterOptimizer:
     pieces: Sequence[Piece]
     optimizers: list[torch.optim.Optimizer]
 
+    def _grad_views(self) -> list[torch.Tensor]:
+        """Every piece's reduced-gradient view, looked up once: the buffers (and so the views)
+        live as long as the optimizer, and a step should not rebuild 2 views per tensor."""
+        views = getattr(self, "_cached_grad_views", None)
+        if views is None or len(views) != len(self.pieces):
+            views = [pc.grad_view() for pc in self.pieces]
+            self._cached_grad_views = views
+        return views
+
     def prepare_grads(self) -> None:
-        for pc in self.pieces:
-            g = pc.grad_view()
+        for pc, g in zip(self.pieces, self._grad_views(), strict=True):
             pc.master.grad = g if g.dtype == torch.float32 else g.float()
 
     def discard_grads(self) -> None:
         for pc in self.pieces:
             pc.master.grad = None
 
+    def master_grads(self) -> list[torch.Tensor]:
+        """The masters' ``.grad`` tensors (set by :meth:`prepare_grads`), in piece order."""
+        return [pc.master.grad for pc in self.pieces]  # type: ignore[misc]
+
     def step(self, lrs: Mapping[str, float], clip_coef: Optional[float]) -> None:
-        """Clip, then update every group at ``lrs[group name]``."""
-        if clip_coef is not None:
-            for pc in self.pieces:
-                pc.master.grad.mul_(clip_coef)  # type: ignore[union-attr]
+        """Clip (one batched multiply: elementwise, so bitwise the per-tensor result), then
+        update every group at ``lrs[group name]``."""
+        if clip_coef is not None and self.pieces:
+            torch._foreach_mul_(self.master_grads(), clip_coef)
         for opt in self.optimizers:
             for g in opt.param_groups:
                 g["lr"] = lrs[g["name"]]

@@ -37,10 +37,11 @@ from lptrain.optim.lion import scalar_optimizer
 from lptrain.optim.muon import Muon, build_muon
 from lptrain.optim.param_groups import copy_param_attributes
 from lptrain.precision.param_storage import (
+    StageEntry,
+    StagePlan,
     high_precision_value,
     release_high_precision_init,
-    stage_shards,
-    write_value,
+    write_values,
 )
 
 
@@ -126,15 +127,17 @@ class ShardedMasterOptimizer(MasterOptimizer):
 
     def grad_norm_sq(self) -> torch.Tensor:
         """Squared norm of this optimizer's full gradient (fp64; reduced over its group for
-        sharded buffers, each element counted once)."""
+        sharded buffers, each element counted once). One batched fp64 norm per piece list,
+        its squares summed in piece order, so the result does not depend on how the pieces
+        are bucketed (overlap on == off stays bitwise)."""
         sharded = torch.zeros((), dtype=torch.float64, device=self.device)
         replicated = torch.zeros((), dtype=torch.float64, device=self.device)
-        for pc in self.pieces:
-            sq = pc.master.grad.double().square().sum()  # type: ignore[union-attr]
-            if pc.buffer.sharded:
-                sharded += sq
-            else:
-                replicated += sq
+        grads = self.master_grads()
+        for acc, want in ((sharded, True), (replicated, False)):
+            mine = [g for pc, g in zip(self.pieces, grads, strict=True) if bool(pc.buffer.sharded) == want]
+            if mine:
+                norms = torch._foreach_norm(mine, 2, dtype=torch.float64)
+                acc += torch.stack(norms).square().sum()
         if self.group.active and any(b.sharded for b in self.buffers):
             dist.all_reduce(sharded, group=self.group.pg)
         return sharded + replicated
@@ -143,26 +146,38 @@ class ShardedMasterOptimizer(MasterOptimizer):
         """Not counted here: ``muon_grad_zeros`` is the layer-wise Muon's metric."""
         return None
 
+    def _stage_plan(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], StagePlan]:
+        """What :meth:`stage` writes, worked out once (the pieces and buffers are fixed):
+        ``(param, master)`` for replicated buffers, the :func:`stage_shards` entries (every
+        param of the sharded buffers, in buffer order: the same on every rank) for the others."""
+        plan = getattr(self, "_plan", None)
+        if plan is not None:
+            return plan
+        piece_of = {pc.name: pc for pc in self.pieces}
+        direct: list[tuple[torch.Tensor, torch.Tensor]] = []
+        entries: list[StageEntry] = []
+        for buf in self.buffers:
+            if not buf.sharded:
+                direct.extend((p, piece_of[n].master) for n, p in buf.params.items() if n in piece_of)
+                continue
+            for name, p in buf.params.items():  # same order on every rank (collective)
+                pc = piece_of.get(name)
+                if pc is None:
+                    entries.append((p, None, 0, 0, None))
+                else:
+                    entries.append((p, pc.master, pc.p_lo, pc.p_hi, buf.param_slice(pc.lo, pc.hi)))
+        self._plan = (direct, StagePlan(entries))
+        return self._plan
+
     def stage(self) -> None:
         """Masters -> params: the staging slices of sharded buffers (then marked staged for
-        the gather), or the params themselves for replicated ones."""
-        piece_of = {pc.name: pc for pc in self.pieces}
-        entries = []
+        the gather), or the params themselves for replicated ones (batched per format by
+        :mod:`lptrain.precision.param_storage`)."""
+        direct, plan = self._stage_plan()
         with torch.no_grad():
-            for buf in self.buffers:
-                if not buf.sharded:
-                    for name in buf.params:
-                        if name in piece_of:
-                            write_value(buf.params[name], piece_of[name].master)
-                    continue
-                for name, p in buf.params.items():  # same order on every rank (collective)
-                    pc = piece_of.get(name)
-                    if pc is None:
-                        entries.append((p, None, 0, 0, None))
-                    else:
-                        dst = buf.param_slice(pc.lo, pc.hi)
-                        entries.append((p, pc.master, pc.p_lo, pc.p_hi, dst))
-            stage_shards(entries, self.group.pg if self.group.active else None)
+            if direct:
+                write_values([p for p, _ in direct], [m for _, m in direct])
+            plan.run(self.group.pg if self.group.active else None)
         for buf in self.buffers:
             if buf.sharded:
                 for bucket in buf.buckets:

@@ -163,22 +163,40 @@ def _(p: QuantizedTensor) -> None:
 StageEntry = tuple[torch.Tensor, Optional[torch.Tensor], int, int, Optional[torch.Tensor]]
 
 
+class StagePlan:
+    """:func:`stage_shards` worked out once for a fixed list of entries (the optimizer's
+    pieces and staging slices do not change during a run): the plain pieces as one batched
+    cast-and-copy, the byte-gathered ones per family."""
+
+    def __init__(self, entries: Sequence[StageEntry]) -> None:
+        families: dict[type, list[StageEntry]] = {}
+        self.dsts: list[torch.Tensor] = []
+        self.srcs: list[torch.Tensor] = []
+        for e in entries:
+            p, x, _lo, _hi, dst = e
+            if staging_dtype(p) == torch.uint8:
+                families.setdefault(type(p), []).append(e)
+            elif x is not None and dst is not None:
+                self.dsts.append(dst)
+                self.srcs.append(x.reshape(-1))
+        self.families = list(families.values())
+
+    def run(self, group: Optional[Any]) -> None:
+        if self.dsts:  # elementwise, round to nearest even: bitwise the per-slice copies
+            torch._foreach_copy_(self.dsts, self.srcs)
+        for family in self.families:
+            stage_bytes(family[0][0], family, group)
+
+
 def stage_shards(entries: Sequence[StageEntry], group: Optional[Any]) -> None:
     """Stage ``(param, master piece or None, lo, hi, staging slice or None)`` entries.
 
     Every rank must pass the same params in the same order (pieces may be None): the
     byte-gathered ones of each family are cast together (:func:`stage_bytes`: one MAX
     all-reduce of their partial amaxes over ``group``; None when this rank is alone).
+    A caller staging the same entries every step keeps a :class:`StagePlan` instead.
     """
-    families: dict[type, list[StageEntry]] = {}
-    for e in entries:
-        p, x, _lo, _hi, dst = e
-        if staging_dtype(p) == torch.uint8:
-            families.setdefault(type(p), []).append(e)
-        elif x is not None and dst is not None:
-            dst.copy_(x.reshape(-1))
-    for family in families.values():
-        stage_bytes(family[0][0], family, group)
+    StagePlan(entries).run(group)
 
 
 @singledispatch
@@ -243,3 +261,33 @@ def write_value(p: torch.Tensor, value: torch.Tensor) -> None:
     """Write a high-precision ``value`` into ``p`` (requantizing a quantized param)."""
     with torch.no_grad():
         p.copy_(value.view(p.shape).to(p.dtype))
+
+
+def load_all_from_staging(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """:func:`load_from_staging` for a bucket's ``(param, staged slice)`` pairs: a plain param
+    that aliases its slice (the common case) is skipped without a dispatch."""
+    for p, staged in pairs:
+        if _is_plain(p):
+            if p.data_ptr() != staged.data_ptr():
+                with torch.no_grad():
+                    p.copy_(staged.view(p.shape))
+        else:
+            load_from_staging(p, staged)
+
+
+def _is_plain(p: torch.Tensor) -> bool:
+    return type(p) in (torch.Tensor, torch.nn.Parameter) and not is_quantized(p)
+
+
+def write_values(params: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
+    """:func:`write_value` for many params: the plain ones in one batched cast-and-copy
+    (round to nearest even either way: bitwise the per-param writes), the others one by one
+    through their format."""
+    plain = [(p, v) for p, v in zip(params, values, strict=True) if _is_plain(p)]
+    with torch.no_grad():
+        if plain:
+            torch._foreach_copy_([p for p, _ in plain], [v.view(p.shape) for p, v in plain])
+    if len(plain) != len(params):
+        for p, v in zip(params, values, strict=True):
+            if not _is_plain(p):
+                write_value(p, v)

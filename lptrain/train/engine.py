@@ -93,6 +93,8 @@ class TrainEngine:
         self.device = resolve_device(cfg)
         torch.manual_seed(cfg.train.seed)
         self.model = self._build_model()
+        # MoE bookkeeping walks every module: a dense model skips it (no routers, no metrics)
+        self.has_moe = bool(self.model.routers())
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.layout = plan_run_layout(cfg, run_param_specs(cfg, named), self.groups.intra.size)
         self.ddp = DataParallel(self.model, self.layout, cfg.ddp, self.groups, device=self.device)
@@ -231,7 +233,8 @@ class TrainEngine:
         """After an update: params synced (or left to the next forward), the expert bias
         stepped, the step's result with its extra metrics."""
         self.ddp.end_step(self.optimizer.stage)
-        self.model.update_expert_bias()
+        if self.has_moe:
+            self.model.update_expert_bias()
         extra = self._step_extras(moe_metrics, zeros, losses)
         return StepResult(loss=float(losses[:, 0].mean()), grad_norm=outcome.grad_norm, lrs=lrs,
                           extra=extra)
@@ -260,6 +263,8 @@ class TrainEngine:
         Collective over the data-parallel group; resets the layers' accumulators."""
         from lptrain.model.moe.metrics import moe_step_metrics
 
+        if not self.has_moe:
+            return {}
         return moe_step_metrics(self.model, self.groups.dp)
 
     def _reduce_router_counts(self) -> None:
@@ -267,8 +272,10 @@ class TrainEngine:
         import torch.distributed as dist
 
         g = self.groups.dp
+        if not g.active or not self.has_moe:
+            return
         counts = self.model.expert_bias_counts()
-        if not g.active or not counts:
+        if not counts:
             return
         flat = torch.cat([c.reshape(-1) for c in counts])
         dist.all_reduce(flat, group=g.pg)

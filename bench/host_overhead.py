@@ -1,0 +1,147 @@
+"""Host cost per parameter tensor: the engine's step vs a plain loop on a deep narrow model.
+
+The model is 24 layers of hidden 32 (147 parameter tensors, a 2 x 32-token micro-batch), so
+the GEMMs cost next to nothing and what is timed is the Python and kernel-launch work done
+per tensor: grad hooks, the NaN check, the grad norm, clipping, the optimizer, the master
+write-back and (with quantized primary weights) the requantization. On a GPU this per-tensor
+host cost caps utilisation for small and medium models; on this CPU it is the part that can
+be measured.
+
+Per variant, in the same run on a model with the same layers and init:
+
+* lptrain: ``TrainEngine.train_step`` at DP=1 (the distributed optimizer, as the recipes
+  run it, so masters live in the optimizer and are staged back every step);
+* plain: ``forward; backward; clip_grad_norm_; optimizer.step(); zero_grad()`` on the
+  model's own params.
+
+Variants:
+
+* ``bf16``: bf16 params, AdamW; plain: ``torch.optim.AdamW(foreach=True)``;
+* ``mxfp8 param gather``: MXFP8 GEMMs with MXFP8 primary weights
+  (``precision.fp8_param_gather``) staged through the grad buffer
+  (``ddp.reuse_grad_buf_for_mxfp8_param_ag``); plain: the same MXFP8 GEMMs on bf16 weights
+  (a plain loop cannot step quantized primary weights), ``torch.optim.AdamW(foreach=True)``;
+* ``layer-wise muon``: Muon on the hidden matrices through the layer-wise distributed
+  optimizer (``optimizer.use_layer_wise_optimizer``, derived from Muon + the distributed
+  optimizer), AdamW on the rest; plain: ``torch.optim.Muon`` (present in this torch) on the
+  2-D hidden matrices plus ``torch.optim.AdamW(foreach=True)`` on the rest. QKV is
+  orthogonalised whole on both sides (``optimizer.muon.split_qkv=false``) so both run the
+  same Newton-Schulz work.
+
+Target: lptrain at most 1.05x the plain loop for every variant. Rounds alternate the two
+and repeat until each ratio's median is known within ``--spread`` or ``--cap`` seconds pass
+per variant (``bench/harness.py``; REGRESSED against ``bench/baseline.json``).
+
+    .venv/bin/python bench/host_overhead.py [--cap 40] [--only bf16] [--save-baseline]
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+from harness import Figure, Ratio, add_args, report, rounds
+from rich.console import Console
+
+from lptrain.config import World, derive
+from lptrain.config.compose import load
+from lptrain.data import build_train_valid_loaders
+from lptrain.model import build_model
+from lptrain.model.params import is_muon_param
+from lptrain.train.engine import TrainEngine
+
+TARGET = 1.05
+MODEL = ["model.num_layers=24", "model.hidden_size=32", "model.ffn_hidden_size=128",
+         "model.num_attention_heads=2", "model.num_query_groups=2", "model.seq_length=32"]
+COMMON = ["data.builtin_max_mb=2", "logging.progress=false", "checkpoint.save=null",
+          "train.global_batch_size=2", "train.micro_batch_size=2",
+          "ddp.use_distributed_optimizer=true", *MODEL]
+VARIANTS = {
+    "bf16": [],
+    "mxfp8 param gather": ["precision.fp8_format=e4m3", "precision.fp8_recipe=mxfp8",
+                           "precision.fp8_param_gather=true",
+                           "ddp.reuse_grad_buf_for_mxfp8_param_ag=true"],
+    "layer-wise muon": ["optimizer.name=muon", "optimizer.muon.split_qkv=false"],
+}
+# the plain loop's model: the same GEMM recipe on ordinary (bf16) weights
+PLAIN_DROPS = ("precision.fp8_param_gather", "ddp.reuse_grad_buf")
+
+
+def _plain_optimizers(model: torch.nn.Module, cfg: Any) -> list[torch.optim.Optimizer]:
+    params = [p for p in model.parameters() if p.requires_grad]
+    o = cfg.optimizer
+    adamw = {"lr": o.lr, "weight_decay": o.weight_decay, "betas": (o.adam_beta1, o.adam_beta2),
+             "eps": o.adam_eps, "foreach": True}
+    if o.name != "muon":
+        return [torch.optim.AdamW(params, **adamw)]
+    matrices = [p for p in params if is_muon_param(p) and p.dim() == 2]
+    rest = [p for p in params if not any(p is m for m in matrices)]
+    return [torch.optim.Muon(matrices, lr=o.lr, weight_decay=o.weight_decay,
+                             momentum=o.muon.momentum, nesterov=o.muon.nesterov, ns_steps=o.muon.ns_steps),
+            torch.optim.AdamW(rest, **adamw)]
+
+
+def _bench(name: str, overrides: list[str], args: Any) -> tuple[Figure, int, float, float]:
+    cfg = derive(load("tiny_cpu.yaml", [*COMMON, *overrides]).cfg, World.detect())
+    engine = TrainEngine(cfg)
+    plain_ov = [o for o in overrides if not o.startswith(PLAIN_DROPS)]
+    plain_cfg = derive(load("tiny_cpu.yaml", [*COMMON, *plain_ov]).cfg, World.detect())
+    plain_model = build_model(plain_cfg)  # same layers and init (seeded by name), no engine
+    opts = _plain_optimizers(plain_model, cfg)
+    params = [p for p in plain_model.parameters() if p.requires_grad]
+    t = cfg.train
+    train_it, _ = build_train_valid_loaders(
+        cfg.data, seq_length=cfg.model.seq_length, micro_batch_size=t.micro_batch_size,
+        global_batch_size=t.global_batch_size, dp_rank=0, dp_size=1, vocab_size=cfg.model.vocab_size,
+    )
+    n = t.global_batch_size // t.micro_batch_size
+    step = [0]
+
+    def lptrain_step() -> None:
+        step[0] += 1
+        engine.train_step([next(train_it) for _ in range(n)], step[0])
+
+    def plain_step() -> None:
+        for _ in range(n):
+            b = next(train_it)
+            with plain_model.autocast():
+                loss, _ = plain_model(b["tokens"], labels=b["labels"])
+            (loss / n).backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.optimizer.clip_grad, foreach=True)
+        for opt in opts:
+            opt.step()
+        for opt in opts:
+            opt.zero_grad(set_to_none=True)
+
+    r = rounds(args, [Ratio(name, "lptrain", "plain", TARGET)])
+    r.run({"lptrain": lptrain_step, "plain": plain_step}, warmup=3)
+    import statistics
+
+    return (r.figures()[0], len(params), statistics.median(r.series["lptrain"]),
+            statistics.median(r.series["plain"]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--only", choices=list(VARIANTS), action="append",
+                    help="run only this variant (repeatable)")
+    add_args(ap, cap_s=40.0)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    figures, lines = [], []
+    for name, ov in VARIANTS.items():
+        if args.only and name not in args.only:
+            continue
+        fig, tensors, ours, theirs = _bench(name, ov, args)
+        figures.append(fig)
+        lines.append(f"{name}: {tensors} param tensors; lptrain {ours * 1e3:.1f} ms/step, "
+                     f"plain {theirs * 1e3:.1f} ms/step, {len(fig.samples)} rounds")
+    report(Console(width=120), "host_overhead",
+           f"engine step vs plain loop, 24 x hidden 32 (DP=1, {args.threads} thread(s))",
+           figures, args, "\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
