@@ -20,7 +20,8 @@ owner's reduced grad shard and param shard hold the whole gradient and value) ru
 matrix: bf16 dense with overlap and MXFP8 MoE without it at DP=2 (the padded layout refuses
 FP8 primary weights, rule MUON-PADDED-NO-PG, so MXFP8 quantizes in the forward); at DP=4 the
 memory runs are bf16 Muon on an MoE model (experts shard over the expert-data-parallel
-group), bitwise alike under the three strategies; plus a ZeRO-3 train-eval-train, a ZeRO-2
+group), bitwise alike under the three strategies; plus train-eval-train under ZeRO-2 and ZeRO-3
+(ZeRO-1: tests/dist/test_ddp_engine.py), a ZeRO-2
 checkpoint resumed under the other strategies and the Muon buffers' measured bytes (and
 estimate-memory's) at DP=2 and DP=4.
 """
@@ -131,7 +132,8 @@ def test_strategies_bitwise_dp2_with_eval_resume_and_memory() -> None:
     spec = {
         "matrix": {**_cases(DP2), **_recompute_cases(_cases(DP2))},
         "eval": {k: v for k, v in _cases(DP2).items()
-                 if k in ("mxfp8-moe-overlap|optim_grads_params", "muon-mxfp8-moe-sync|optim_grads_params")},
+                 if k in ("bf16-dense-overlap-mb2|optim_grads", "mxfp8-moe-overlap|optim_grads_params",
+                           "muon-mxfp8-moe-sync|optim_grads_params")},
         "resume": {
             # (base, [saved under, resumed under...])
             "blockwise": ([*C.BLOCKWISE, *C.FP8_PG, *C.OVERLAP],
