@@ -52,6 +52,17 @@ def block_amax(
             return torch.zeros((), dtype=torch.float32, device=x.device)
         keep = [s for i, s in enumerate(x.shape) if i not in ((dim,) if isinstance(dim, int) else dim)]
         return torch.zeros(keep, dtype=torch.float32, device=x.device)
+    return block_amax_nan(x, dim, ws)[0]
+
+
+def block_amax_nan(
+    x: torch.Tensor, dim: int | tuple[int, ...] | None = None, ws: Optional[Workspace] = None
+) -> tuple[torch.Tensor, bool]:
+    """:func:`block_amax` and whether ``x`` may hold a NaN: exactly known on the CPU (the
+    check the amax makes anyway), always True elsewhere (asking would be a host sync).
+    Callers use it to skip NaN handling passes that cannot change anything."""
+    if x.numel() == 0:
+        return block_amax(x, dim), x.device.type != "cpu"
     xf = x.float()
     d = () if dim is None else dim
     out = None if ws is None else ws.get("amax", xf.shape, torch.int32)
@@ -59,9 +70,10 @@ def block_amax(
     nan = a > _INF_BITS
     # On the CPU the NaN-free common case skips the recompute; elsewhere asking would be a
     # host sync per quantization, so the (value-identical) select always runs.
-    if x.device.type != "cpu" or bool(nan.any()):
+    has_nan = x.device.type != "cpu" or bool(nan.any())
+    if has_nan:
         a = torch.where(nan, abs_nan_to_zero(xf).amax(dim=d).view(torch.int32), a)
-    return a.view(torch.float32)
+    return a.view(torch.float32), has_nan
 
 
 _AMAX_CHUNK = 1 << 19  # elements per pass: the |x| temporary stays small and is reused
