@@ -179,19 +179,30 @@ class Workspace:
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
         self._bufs: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+        # views handed out, per (slot, dtype, shape): a small model asks for the same few
+        # shapes every step, and each fresh view costs two dispatcher calls
+        self._views: dict[tuple[str, torch.dtype, tuple[int, ...]], torch.Tensor] = {}
 
     def get(self, slot: str, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        key = (slot, dtype, tuple(shape))
+        v = self._views.get(key)
+        if v is not None and v.shape == key[2]:  # (an out= resize would have changed it)
+            return v
         n = 1
         for d in shape:
             n *= d
         buf = self._bufs.get((slot, dtype))
         if buf is None or buf.numel() < n:
+            if buf is not None:  # views of the old buffer go with it
+                self._views = {k: t for k, t in self._views.items() if k[:2] != (slot, dtype)}
             # a normal tensor even when first made in inference mode: a workspace may
             # outlive that context (``shared``) and be written by later normal-mode calls
             with torch.inference_mode(False):
                 buf = torch.empty(n, dtype=dtype, device=self.device)
             self._bufs[(slot, dtype)] = buf
-        return buf[:n].view(shape)
+        with torch.inference_mode(False):
+            v = self._views[key] = buf[:n].view(shape)
+        return v
 
     @classmethod
     def shared(cls, device: torch.device | str = "cpu") -> Workspace:
