@@ -10,6 +10,7 @@ All arithmetic is fp32; nothing goes through fp64.
 from __future__ import annotations
 
 import enum
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional
@@ -159,12 +160,11 @@ _E2M1_LUT = torch.tensor(E2M1_GRID + tuple(-v for v in E2M1_GRID), dtype=torch.f
 
 
 # fp32 bit patterns used by the integer E2M1 kernels below.
-_BITS_1 = 0x3F800000  # 1.0
-_BITS_4 = 0x40800000  # 4.0
 _MAGIC_HALF = 4194304.0  # 2^22: ulp 0.5, so a + 2^22 rounds a to a multiple of 0.5 (RNE)
 _BITS_MAGIC_HALF = 0x4A800000
 _BITS_2P23 = 0x4B000000  # 2^23: ulp 1
 _BITS_2P24 = 0x4B800000  # 2^24: ulp 2
+_EXP_MASK = 0x7F800000  # sign cleared, exponent kept: floors a positive fp32 to a power of two
 _BIAS_CODE2 = 252  # (biased exponent 127 << 1) - 2: bits >> 22 of 1.0 minus its E2M1 code
 
 
@@ -179,36 +179,76 @@ class Workspace:
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
         self._bufs: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+        # views handed out, per (slot, dtype, shape): a small model asks for the same few
+        # shapes every step, and each fresh view costs two dispatcher calls
+        self._views: dict[tuple[str, torch.dtype, tuple[int, ...]], torch.Tensor] = {}
 
     def get(self, slot: str, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        key = (slot, dtype, tuple(shape))
+        v = self._views.get(key)
+        if v is not None and v.shape == key[2]:  # (an out= resize would have changed it)
+            return v
         n = 1
         for d in shape:
             n *= d
         buf = self._bufs.get((slot, dtype))
         if buf is None or buf.numel() < n:
-            buf = torch.empty(n, dtype=dtype, device=self.device)
+            if buf is not None:  # views of the old buffer go with it
+                self._views = {k: t for k, t in self._views.items() if k[:2] != (slot, dtype)}
+            # a normal tensor even when first made in inference mode: a workspace may
+            # outlive that context (``shared``) and be written by later normal-mode calls
+            with torch.inference_mode(False):
+                buf = torch.empty(n, dtype=dtype, device=self.device)
             self._bufs[(slot, dtype)] = buf
-        return buf[:n].view(shape)
+        with torch.inference_mode(False):
+            v = self._views[key] = buf[:n].view(shape)
+        return v
+
+    @classmethod
+    def shared(cls, device: torch.device | str = "cpu") -> Workspace:
+        """This thread's reused CPU workspace (a fresh one on other devices).
+
+        Why: a quantization's scratch buffers are chunk-sized (~2 MiB), which glibc serves by
+        mmap and the kernel page-faults in on first touch: a fresh workspace per quantization
+        costs about as much as one of its elementwise passes. Every caller consumes what it
+        gets from a slot before the next quantization on the same thread starts, so one
+        workspace per thread is safe; the device's caching allocator makes this moot elsewhere.
+        """
+        dev = torch.device(device)
+        if dev.type != "cpu":
+            return cls(dev)
+        ws = getattr(_SHARED, "ws", None)
+        if ws is None:
+            ws = _SHARED.ws = cls(dev)
+        return ws
 
 
-def _sign_codes(y: torch.Tensor, ws: Workspace) -> torch.Tensor:
-    """Canonicalise ``y`` in place and return int32 8 where y < 0, else 0 (``ws`` slot "sign").
+_SHARED = threading.local()
 
-    In place: NaN -> +6 (E2M1 has no NaN; TE's satfinite gives +MAX), +-inf -> +-FLT_MAX
-    (saturates to +-6 anyway), and -0.0 -> +0.0 (adding +0.0 changes nothing else). After
-    that the sign bit alone says y < 0, so the sign is two int32 ops: comparisons producing
-    bool are several times slower than int32 ops on CPU.
+
+def _sign_mask(y: torch.Tensor, ws: Workspace, may_have_nan: bool) -> torch.Tensor:
+    """Canonicalise ``y`` in place and return int32 -1 where y < 0, else 0 (``ws`` slot "sign").
+
+    In place: NaN -> +6 (E2M1 has no NaN; TE's satfinite gives +MAX) and -0.0 -> +0.0 (adding
+    +0.0 changes nothing else). After that the sign bit alone says y < 0, and an arithmetic
+    shift by 31 spreads it: one int32 op (comparisons producing bool are several times slower
+    on CPU), and the caller folds it into the code with one ``code - 8 * mask``. Without
+    ``may_have_nan`` (the caller knows ``y`` holds no NaN, e.g. from the block amax pass) the
+    NaN replacement is skipped: it changes nothing then. Infinities need no replacement: both
+    kernels below saturate them to code 7 exactly as they do FLT_MAX.
     """
-    y.nan_to_num_(nan=E2M1_MAX).add_(0.0)
-    sign = torch.bitwise_right_shift(y.view(torch.int32), 28, out=ws.get("sign", y.shape, torch.int32))
-    return sign.bitwise_and_(8)
+    if may_have_nan:
+        y.nan_to_num_(nan=E2M1_MAX, posinf=float("inf"), neginf=float("-inf"))
+    y.add_(0.0)
+    return torch.bitwise_right_shift(y.view(torch.int32), 31, out=ws.get("sign", y.shape, torch.int32))
 
 
-def e2m1_codes_i32(y: torch.Tensor, ws: Optional[Workspace] = None) -> torch.Tensor:
+def e2m1_codes_i32(y: torch.Tensor, ws: Optional[Workspace] = None, may_have_nan: bool = True) -> torch.Tensor:
     """fp32 -> E2M1 codes as int32 (RNE, satfinite, NaN -> +6); see :func:`cast_to_e2m1`.
 
     With a workspace ``y`` is consumed (overwritten) and the result lives in ``ws`` (valid
     until the next call with it); without one, ``y`` is left alone and the result is fresh.
+    ``may_have_nan=False`` promises ``y`` holds no NaN (skips one pass; see :func:`_sign_mask`).
 
     Magnitude a = min(|y|, 6). The grid is uniform in three segments, step 0.5 on [0, 2], 1 on
     [2, 4], 2 on [4, 6], and the code is linear in each: 2a, a + 2, a/2 + 4. With R = round
@@ -220,7 +260,7 @@ def e2m1_codes_i32(y: torch.Tensor, ws: Optional[Workspace] = None) -> torch.Ten
     """
     if ws is None:
         ws, y = Workspace(y.device), y.clone()
-    sign = _sign_codes(y, ws)
+    sign = _sign_mask(y, ws, may_have_nan)
     a = y.abs_().clamp_(max=E2M1_MAX)
     code = torch.add(a, _MAGIC_HALF, out=ws.get("t1", y.shape, torch.float32)).view(torch.int32)
     code.sub_(_BITS_MAGIC_HALF)
@@ -228,7 +268,7 @@ def e2m1_codes_i32(y: torch.Tensor, ws: Optional[Workspace] = None) -> torch.Ten
     torch.minimum(code, cand.sub_(_BITS_2P23 - 2), out=code)
     cand = torch.add(a, 2.0**24, out=cand.view(torch.float32)).view(torch.int32)
     torch.minimum(code, cand.sub_(_BITS_2P24 - 4), out=code)
-    return code.bitwise_or_(sign)
+    return torch.sub(code, sign, alpha=8, out=code)  # | 8 where y < 0
 
 
 def cast_to_e2m1(y: torch.Tensor, *, inplace: bool = False) -> torch.Tensor:
@@ -275,30 +315,35 @@ def draw_rbits(
 
 
 def sr_e2m1_codes_i32(
-    y: torch.Tensor, rbits: torch.Tensor, ws: Optional[Workspace] = None
+    y: torch.Tensor, rbits: torch.Tensor, ws: Optional[Workspace] = None, may_have_nan: bool = True
 ) -> torch.Tensor:
     """Stochastic-rounding E2M1 codes as int32 (see :func:`stochastic_round_e2m1`); ``ws``
-    as in :func:`e2m1_codes_i32` (with one, ``y`` is consumed).
+    and ``may_have_nan`` as in :func:`e2m1_codes_i32` (with a workspace, ``y`` is consumed).
 
-    Same math, on the fp32 bits: step/256 = 2^(e(a)-9) with e(a) clamped to [0, 2] (grid
-    spacing 0.5 below 2, 1 on [2, 4), 2 from 4; NaN/inf -> 2), so rbits * step/256 is exact
-    and t = a + rbits * step/256 is the fma's single rounding. Truncating t to the grid at t
-    is a shift: code = (bits(t) >> 22) - 252 from 1 up (saturated at 7), and below 1 the
-    step is 0.5: code 1 iff t >= 0.5, i.e. clamp((bits(t) >> 23) - 125, 0, 1).
+    Same math, in 14 elementwise passes (the software model's 19 op chain before): with
+    a = |y|, the grid spacing at a over 256 is p * 2^-9 where p = pow2floor(clamp(a, 1, 4))
+    (spacing 0.5 below 2, 1 on [2, 4), 2 from 4; the fp32 exponent mask makes p; inf -> 4,
+    NaN -> inf, whose t is NaN either way), so rbits * p * 2^-9 is exact and
+    t = a + rbits * p * 2^-9 (one ``addcmul``) is the fma's single rounding. Truncating t to
+    the grid at t is a shift: code = (bits(t) >> 22) - 252 from 1 up, and for t < 1 the step
+    is 0.5, where the shift would split [0.5, 1) in two: t' = max(t, min(1.5 t, 0.75)) moves
+    [0.5, 0.75) to 0.75 (code 1), keeps t >= 0.75 and keeps t < 0.5 below 0.75 (code 0; 1.5 t
+    rounds below 0.75 there), so code = clamp((bits(t') >> 22) - 252, 0, 7) everywhere (inf
+    and NaN give 7). Equality with the 19-op kernel is tested on every rbits value, specials
+    and random bit patterns.
     """
     if ws is None:
         ws, y = Workspace(y.device), y.clone()
-    sign = _sign_codes(y, ws)
-    a = y.abs_().view(torch.int32)
-    step = torch.bitwise_and(a, 0x7F800000, out=ws.get("t1", y.shape, torch.int32))
-    step.clamp_(_BITS_1, _BITS_4).sub_(9 << 23)
-    t = ws.get("t2", y.shape, torch.float32)
-    t.copy_(rbits.reshape(y.shape)).mul_(step.view(torch.float32)).add_(a.view(torch.float32))
-    tb = t.view(torch.int32)
-    code = torch.bitwise_right_shift(tb, 22, out=step).sub_(_BIAS_CODE2)
-    small = torch.bitwise_right_shift(tb, 23, out=a).sub_(125).clamp_(0, 1)
-    code = torch.maximum(code, small, out=code).clamp_(max=7)
-    return code.bitwise_or_(sign)
+    sign = _sign_mask(y, ws, may_have_nan)
+    a = y.abs_()
+    p = torch.clamp(a, 1.0, 4.0, out=ws.get("t1", y.shape, torch.float32))
+    p.view(torch.int32).bitwise_and_(_EXP_MASK)
+    t = torch.addcmul(a, rbits.reshape(y.shape), p, value=2.0**-9, out=ws.get("t2", y.shape, torch.float32))
+    low = torch.mul(t, 1.5, out=p).clamp_(max=0.75)
+    torch.maximum(t, low, out=t)
+    code = torch.bitwise_right_shift(t.view(torch.int32), 22, out=a.view(torch.int32))
+    code.sub_(_BIAS_CODE2).clamp_(0, 7)
+    return torch.sub(code, sign, alpha=8, out=code)  # | 8 where y < 0
 
 
 def stochastic_round_e2m1(
@@ -326,25 +371,38 @@ def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
     return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous()
 
 
-def pack_fp4_i32(codes: torch.Tensor) -> torch.Tensor:
+def pack_fp4_i32(
+    codes: torch.Tensor, out: Optional[torch.Tensor] = None, ws: Optional[Workspace] = None
+) -> torch.Tensor:
     """:func:`pack_fp4` for contiguous int32 codes in [0, 15]: each int64 word holds a pair
     (c0 | c1 << 32, little-endian), so the byte is (w | w >> 28) & 0xFF, with no strided
-    slicing (several times cheaper)."""
+    slicing (several times cheaper). ``out`` (uint8, the packed shape, any strides) receives
+    the bytes; ``ws`` holds the int64 temporary (slot "pack")."""
     if codes.shape[-1] % 2:
         raise ValueError(f"last dim must be even to pack FP4, got {codes.shape[-1]}")
+    shape = (*codes.shape[:-1], codes.shape[-1] // 2)
     if codes.numel() == 0:
-        return torch.zeros(*codes.shape[:-1], codes.shape[-1] // 2, dtype=torch.uint8, device=codes.device)
+        z = torch.zeros(shape, dtype=torch.uint8, device=codes.device)
+        return z if out is None else out.copy_(z)
     w = codes.contiguous().view(torch.int64)
-    return torch.bitwise_right_shift(w, 28).bitwise_or_(w).to(torch.uint8)
+    tmp = None if ws is None else ws.get("pack", w.shape, torch.int64)
+    packed = torch.bitwise_right_shift(w, 28, out=tmp).bitwise_or_(w)
+    return packed.to(torch.uint8) if out is None else out.copy_(packed)
 
 
-def pack_fp4_rows(codes: torch.Tensor) -> torch.Tensor:
+def pack_fp4_rows(
+    codes: torch.Tensor, out: Optional[torch.Tensor] = None, ws: Optional[Workspace] = None
+) -> torch.Tensor:
     """Packed bytes of ``codes.t()`` transposed back: [M, K] codes (M even) -> [M/2, K] bytes
     pairing rows 2i and 2i+1 (row slices: contiguous inner dim, cheap). ``.t()`` of the
-    result is ``pack_fp4(codes.t())``."""
+    result is ``pack_fp4(codes.t())``. ``out`` (uint8 [M/2, K], any strides, e.g. a transposed
+    view of the final [K, M/2] buffer) receives the bytes; ``ws`` holds the temporary."""
     if codes.shape[0] % 2:
         raise ValueError(f"dim 0 must be even to pack FP4, got {codes.shape[0]}")
-    return codes[0::2].bitwise_or(codes[1::2].bitwise_left_shift(4)).to(torch.uint8)
+    hi = codes[1::2]
+    tmp = None if ws is None else ws.get("pack", hi.shape, codes.dtype)
+    packed = torch.bitwise_left_shift(hi, 4, out=tmp).bitwise_or_(codes[0::2])
+    return packed.to(torch.uint8) if out is None else out.copy_(packed)
 
 
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:

@@ -52,6 +52,17 @@ def block_amax(
             return torch.zeros((), dtype=torch.float32, device=x.device)
         keep = [s for i, s in enumerate(x.shape) if i not in ((dim,) if isinstance(dim, int) else dim)]
         return torch.zeros(keep, dtype=torch.float32, device=x.device)
+    return block_amax_nan(x, dim, ws)[0]
+
+
+def block_amax_nan(
+    x: torch.Tensor, dim: int | tuple[int, ...] | None = None, ws: Optional[Workspace] = None
+) -> tuple[torch.Tensor, bool]:
+    """:func:`block_amax` and whether ``x`` may hold a NaN: exactly known on the CPU (the
+    check the amax makes anyway), always True elsewhere (asking would be a host sync).
+    Callers use it to skip NaN handling passes that cannot change anything."""
+    if x.numel() == 0:
+        return block_amax(x, dim), x.device.type != "cpu"
     xf = x.float()
     d = () if dim is None else dim
     out = None if ws is None else ws.get("amax", xf.shape, torch.int32)
@@ -59,9 +70,10 @@ def block_amax(
     nan = a > _INF_BITS
     # On the CPU the NaN-free common case skips the recompute; elsewhere asking would be a
     # host sync per quantization, so the (value-identical) select always runs.
-    if x.device.type != "cpu" or bool(nan.any()):
+    has_nan = x.device.type != "cpu" or bool(nan.any())
+    if has_nan:
         a = torch.where(nan, abs_nan_to_zero(xf).amax(dim=d).view(torch.int32), a)
-    return a.view(torch.float32)
+    return a.view(torch.float32), has_nan
 
 
 _AMAX_CHUNK = 1 << 19  # elements per pass: the |x| temporary stays small and is reused
@@ -182,6 +194,10 @@ def e8m0_to_dequant_scale(code: torch.Tensor) -> torch.Tensor:
 # NVFP4 two-level scales (numerics.md 2.5)
 
 NVFP4_GLOBAL_NUM = 448.0 * 6.0  # 2688
+# fl32 constants as CPU 0-d tensors (usable with tensors on any device), made once: a fresh
+# torch.tensor per call is three dispatcher calls, on a small model more than the math
+_SIXTH = torch.tensor(1.0 / 6.0, dtype=torch.float32)
+_INV_GLOBAL_NUM = torch.tensor(1.0 / NVFP4_GLOBAL_NUM, dtype=torch.float32)
 
 
 def nvfp4_global_encode_scale(global_amax: torch.Tensor) -> torch.Tensor:
@@ -204,7 +220,7 @@ class NVFP4BlockScaler:
     def __init__(self, s_enc: torch.Tensor) -> None:
         s_enc = s_enc.to(torch.float32)
         self.s_dec = torch.reciprocal(s_enc)
-        self.k = s_enc * torch.tensor(1.0 / 6.0, dtype=torch.float32)
+        self.k = s_enc * _SIXTH
 
     def __call__(self, block_amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         v = (block_amax.to(torch.float32) * self.k).clamp_(max=448.0)
@@ -216,9 +232,7 @@ class NVFP4BlockScaler:
 def nvfp4_dequant_block_scale(scale_bits: torch.Tensor, global_amax: torch.Tensor) -> torch.Tensor:
     """fp32(fp32(float(sdec_b) * amax) * fl32(1/2688)), TE's ``dequantize_nvfp4`` block factor."""
     sdec = scale_bits.view(torch.float8_e4m3fn).float()
-    return (sdec * global_amax.to(torch.float32)) * torch.tensor(
-        1.0 / NVFP4_GLOBAL_NUM, dtype=torch.float32
-    )
+    return (sdec * global_amax.to(torch.float32)) * _INV_GLOBAL_NUM
 
 
 def maybe_reduce_amax(amax_t: torch.Tensor, reduction: Optional[object]) -> torch.Tensor:

@@ -27,7 +27,7 @@ from ..formats import (
     sr_e2m1_codes_i32,
 )
 from ..rht import rht_rows_from_chunks, rotate_group_rows_keep, rotated_scratch
-from ._chunks import map_row_chunks, map_row_ranges
+from ._chunks import map_row_chunks, map_row_ranges, row_ranges
 from .base import Orientation, QuantizedTensor, Quantizer, Role, rows_of
 
 NV_BLOCK = 16
@@ -207,77 +207,98 @@ class NVFP4Quantizer(Quantizer):
         if (self.columnwise or self.use_2d) and m % NV_BLOCK:
             raise ValueError(f"NVFP4 columnwise/2D needs M divisible by 16, got M={m}")
 
-    def _codes(self, x: torch.Tensor, enc: torch.Tensor, ws: Workspace) -> torch.Tensor:
-        """int32 E2M1 codes of fp32(x * enc) (RNE, or SR with fresh bits), in ``ws``."""
+    def _codes(self, x: torch.Tensor, enc: torch.Tensor, ws: Workspace, may_have_nan: bool = True) -> torch.Tensor:
+        """int32 E2M1 codes of fp32(x * enc) (RNE, or SR with fresh bits), in ``ws``.
+
+        ``may_have_nan=False``: ``x`` is known NaN-free (from its block amax pass); then so is
+        x * enc (enc is finite and positive), and the kernels skip their NaN pass."""
         y = torch.mul(x, enc, out=ws.get("y", x.shape, torch.float32))
         if self.stochastic_rounding:
-            return sr_e2m1_codes_i32(y, draw_rbits(y.numel(), self.generator, y.device, ws), ws)
-        return e2m1_codes_i32(y, ws)
+            rbits = draw_rbits(y.numel(), self.generator, y.device, ws)
+            return sr_e2m1_codes_i32(y, rbits, ws, may_have_nan)
+        return e2m1_codes_i32(y, ws, may_have_nan)
 
     def _quantize_blocks(
         self, xf: torch.Tensor, gamax: torch.Tensor, dim: int, bamax: torch.Tensor,
-        rotated: Optional[torch.Tensor] = None,
+        rotated: Optional[torch.Tensor] = None, may_have_nan: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(packed bytes, scale bytes) with 16-element blocks along ``dim`` of ``xf`` [M, K],
         given their block amaxes ``bamax`` ([M, K/16] for dim=1, [M/16, K] for dim=0).
 
         dim=1: rowwise 1x16 blocks; bytes [M, K/2] packed along K, scales [M, K/16].
         dim=0: blocks of 16 rows computed in place on [M, K] (elementwise math, so identical
-        to quantizing x^T) with scales [M/16, K]; the bytes pair rows 2i, 2i+1 ([M/2, K]), so
-        their transpose is the [K, M/2] packing of x^T. ``rotated`` (dim=0 only): the RHT of
+        to quantizing x^T); the bytes pair rows 2i, 2i+1 and are stored transposed, i.e. the
+        [K, M/2] packing of x^T, with scales [K, M/16]. ``rotated`` (dim=0 only): the RHT of
         ``xf`` as bf16, kept by :meth:`_block_amaxes`; each chunk is read from it (widened to
-        fp32 in a scratch buffer) instead of from ``xf``.
+        fp32 in a scratch buffer) instead of from ``xf``. ``may_have_nan``: whether the
+        quantized values (``rotated`` when given) may hold a NaN (see :meth:`_codes`).
         """
-        k = xf.shape[1]
+        m, k = xf.shape
         scaler = _scaling.NVFP4BlockScaler(_scaling.nvfp4_global_encode_scale(gamax))
-        ws = Workspace(xf.device)
-
-        def rows(c: torch.Tensor, r0: int) -> tuple[torch.Tensor, torch.Tensor]:
-            xv = c.view(c.shape[0], k // NV_BLOCK, NV_BLOCK)
-            sbytes, enc = scaler(bamax[r0 : r0 + c.shape[0]])
-            return pack_fp4_i32(self._codes(xv, enc[:, :, None], ws).view(c.shape[0], k)), sbytes
-
-        def cols(c: torch.Tensor, r0: int) -> tuple[torch.Tensor, torch.Tensor]:
-            if rotated is not None:
-                c = ws.get("rot", c.shape, torch.float32).copy_(rotated[r0 : r0 + c.shape[0]])
-            xv = c.view(c.shape[0] // NV_BLOCK, NV_BLOCK, k)
-            g0 = r0 // NV_BLOCK
-            sbytes, enc = scaler(bamax[g0 : g0 + xv.shape[0]])
-            return pack_fp4_rows(self._codes(xv, enc[:, None, :], ws).view(c.shape[0], k)), sbytes
-
+        ws = Workspace.shared(xf.device)
+        # The outputs are allocated once and every chunk writes its slice: no per-chunk
+        # results to concatenate; the same bytes land in the same places.
         if dim == 1:
-            return map_row_ranges(rows, xf)  # type: ignore[return-value]
-        return map_row_ranges(cols, xf, NV_BLOCK)  # type: ignore[return-value]
+            data = torch.empty(m, k // 2, dtype=torch.uint8, device=xf.device)
+            scales = torch.empty(m, k // NV_BLOCK, dtype=torch.uint8, device=xf.device)
+            for r0, r1 in row_ranges(m, k):
+                xv = xf[r0:r1].view(r1 - r0, k // NV_BLOCK, NV_BLOCK)
+                sbytes, enc = scaler(bamax[r0:r1])
+                scales[r0:r1].copy_(sbytes)
+                codes = self._codes(xv, enc[:, :, None], ws, may_have_nan).view(r1 - r0, k)
+                pack_fp4_i32(codes, data[r0:r1], ws)
+            return data, scales
+        data = torch.empty(m // 2, k, dtype=torch.uint8, device=xf.device)
+        scales = torch.empty(m // NV_BLOCK, k, dtype=torch.uint8, device=xf.device)
+        for r0, r1 in row_ranges(m, k, NV_BLOCK):
+            c = xf[r0:r1]
+            if rotated is not None:
+                c = ws.get("rot", c.shape, torch.float32).copy_(rotated[r0:r1])
+            xv = c.view((r1 - r0) // NV_BLOCK, NV_BLOCK, k)
+            g0, g1 = r0 // NV_BLOCK, r1 // NV_BLOCK
+            sbytes, enc = scaler(bamax[g0:g1])
+            scales[g0:g1].copy_(sbytes)
+            codes = self._codes(xv, enc[:, None, :], ws, may_have_nan).view(r1 - r0, k)
+            pack_fp4_rows(codes, data[r0 // 2 : r1 // 2], ws)
+        # one whole-tensor transpose: torch's byte transpose is several times cheaper on a
+        # contiguous [M/2, K] source than chunk by chunk into column slices
+        return data.t().contiguous(), scales.t().contiguous()
 
     @staticmethod
     def _block_amaxes(
         xf: torch.Tensor, rowwise: bool, columnwise: bool, rotated: Optional[torch.Tensor] = None
-    ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], bool, bool]:
         """(rowwise [M, K/16], columnwise [M/16, K]) block amaxes of ``xf`` [M, K] (see
         :meth:`_quantize_blocks`; with ``rotated`` ([M, K] bf16): columnwise ones of its
         RHT-rotated chunks, whose bf16 values are left in ``rotated`` for the codes pass),
         both from one chunked pass over ``xf``. Their max is the global amax (exact: a max of
         NaN-ignoring maxes), so no separate amax pass is needed. The chunks are those of
-        :meth:`_quantize_blocks` (16-row aligned)."""
+        :meth:`_quantize_blocks` (16-row aligned). The two flags say whether the rowwise and
+        the columnwise (rotated) values may hold a NaN (:func:`scaling.block_amax_nan`)."""
         m, k = xf.shape
         if m == 0:
             z = xf.new_zeros(0, k // NV_BLOCK), xf.new_zeros(0, k)
-            return (z[0] if rowwise else None), (z[1] if columnwise else None)
-        ws = Workspace(xf.device)
+            return (z[0] if rowwise else None), (z[1] if columnwise else None), False, False
+        ws = Workspace.shared(xf.device)
+        nan = [False, False]
 
         def both(c: torch.Tensor, r0: int) -> tuple[torch.Tensor, ...]:
             res: list[torch.Tensor] = []
             if rowwise:
-                res.append(_scaling.block_amax(c.view(c.shape[0], k // NV_BLOCK, NV_BLOCK), 2, ws))
+                a, has_nan = _scaling.block_amax_nan(c.view(c.shape[0], k // NV_BLOCK, NV_BLOCK), 2, ws)
+                res.append(a)
+                nan[0] |= has_nan
             if columnwise:
                 if rotated is not None:
                     c = rotate_group_rows_keep(c, ws.get("rot", c.shape, torch.float32),
                                                rotated[r0 : r0 + c.shape[0]])
-                res.append(_scaling.block_amax(c.view(c.shape[0] // NV_BLOCK, NV_BLOCK, k), 1, ws))
+                a, has_nan = _scaling.block_amax_nan(c.view(c.shape[0] // NV_BLOCK, NV_BLOCK, k), 1, ws)
+                res.append(a)
+                nan[1] |= has_nan
             return tuple(res)
 
         out = iter(map_row_ranges(both, xf, NV_BLOCK))
-        return (next(out) if rowwise else None), (next(out) if columnwise else None)
+        return (next(out) if rowwise else None), (next(out) if columnwise else None), nan[0], nan[1]
 
     def _quantize_fields(self, x2d: torch.Tensor) -> dict[str, Optional[torch.Tensor]]:
         xf = x2d.float()
@@ -286,12 +307,13 @@ class NVFP4Quantizer(Quantizer):
         if self.use_2d:
             gamax = _scaling.amax(xf).reshape(1)
             scaler = _scaling.NVFP4BlockScaler(_scaling.nvfp4_global_encode_scale(gamax))
-            ws = Workspace(xf.device)
+            ws = Workspace.shared(xf.device)
 
             def tiles(c: torch.Tensor) -> tuple[torch.Tensor, ...]:
                 xv = c.view(c.shape[0] // NV_BLOCK, NV_BLOCK, k // NV_BLOCK, NV_BLOCK)
-                tb, enc = scaler(_scaling.block_amax(xv, (1, 3), ws))
-                codes = self._codes(xv, enc[:, None, :, None], ws).view(c.shape[0], k)
+                tile_amax, has_nan = _scaling.block_amax_nan(xv, (1, 3), ws)
+                tb, enc = scaler(tile_amax)
+                codes = self._codes(xv, enc[:, None, :, None], ws, has_nan).view(c.shape[0], k)
                 row = pack_fp4_i32(codes) if self.rowwise else codes[:0]
                 col = pack_fp4_rows(codes) if self.columnwise else codes[:0]
                 return row, col, tb
@@ -311,17 +333,18 @@ class NVFP4Quantizer(Quantizer):
         # columnwise with RHT: 16-token groups of x^T, rounded to bf16, with their own amax
         rotate = self.with_rht and self.columnwise
         rotated = rotated_scratch(tuple(xf.shape), xf.device) if rotate else None
-        row_bamax, col_bamax = self._block_amaxes(xf, self.rowwise, self.columnwise, rotated)
+        row_bamax, col_bamax, row_nan, col_nan = self._block_amaxes(
+            xf, self.rowwise, self.columnwise, rotated)
         gamax: Optional[torch.Tensor] = None
         if row_bamax is not None:
             gamax = _global_amax(row_bamax)
-            out["rowwise_data"], out["rowwise_scale_inv"] = self._quantize_blocks(xf, gamax, 1, row_bamax)
+            out["rowwise_data"], out["rowwise_scale_inv"] = self._quantize_blocks(
+                xf, gamax, 1, row_bamax, may_have_nan=row_nan)
             out["amax_rowwise"] = gamax
         if col_bamax is not None:
             camax = gamax.clone() if gamax is not None and not rotate else _global_amax(col_bamax)
-            data, sbytes = self._quantize_blocks(xf, camax, 0, col_bamax, rotated=rotated)
-            out["columnwise_data"] = data.t().contiguous()
-            out["columnwise_scale_inv"] = sbytes.t().contiguous()
+            out["columnwise_data"], out["columnwise_scale_inv"] = self._quantize_blocks(
+                xf, camax, 0, col_bamax, rotated=rotated, may_have_nan=col_nan)
             out["amax_columnwise"] = camax
         return out
 
