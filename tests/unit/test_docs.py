@@ -4,6 +4,7 @@ a path outside the repository (users do not have the machine it was written on).
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -21,13 +22,15 @@ _OUTSIDE = ("/" + "work/", "../" + "shared", "shared/" + "reference", "shared/" 
 
 
 def _repo_text_files() -> list[Path]:
+    """Every file of the repository under 2 MB, skipping tool and run folders without
+    walking into them (``.venv`` alone holds tens of thousands of files)."""
     out = []
-    for path in ROOT.rglob("*"):
-        rel = path.relative_to(ROOT)
-        if any(part in _SKIP_DIRS or part.endswith(".egg-info") for part in rel.parts):
-            continue
-        if path.is_file() and not path.is_symlink() and path.stat().st_size < 2_000_000:
-            out.append(path)
+    for dirpath, dirnames, filenames in os.walk(ROOT):
+        dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS and not d.endswith(".egg-info")]
+        for name in filenames:
+            path = Path(dirpath) / name
+            if path.is_file() and not path.is_symlink() and path.stat().st_size < 2_000_000:
+                out.append(path)
     return out
 
 
