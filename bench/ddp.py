@@ -31,6 +31,7 @@ import time
 from typing import Any
 
 from harness import Ratio, add_args, report, rounds
+from workload import train_batches
 
 STEP_TARGET = 1.05
 OVERLAP_TARGET = 1.0  # overlap on / overlap off: overlapping must pay
@@ -88,7 +89,6 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
 
     from lptrain.config import World, derive
     from lptrain.config.compose import load
-    from lptrain.data import build_train_valid_loaders
     from lptrain.model import build_model
     from lptrain.train.engine import TrainEngine
 
@@ -96,22 +96,12 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     for name, ov in VARIANTS.items():
         cfg = derive(load("tiny_cpu.yaml", [*COMMON, *ov]).cfg, World.detect())
         engines[name] = TrainEngine(cfg)
-    t = cfg.train
-    n = t.global_batch_size // (t.micro_batch_size * world)
-
-    def batches() -> Any:
-        return build_train_valid_loaders(
-            cfg.data, seq_length=cfg.model.seq_length, micro_batch_size=t.micro_batch_size,
-            global_batch_size=t.global_batch_size, dp_rank=rank, dp_size=world,
-            vocab_size=cfg.model.vocab_size,
-        )[0]
-
     for name in VARIANTS:
-        its[name] = batches()
+        its[name], n = train_batches(cfg, rank, world)
     torch_model = build_model(cfg)
     ddp = torch.nn.parallel.DistributedDataParallel(torch_model)
     opt = torch.optim.AdamW(torch_model.parameters(), lr=cfg.optimizer.lr, foreach=True)
-    torch_it = batches()
+    torch_it, _ = train_batches(cfg, rank, world)
 
     def torch_step(step: int) -> None:
         for i in range(n):

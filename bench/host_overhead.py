@@ -43,10 +43,10 @@ from typing import Any
 import torch
 from harness import Figure, Ratio, add_args, report, rounds
 from rich.console import Console
+from workload import train_batches
 
 from lptrain.config import World, derive
 from lptrain.config.compose import load
-from lptrain.data import build_train_valid_loaders
 from lptrain.model import build_model
 from lptrain.model.params import is_muon_param
 from lptrain.train.engine import TrainEngine
@@ -90,12 +90,7 @@ def _bench(name: str, overrides: list[str], args: Any) -> tuple[Figure, int, flo
     plain_model = build_model(plain_cfg)  # same layers and init (seeded by name), no engine
     opts = _plain_optimizers(plain_model, cfg)
     params = [p for p in plain_model.parameters() if p.requires_grad]
-    t = cfg.train
-    train_it, _ = build_train_valid_loaders(
-        cfg.data, seq_length=cfg.model.seq_length, micro_batch_size=t.micro_batch_size,
-        global_batch_size=t.global_batch_size, dp_rank=0, dp_size=1, vocab_size=cfg.model.vocab_size,
-    )
-    n = t.global_batch_size // t.micro_batch_size
+    train_it, n = train_batches(cfg)
     step = [0]
 
     def lptrain_step() -> None:

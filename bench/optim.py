@@ -33,6 +33,7 @@ import torch
 from harness import Figure, Ratio, Rounds, add_args, report, rounds
 from rich.console import Console
 from rich.table import Table
+from workload import train_batches
 
 BASE = ["data.builtin_max_mb=1", "logging.progress=false", "optimizer.warmup_iters=0",
         "precision.backend=emulated"]
@@ -61,17 +62,11 @@ MEMORY: dict[str, list[str]] = {
 def _engine(overrides: list[str]) -> tuple[Any, Any]:
     from lptrain.config import World, derive
     from lptrain.config.compose import load
-    from lptrain.data import build_train_valid_loaders
     from lptrain.train.engine import TrainEngine
 
     cfg = derive(load("tiny_cpu.yaml", [*BASE, *overrides]).cfg, World.detect())
     engine = TrainEngine(cfg)
-    t = cfg.train
-    it, _ = build_train_valid_loaders(
-        cfg.data, seq_length=cfg.model.seq_length, micro_batch_size=t.micro_batch_size,
-        global_batch_size=t.global_batch_size, dp_rank=engine.dp_rank, dp_size=engine.dp_size,
-        vocab_size=cfg.model.vocab_size)
-    n = t.global_batch_size // (t.micro_batch_size * engine.dp_size)
+    it, n = train_batches(cfg, engine.dp_rank, engine.dp_size)
     return engine, (lambda: [next(it) for _ in range(n)])
 
 

@@ -33,10 +33,10 @@ from typing import Any
 import torch
 from harness import Figure, Ratio, add_args, report, rounds
 from rich.console import Console
+from workload import train_batches
 
 from lptrain.config import World, derive
 from lptrain.config.compose import load
-from lptrain.data import build_train_valid_loaders
 from lptrain.model import build_model
 from lptrain.train.engine import TrainEngine
 
@@ -65,12 +65,7 @@ def _bench(name: str, overrides: list[str], args: Any) -> tuple[Figure, float, f
     engine = TrainEngine(cfg)
     plain_model = build_model(cfg)  # same layers and init (seeded by name), no engine
     opt = torch.optim.AdamW(plain_model.parameters(), lr=cfg.optimizer.lr, foreach=True)
-    t = cfg.train
-    train_it, _ = build_train_valid_loaders(
-        cfg.data, seq_length=cfg.model.seq_length, micro_batch_size=t.micro_batch_size,
-        global_batch_size=t.global_batch_size, dp_rank=0, dp_size=1, vocab_size=cfg.model.vocab_size,
-    )
-    n = t.global_batch_size // t.micro_batch_size
+    train_it, n = train_batches(cfg)
     step = [0]
 
     def lptrain_step() -> None:
@@ -87,7 +82,7 @@ def _bench(name: str, overrides: list[str], args: Any) -> tuple[Figure, float, f
 
     r = rounds(args, [Ratio(name, "lptrain", "plain", TARGET)])
     r.run({"lptrain": lptrain_step, "plain": plain_step}, warmup=3)
-    tokens = t.global_batch_size * cfg.model.seq_length
+    tokens = cfg.train.global_batch_size * cfg.model.seq_length
     return (r.figures()[0], tokens / statistics.median(r.series["lptrain"]),
             tokens / statistics.median(r.series["plain"]))
 
@@ -136,12 +131,7 @@ def _dp2_rank(rank: int, world: int, args: Any) -> dict[str, Any]:
         for name, ov in DP2_VARIANTS.items():
             cfg = derive(load("tiny_cpu.yaml", [*COMMON, *overrides, *ov]).cfg, World.detect())
             engines[name] = TrainEngine(cfg)
-            t = cfg.train
-            its[name] = build_train_valid_loaders(
-                cfg.data, seq_length=cfg.model.seq_length, micro_batch_size=t.micro_batch_size,
-                global_batch_size=t.global_batch_size, dp_rank=rank, dp_size=world,
-                vocab_size=cfg.model.vocab_size)[0]
-        n = t.global_batch_size // (t.micro_batch_size * world)
+            its[name], n = train_batches(cfg, rank, world)
         r = rounds(args, _dp2_ratios(shape))
         step = 0
         while True:
