@@ -14,6 +14,7 @@ and the torch optimizers stepping those masters.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Optional, Protocol, runtime_checkable
 
@@ -114,17 +115,15 @@ class MasterOptimizer:
     pieces: Sequence[Piece]
     optimizers: list[torch.optim.Optimizer]
 
+    @functools.cached_property
     def _grad_views(self) -> list[torch.Tensor]:
-        """Every piece's reduced-gradient view, looked up once: the buffers (and so the views)
-        live as long as the optimizer, and a step should not rebuild 2 views per tensor."""
-        views = getattr(self, "_cached_grad_views", None)
-        if views is None or len(views) != len(self.pieces):
-            views = [pc.grad_view() for pc in self.pieces]
-            self._cached_grad_views = views
-        return views
+        """Every piece's reduced-gradient view, looked up once: the pieces and the buffers
+        (and so the views) live as long as the optimizer, and a step should not rebuild 2
+        views per tensor."""
+        return [pc.grad_view() for pc in self.pieces]
 
     def prepare_grads(self) -> None:
-        for pc, g in zip(self.pieces, self._grad_views(), strict=True):
+        for pc, g in zip(self.pieces, self._grad_views, strict=True):
             pc.master.grad = g if g.dtype == torch.float32 else g.float()
 
     def discard_grads(self) -> None:

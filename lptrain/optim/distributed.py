@@ -22,6 +22,7 @@ masters). Nothing here knows a quantization format: writing into a parameter goe
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -146,13 +147,11 @@ class ShardedMasterOptimizer(MasterOptimizer):
         """Not counted here: ``muon_grad_zeros`` is the layer-wise Muon's metric."""
         return None
 
+    @functools.cached_property
     def _stage_plan(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], StagePlan]:
         """What :meth:`stage` writes, worked out once (the pieces and buffers are fixed):
         ``(param, master)`` for replicated buffers, the :func:`stage_shards` entries (every
         param of the sharded buffers, in buffer order: the same on every rank) for the others."""
-        plan = getattr(self, "_plan", None)
-        if plan is not None:
-            return plan
         piece_of = {pc.name: pc for pc in self.pieces}
         direct: list[tuple[torch.Tensor, torch.Tensor]] = []
         entries: list[StageEntry] = []
@@ -166,14 +165,13 @@ class ShardedMasterOptimizer(MasterOptimizer):
                     entries.append((p, None, 0, 0, None))
                 else:
                     entries.append((p, pc.master, pc.p_lo, pc.p_hi, buf.param_slice(pc.lo, pc.hi)))
-        self._plan = (direct, StagePlan(entries))
-        return self._plan
+        return direct, StagePlan(entries)
 
     def stage(self) -> None:
         """Masters -> params: the staging slices of sharded buffers (then marked staged for
         the gather), or the params themselves for replicated ones (batched per format by
         :mod:`lptrain.precision.param_storage`)."""
-        direct, plan = self._stage_plan()
+        direct, plan = self._stage_plan
         with torch.no_grad():
             if direct:
                 write_values([p for p, _ in direct], [m for _, m in direct])
