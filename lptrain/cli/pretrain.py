@@ -125,6 +125,8 @@ def _rank_args(recipe: str, overrides: Optional[list[str]], output_dir: Optional
 def _train(cfg: LPTrainConfig, overwrite: bool) -> None:
     """Run the loop into ``run.output_dir``. Looked up on :mod:`lptrain.train` at call time
     (tests replace it there); ``overwrite`` is passed only when set."""
+    from lptrain.distributed.launch_env import leave_world
     from lptrain.train import pretrain as run_pretrain
 
     run_pretrain(cfg, Path(cfg.run.output_dir), **({"overwrite": True} if overwrite else {}))
+    leave_world()  # a finished run: every rank tears the world down together

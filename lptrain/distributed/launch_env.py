@@ -49,3 +49,19 @@ def _destroy() -> None:
     if dist.is_initialized():
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+
+
+def leave_world() -> None:
+    """End of a run that finished on every rank: one barrier, then the group is destroyed.
+
+    Why: without it the first rank to finish exits and closes its sockets while a slower
+    rank may still be inside its last collective or its own teardown; on a loaded machine
+    gloo then aborts that rank at exit ("terminate called without an active exception",
+    SIGABRT) and a run that trained to the end reports a failure. Only the success path
+    calls this: a failing rank must not wait on peers that are still training (the atexit
+    teardown of :func:`init_process_group_from_env` covers it)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -67,6 +67,27 @@ class MasterPiece:
         return self.buffer.grad_slice(self.lo, self.hi).view(self.master.shape)
 
 
+def norm_views(piece: MasterPiece, grad: torch.Tensor) -> list[torch.Tensor]:
+    """The parts of ``piece``'s ``grad`` the grad norm is taken over, one per logical matrix.
+
+    Why: a single grouped expert weight ``[E, out, in]`` is ``E`` matrices; its norm must be
+    the one the same experts give as ``E`` discrete params (``model.moe.single_grouped_weight``
+    changes the layout, never the numbers). One fp64 norm over the whole tensor is a
+    different rounding from ``E`` norms squared and summed, so the piece is cut at its
+    members' boundaries (a sharded piece keeps the cuts of the members it covers)."""
+    members = getattr(piece.param, "num_grouped_members", None)
+    if not members or members == 1:
+        return [grad]
+    size = piece.param.numel() // members
+    flat = grad.reshape(-1)
+    out, start = [], piece.p_lo
+    while start < piece.p_hi:
+        end = min(piece.p_hi, (start // size + 1) * size)
+        out.append(flat[start - piece.p_lo : end - piece.p_lo])
+        start = end
+    return out
+
+
 def _pieces(buffers: Sequence[ParamAndGradBuffer]) -> list[MasterPiece]:
     out: list[MasterPiece] = []
     for buf in buffers:
@@ -129,16 +150,19 @@ class ShardedMasterOptimizer(MasterOptimizer):
     def grad_norm_sq(self) -> torch.Tensor:
         """Squared norm of this optimizer's full gradient (fp64; reduced over its group for
         sharded buffers, each element counted once). One batched fp64 norm per piece list,
-        its squares summed in piece order, so the result does not depend on how the pieces
-        are bucketed (overlap on == off stays bitwise)."""
+        its squares summed in ascending order, so the result depends on the set of matrices
+        only: not on how the pieces are bucketed or ordered in the buffers (overlap on == off
+        stays bitwise), nor on whether experts are one grouped weight (members in memory
+        order) or discrete params (laid out in reverse): :func:`norm_views`."""
         sharded = torch.zeros((), dtype=torch.float64, device=self.device)
         replicated = torch.zeros((), dtype=torch.float64, device=self.device)
         grads = self.master_grads()
         for acc, want in ((sharded, True), (replicated, False)):
-            mine = [g for pc, g in zip(self.pieces, grads, strict=True) if bool(pc.buffer.sharded) == want]
+            mine = [v for pc, g in zip(self.pieces, grads, strict=True) if bool(pc.buffer.sharded) == want
+                    for v in norm_views(pc, g)]
             if mine:
                 norms = torch._foreach_norm(mine, 2, dtype=torch.float64)
-                acc += torch.stack(norms).square().sum()
+                acc += torch.stack(norms).square().sort().values.sum()
         if self.group.active and any(b.sharded for b in self.buffers):
             dist.all_reduce(sharded, group=self.group.pg)
         return sharded + replicated

@@ -41,8 +41,16 @@ def test_first_real_failure_skips_ranks_stopped_by_the_teardown() -> None:
     assert _first_real_failure(fail)[0] == 1
 
 
+def _no_siblings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The test process's siblings are whatever else its parent runs (make under CI; init,
+    with every orphan on the machine, when pytest was started detached): some may say
+    RANK=1. The launcher's ranks are the children of one agent; here there are none."""
+    monkeypatch.setattr(peers, "_children", lambda pid: [])
+
+
 def test_lost_peer_line_only_for_a_peer_failure_in_a_world(monkeypatch: pytest.MonkeyPatch) -> None:
     gone = RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4242")
+    _no_siblings(monkeypatch)
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert peers.lost_peer_error(gone) is None  # one process: no peers to lose
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -52,7 +60,7 @@ def test_lost_peer_line_only_for_a_peer_failure_in_a_world(monkeypatch: pytest.M
     assert peers.lost_peer_error(ValueError("a real bug")) is None
     err = peers.lost_peer_error(gone)
     assert isinstance(err, RunFailedError) and err.exit_code == EXIT_RUN_FAILED
-    # pytest's siblings carry no RANK=1, so rank 1 is the missing local peer
+    # no sibling says RANK=1, so rank 1 is the missing local peer
     assert str(err).startswith("rank 0 lost peer 1 (exit "), str(err)
     assert ", signal " in str(err) and "\n" not in str(err)
     chained = RuntimeError("allreduce failed")
@@ -63,6 +71,7 @@ def test_lost_peer_line_only_for_a_peer_failure_in_a_world(monkeypatch: pytest.M
 def test_published_exit_names_how_the_peer_ended(monkeypatch: pytest.MonkeyPatch,
                                                  tmp_path: Path) -> None:
     """The launcher's record (written under publish_peer_exits) wins over /proc guessing."""
+    _no_siblings(monkeypatch)
     with peers.publish_peer_exits():
         path = Path(os.environ[peers.PEER_EXITS_ENV])
         assert path.parent.is_dir()
