@@ -162,6 +162,13 @@ def mxfp8_block_scales(block_amax: torch.Tensor, fp8_max: float) -> tuple[torch.
     (254 - code) << 23, and 2^-127 (subnormal bits 0x400000) for code 254, i.e. the max of the
     two. Equality with the generic functions is tested on every exponent and edge mantissa.
     """
+    code, mult = mxfp8_block_scales_i32(block_amax, fp8_max)
+    return code.to(torch.uint8), mult
+
+
+def mxfp8_block_scales_i32(block_amax: torch.Tensor, fp8_max: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`mxfp8_block_scales` with the codes left as int32 (callers that cut one
+    computation over several grids into parts convert each part to uint8 themselves)."""
     rcp = _RCP_CACHE.get(fp8_max)
     if rcp is None:  # fl32 of the fp64 1/max (TE's max_norm_rcp), a CPU scalar usable anywhere
         rcp = _RCP_CACHE.setdefault(fp8_max, torch.tensor(1.0 / fp8_max, dtype=torch.float32))
@@ -169,7 +176,19 @@ def mxfp8_block_scales(block_amax: torch.Tensor, fp8_max: float) -> tuple[torch.
     fix = torch.sub(_SUBNORMAL_2_POW_M127, bits).bitwise_right_shift_(31).add_(1)
     code = bits.add_(_E8M0_CEIL).bitwise_right_shift_(23).sub_(fix).clamp_(0, E8M0_MAX_CODE)
     mult = torch.bitwise_left_shift(code, 23, out=fix).neg_().add_(_MAX_MULT_BITS)
-    return code.to(torch.uint8), mult.clamp_(min=_SUBNORMAL_2_POW_M127).view(torch.float32)
+    return code, mult.clamp_(min=_SUBNORMAL_2_POW_M127).view(torch.float32)
+
+
+def abs_bits(x: torch.Tensor, ws: Optional[Workspace] = None) -> torch.Tensor:
+    """int32 bit patterns of |fp32 x| (sign cleared; int order is |x| order, NaN above inf):
+    what :func:`block_amax_nan` reduces, for callers that reduce one pass over several grids."""
+    out = None if ws is None else ws.get("amax", x.shape, torch.int32)
+    return torch.bitwise_and(x.view(torch.int32), _ABS_MASK, out=out)
+
+
+def has_nan_bits(amax_bits: torch.Tensor) -> bool:
+    """Whether int32 block amaxes of :func:`abs_bits` saw a NaN (a pattern above inf's)."""
+    return bool(amax_bits.numel()) and int(amax_bits.max()) > _INF_BITS
 
 
 def e8m0_to_quant_multiplier(code: torch.Tensor) -> torch.Tensor:
@@ -182,12 +201,28 @@ def e8m0_to_quant_multiplier(code: torch.Tensor) -> torch.Tensor:
     return out.masked_fill(c == E8M0_NAN, float("nan"))
 
 
-def e8m0_to_dequant_scale(code: torch.Tensor) -> torch.Tensor:
-    """Dequantization scale 2^(code-127) (TE ``exp2f``, P5): 0 -> 2^-127 (subnormal), 255 -> NaN."""
+def _e8m0_dequant_bits(code: torch.Tensor) -> torch.Tensor:
     c = code.to(torch.int32)
     bits = torch.where(c == 0, _SUBNORMAL_2_POW_M127, c << 23)
     out = bits.view(torch.float32)
     return out.masked_fill(c == E8M0_NAN, float("nan"))
+
+
+# every code's dequant scale, made by the elementwise rule once
+_E8M0_DEQUANT_LUT = _e8m0_dequant_bits(torch.arange(256, dtype=torch.int32).to(torch.uint8))
+
+
+def e8m0_to_dequant_scale(code: torch.Tensor) -> torch.Tensor:
+    """Dequantization scale 2^(code-127) (TE ``exp2f``, P5): 0 -> 2^-127 (subnormal), 255 -> NaN.
+
+    On the CPU one gather from the 256-entry table the elementwise rule fills (the same bits):
+    the MXFP8 operands of a small model are dequantized several times per GEMM, and the
+    rule's seven ops on a grid 32x smaller than the operand cost more than the gather.
+    """
+    if code.device.type != "cpu":
+        return _e8m0_dequant_bits(code)
+    flat = torch.index_select(_E8M0_DEQUANT_LUT, 0, code.reshape(-1).to(torch.int32))
+    return flat.view(code.shape)
 
 
 # ---------------------------------------------------------------------------------------------
