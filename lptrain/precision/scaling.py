@@ -9,6 +9,7 @@ Pitfall avoided here: ``python_float / tensor`` in torch is ``tensor.reciprocal(
 
 from __future__ import annotations
 
+import struct
 from typing import Optional, Union
 
 import torch
@@ -242,6 +243,41 @@ def nvfp4_global_encode_scale(global_amax: torch.Tensor) -> torch.Tensor:
     return s.masked_fill_((a == 0) | (s == 0), 1.0)
 
 
+def nvfp4_global_encode_scale_value(global_amax: float) -> float:
+    """:func:`nvfp4_global_encode_scale` of one (fp32-valued) amax, in Python floats.
+
+    fp64 quotient then one rounding to fp32 equals the fp32 division (53 >= 2 * 24 + 2
+    bits: double rounding of +-*/ is innocuous), and a quotient at or above FLT_MAX rounds
+    to FLT_MAX or inf, which the clamp makes FLT_MAX either way."""
+    if global_amax == 0.0:
+        return 1.0
+    q = NVFP4_GLOBAL_NUM / global_amax
+    s = FLT_MAX if q >= FLT_MAX else fp32_value(q)
+    return 1.0 if s == 0.0 else s
+
+
+def fp32_value(v: float) -> float:
+    """``v`` rounded to the nearest fp32 (ties to even), as a Python float (finite ``v``
+    within fp32 range, or inf/NaN)."""
+    return struct.unpack("f", struct.pack("f", v))[0]
+
+
+_SIXTH_VALUE = float(_SIXTH)
+
+
+def nvfp4_block_scaler(global_amax: torch.Tensor) -> NVFP4BlockScaler:
+    """The :class:`NVFP4BlockScaler` of a (1,) global amax.
+
+    On the CPU its per-tensor factors are Python floats (the same fp32 values; a tensor op
+    with a Python scalar multiplies in fp32): the ~11 tiny tensor ops of the tensor path
+    are most of an NVFP4 quantization's scale set-up on a small model, and it runs once per
+    orientation and quantization. Elsewhere the tensor path (reading the amax would sync)."""
+    if global_amax.device.type == "cpu" and global_amax.numel() == 1:
+        s_enc = nvfp4_global_encode_scale_value(float(global_amax))
+        return NVFP4BlockScaler(s_enc)
+    return NVFP4BlockScaler(nvfp4_global_encode_scale(global_amax))
+
+
 class NVFP4BlockScaler:
     """Per-block E4M3 decode-scale bytes and fp32 encode multipliers for one global scale.
 
@@ -252,7 +288,13 @@ class NVFP4BlockScaler:
     by the E4M3 saturation at 448 is one clamp to 448 (inf -> 448 either way).
     """
 
-    def __init__(self, s_enc: torch.Tensor) -> None:
+    def __init__(self, s_enc: torch.Tensor | float) -> None:
+        self.s_dec: torch.Tensor | float
+        self.k: torch.Tensor | float
+        if isinstance(s_enc, float):  # an fp32 value: the same two fp32 roundings in fp64
+            self.s_dec = fp32_value(1.0 / s_enc) if s_enc != 0.0 else float("inf")
+            self.k = fp32_value(s_enc * _SIXTH_VALUE)
+            return
         s_enc = s_enc.to(torch.float32)
         self.s_dec = torch.reciprocal(s_enc)
         self.k = s_enc * _SIXTH
