@@ -9,6 +9,7 @@ Pitfall avoided here: ``python_float / tensor`` in torch is ``tensor.reciprocal(
 
 from __future__ import annotations
 
+import math
 import struct
 from typing import Optional, Union
 
@@ -257,9 +258,12 @@ def nvfp4_global_encode_scale_value(global_amax: float) -> float:
 
 
 def fp32_value(v: float) -> float:
-    """``v`` rounded to the nearest fp32 (ties to even), as a Python float (finite ``v``
-    within fp32 range, or inf/NaN)."""
-    return struct.unpack("f", struct.pack("f", v))[0]
+    """``v`` rounded to the nearest fp32 (ties to even), as a Python float; a value that
+    rounds past FLT_MAX gives +-inf, as the fp32 operation would."""
+    try:
+        return struct.unpack("f", struct.pack("f", v))[0]
+    except OverflowError:
+        return math.copysign(math.inf, v)
 
 
 _SIXTH_VALUE = float(_SIXTH)
