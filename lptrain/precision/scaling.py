@@ -111,12 +111,14 @@ def compute_scale_from_amax(
     a = amax.to(torch.float32)
     if eps > 0.0:
         a = torch.where(a < eps, _f32(eps, a), a)
+    # in place on the fresh quotient, masks as single ops: the per-tensor and per-block
+    # quantizers call this on tiny grids, where each dispatcher call costs more than the math
     s = torch.full_like(a, fp8_max).div_(a)
-    s = torch.where(torch.isinf(s), _f32(value_for_inf, a), s)
+    s.masked_fill_(torch.isinf(s), value_for_inf)  # value_for_inf is an fp32 value: exact
     if pow2:
-        s = (s.view(torch.int32) & _POW2_MASK).view(torch.float32)
-    bad = torch.isinf(a) | torch.isnan(a) | (a == 0)
-    return s.masked_fill_(bad, 1.0)
+        s.view(torch.int32).bitwise_and_(_POW2_MASK)
+    good = torch.isfinite(a).logical_and_(a != 0)  # not inf, not NaN, not zero
+    return s.masked_fill_(good.logical_not_(), 1.0)
 
 
 def float_to_e8m0(v: torch.Tensor) -> torch.Tensor:
