@@ -69,12 +69,12 @@ def block_amax_nan(
     d = () if dim is None else dim
     out = None if ws is None else ws.get("amax", xf.shape, torch.int32)
     a = torch.bitwise_and(xf.view(torch.int32), _ABS_MASK, out=out).amax(dim=d)
-    nan = a > _INF_BITS
-    # On the CPU the NaN-free common case skips the recompute; elsewhere asking would be a
-    # host sync per quantization, so the (value-identical) select always runs.
-    has_nan = x.device.type != "cpu" or bool(nan.any())
+    # On the CPU the NaN-free common case skips the recompute (asked as one max and one
+    # read of the int amaxes); elsewhere asking would be a host sync per quantization, so
+    # the (value-identical) select always runs.
+    has_nan = x.device.type != "cpu" or int(a.max()) > _INF_BITS
     if has_nan:
-        a = torch.where(nan, abs_nan_to_zero(xf).amax(dim=d).view(torch.int32), a)
+        a = torch.where(a > _INF_BITS, abs_nan_to_zero(xf).amax(dim=d).view(torch.int32), a)
     return a.view(torch.float32), has_nan
 
 
