@@ -173,7 +173,9 @@ class _QuantizedGroupedFn(torch.autograd.Function):
         # can follow (eval / no_grad forwards need no columnwise operands).
         need_dgrad = op.grad_enabled and x.requires_grad
         need_wgrad = op.grad_enabled and any(w.requires_grad for w in weights)
-        xs = torch.split(x, list(m_splits), dim=0)
+        # one member (every plain linear): no split / cat, whose copies and dispatcher calls
+        # a small model's GEMMs would pay for nothing
+        xs = (x,) if n == 1 and m_splits[0] == x.shape[0] else torch.split(x, list(m_splits), dim=0)
         outs: list[torch.Tensor] = []
         saved_x: list[Any] = []
         saved_w: list[Any] = []
@@ -207,7 +209,7 @@ class _QuantizedGroupedFn(torch.autograd.Function):
         ctx.in_features = x.shape[-1]
         ctx.x_dtype = x.dtype
         ctx.weights = weights if op.fuse_wgrad else None
-        y = torch.cat(outs, dim=0) if outs else x.new_zeros(0, op.out_features)
+        y = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)) if outs else x.new_zeros(0, op.out_features)
         return y.to(x.dtype)
 
     @staticmethod
@@ -215,11 +217,11 @@ class _QuantizedGroupedFn(torch.autograd.Function):
         op: _OpContext = ctx.op
         need_dgrad = ctx.need_dgrad
         need_wgrad = any(ctx.needs_input_grad[3:])
-        dys = torch.split(dy, ctx.m_splits, dim=0)
+        n = len(ctx.m_splits)
+        dys = (dy,) if n == 1 and ctx.m_splits[0] == dy.shape[0] else torch.split(dy, ctx.m_splits, dim=0)
         dxs: list[torch.Tensor] = []
         dws: list[torch.Tensor] = []
         operands = _saved_operands(ctx, ctx.kinds)
-        n = len(ctx.m_splits)
         for i, dyi in enumerate(dys):
             mq = op.qstate.members[i]
             qx, qw = operands[i], operands[n + i]
@@ -235,7 +237,7 @@ class _QuantizedGroupedFn(torch.autograd.Function):
             if need_wgrad:
                 dws.append(op.col_t(qdy) @ op.col_t(qx).t())
         del operands
-        dx = torch.cat(dxs, dim=0).to(ctx.x_dtype) if need_dgrad else None
+        dx = (dxs[0] if len(dxs) == 1 else torch.cat(dxs, dim=0)).to(ctx.x_dtype) if need_dgrad else None
         wgrads = _weight_grads(ctx, dws) if need_wgrad else [None] * len(ctx.wshapes)
         # Delayed scaling: the first module of the autocast region updates grad-role scales
         # after its backward, i.e. after every module's backward (numerics.md 2.1).

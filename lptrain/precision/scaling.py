@@ -9,6 +9,8 @@ Pitfall avoided here: ``python_float / tensor`` in torch is ``tensor.reciprocal(
 
 from __future__ import annotations
 
+import math
+import struct
 from typing import Optional, Union
 
 import torch
@@ -67,12 +69,12 @@ def block_amax_nan(
     d = () if dim is None else dim
     out = None if ws is None else ws.get("amax", xf.shape, torch.int32)
     a = torch.bitwise_and(xf.view(torch.int32), _ABS_MASK, out=out).amax(dim=d)
-    nan = a > _INF_BITS
-    # On the CPU the NaN-free common case skips the recompute; elsewhere asking would be a
-    # host sync per quantization, so the (value-identical) select always runs.
-    has_nan = x.device.type != "cpu" or bool(nan.any())
+    # On the CPU the NaN-free common case skips the recompute (asked as one max and one
+    # read of the int amaxes); elsewhere asking would be a host sync per quantization, so
+    # the (value-identical) select always runs.
+    has_nan = x.device.type != "cpu" or int(a.max()) > _INF_BITS
     if has_nan:
-        a = torch.where(nan, abs_nan_to_zero(xf).amax(dim=d).view(torch.int32), a)
+        a = torch.where(a > _INF_BITS, abs_nan_to_zero(xf).amax(dim=d).view(torch.int32), a)
     return a.view(torch.float32), has_nan
 
 
@@ -109,12 +111,14 @@ def compute_scale_from_amax(
     a = amax.to(torch.float32)
     if eps > 0.0:
         a = torch.where(a < eps, _f32(eps, a), a)
+    # in place on the fresh quotient, masks as single ops: the per-tensor and per-block
+    # quantizers call this on tiny grids, where each dispatcher call costs more than the math
     s = torch.full_like(a, fp8_max).div_(a)
-    s = torch.where(torch.isinf(s), _f32(value_for_inf, a), s)
+    s.masked_fill_(torch.isinf(s), value_for_inf)  # value_for_inf is an fp32 value: exact
     if pow2:
-        s = (s.view(torch.int32) & _POW2_MASK).view(torch.float32)
-    bad = torch.isinf(a) | torch.isnan(a) | (a == 0)
-    return s.masked_fill_(bad, 1.0)
+        s.view(torch.int32).bitwise_and_(_POW2_MASK)
+    good = torch.isfinite(a).logical_and_(a != 0)  # not inf, not NaN, not zero
+    return s.masked_fill_(good.logical_not_(), 1.0)
 
 
 def float_to_e8m0(v: torch.Tensor) -> torch.Tensor:
@@ -162,6 +166,13 @@ def mxfp8_block_scales(block_amax: torch.Tensor, fp8_max: float) -> tuple[torch.
     (254 - code) << 23, and 2^-127 (subnormal bits 0x400000) for code 254, i.e. the max of the
     two. Equality with the generic functions is tested on every exponent and edge mantissa.
     """
+    code, mult = mxfp8_block_scales_i32(block_amax, fp8_max)
+    return code.to(torch.uint8), mult
+
+
+def mxfp8_block_scales_i32(block_amax: torch.Tensor, fp8_max: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`mxfp8_block_scales` with the codes left as int32 (callers that cut one
+    computation over several grids into parts convert each part to uint8 themselves)."""
     rcp = _RCP_CACHE.get(fp8_max)
     if rcp is None:  # fl32 of the fp64 1/max (TE's max_norm_rcp), a CPU scalar usable anywhere
         rcp = _RCP_CACHE.setdefault(fp8_max, torch.tensor(1.0 / fp8_max, dtype=torch.float32))
@@ -169,7 +180,19 @@ def mxfp8_block_scales(block_amax: torch.Tensor, fp8_max: float) -> tuple[torch.
     fix = torch.sub(_SUBNORMAL_2_POW_M127, bits).bitwise_right_shift_(31).add_(1)
     code = bits.add_(_E8M0_CEIL).bitwise_right_shift_(23).sub_(fix).clamp_(0, E8M0_MAX_CODE)
     mult = torch.bitwise_left_shift(code, 23, out=fix).neg_().add_(_MAX_MULT_BITS)
-    return code.to(torch.uint8), mult.clamp_(min=_SUBNORMAL_2_POW_M127).view(torch.float32)
+    return code, mult.clamp_(min=_SUBNORMAL_2_POW_M127).view(torch.float32)
+
+
+def abs_bits(x: torch.Tensor, ws: Optional[Workspace] = None) -> torch.Tensor:
+    """int32 bit patterns of |fp32 x| (sign cleared; int order is |x| order, NaN above inf):
+    what :func:`block_amax_nan` reduces, for callers that reduce one pass over several grids."""
+    out = None if ws is None else ws.get("amax", x.shape, torch.int32)
+    return torch.bitwise_and(x.view(torch.int32), _ABS_MASK, out=out)
+
+
+def has_nan_bits(amax_bits: torch.Tensor) -> bool:
+    """Whether int32 block amaxes of :func:`abs_bits` saw a NaN (a pattern above inf's)."""
+    return bool(amax_bits.numel()) and int(amax_bits.max()) > _INF_BITS
 
 
 def e8m0_to_quant_multiplier(code: torch.Tensor) -> torch.Tensor:
@@ -182,12 +205,28 @@ def e8m0_to_quant_multiplier(code: torch.Tensor) -> torch.Tensor:
     return out.masked_fill(c == E8M0_NAN, float("nan"))
 
 
-def e8m0_to_dequant_scale(code: torch.Tensor) -> torch.Tensor:
-    """Dequantization scale 2^(code-127) (TE ``exp2f``, P5): 0 -> 2^-127 (subnormal), 255 -> NaN."""
+def _e8m0_dequant_bits(code: torch.Tensor) -> torch.Tensor:
     c = code.to(torch.int32)
     bits = torch.where(c == 0, _SUBNORMAL_2_POW_M127, c << 23)
     out = bits.view(torch.float32)
     return out.masked_fill(c == E8M0_NAN, float("nan"))
+
+
+# every code's dequant scale, made by the elementwise rule once
+_E8M0_DEQUANT_LUT = _e8m0_dequant_bits(torch.arange(256, dtype=torch.int32).to(torch.uint8))
+
+
+def e8m0_to_dequant_scale(code: torch.Tensor) -> torch.Tensor:
+    """Dequantization scale 2^(code-127) (TE ``exp2f``, P5): 0 -> 2^-127 (subnormal), 255 -> NaN.
+
+    On the CPU one gather from the 256-entry table the elementwise rule fills (the same bits):
+    the MXFP8 operands of a small model are dequantized several times per GEMM, and the
+    rule's seven ops on a grid 32x smaller than the operand cost more than the gather.
+    """
+    if code.device.type != "cpu":
+        return _e8m0_dequant_bits(code)
+    flat = torch.index_select(_E8M0_DEQUANT_LUT, 0, code.reshape(-1).to(torch.int32))
+    return flat.view(code.shape)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -207,6 +246,44 @@ def nvfp4_global_encode_scale(global_amax: torch.Tensor) -> torch.Tensor:
     return s.masked_fill_((a == 0) | (s == 0), 1.0)
 
 
+def nvfp4_global_encode_scale_value(global_amax: float) -> float:
+    """:func:`nvfp4_global_encode_scale` of one (fp32-valued) amax, in Python floats.
+
+    fp64 quotient then one rounding to fp32 equals the fp32 division (53 >= 2 * 24 + 2
+    bits: double rounding of +-*/ is innocuous), and a quotient at or above FLT_MAX rounds
+    to FLT_MAX or inf, which the clamp makes FLT_MAX either way."""
+    if global_amax == 0.0:
+        return 1.0
+    q = NVFP4_GLOBAL_NUM / global_amax
+    s = FLT_MAX if q >= FLT_MAX else fp32_value(q)
+    return 1.0 if s == 0.0 else s
+
+
+def fp32_value(v: float) -> float:
+    """``v`` rounded to the nearest fp32 (ties to even), as a Python float; a value that
+    rounds past FLT_MAX gives +-inf, as the fp32 operation would."""
+    try:
+        return struct.unpack("f", struct.pack("f", v))[0]
+    except OverflowError:
+        return math.copysign(math.inf, v)
+
+
+_SIXTH_VALUE = float(_SIXTH)
+
+
+def nvfp4_block_scaler(global_amax: torch.Tensor) -> NVFP4BlockScaler:
+    """The :class:`NVFP4BlockScaler` of a (1,) global amax.
+
+    On the CPU its per-tensor factors are Python floats (the same fp32 values; a tensor op
+    with a Python scalar multiplies in fp32): the ~11 tiny tensor ops of the tensor path
+    are most of an NVFP4 quantization's scale set-up on a small model, and it runs once per
+    orientation and quantization. Elsewhere the tensor path (reading the amax would sync)."""
+    if global_amax.device.type == "cpu" and global_amax.numel() == 1:
+        s_enc = nvfp4_global_encode_scale_value(float(global_amax))
+        return NVFP4BlockScaler(s_enc)
+    return NVFP4BlockScaler(nvfp4_global_encode_scale(global_amax))
+
+
 class NVFP4BlockScaler:
     """Per-block E4M3 decode-scale bytes and fp32 encode multipliers for one global scale.
 
@@ -217,7 +294,13 @@ class NVFP4BlockScaler:
     by the E4M3 saturation at 448 is one clamp to 448 (inf -> 448 either way).
     """
 
-    def __init__(self, s_enc: torch.Tensor) -> None:
+    def __init__(self, s_enc: torch.Tensor | float) -> None:
+        self.s_dec: torch.Tensor | float
+        self.k: torch.Tensor | float
+        if isinstance(s_enc, float):  # an fp32 value: the same two fp32 roundings in fp64
+            self.s_dec = fp32_value(1.0 / s_enc) if s_enc != 0.0 else float("inf")
+            self.k = fp32_value(s_enc * _SIXTH_VALUE)
+            return
         s_enc = s_enc.to(torch.float32)
         self.s_dec = torch.reciprocal(s_enc)
         self.k = s_enc * _SIXTH

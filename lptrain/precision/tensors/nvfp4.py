@@ -19,6 +19,7 @@ import torch
 
 from .. import scaling as _scaling
 from ..formats import (
+    GATHER_DECODE_ELEMS,
     Workspace,
     draw_rbits,
     e2m1_codes_i32,
@@ -116,9 +117,21 @@ def unpack_fp4_values(
     chunk is scaled while cached; the scaled values are elementwise, so chunking is exact.
     """
     r, half = packed.shape
+    if packed.device.type == "cpu" and 2 * packed.numel() * torch.get_num_threads() <= GATHER_DECODE_ELEMS:
+        # small operand: one gather of the byte's two values (no per-call scale check: v * b
+        # is what both int paths compute), one multiply by the block scales
+        out = torch.index_select(_FP4_PAIR_LUT, 0, packed.reshape(-1).to(torch.int32)).view(r, half * 2)
+        if block_scale is not None:
+            out.view(-1, NV_BLOCK).mul_(block_scale.to(torch.float32).reshape(-1, 1))
+        return out
     out = torch.empty(r, half * 2, dtype=torch.float32, device=packed.device)
     decode_fp4_chunks(packed, block_scale, out=out)
     return out
+
+
+# the two E2M1 values of every packed byte (low nibble first), by the int decode itself
+_FP4_PAIR_LUT = torch.empty(256, 2)
+decode_fp4_chunks(torch.arange(256, dtype=torch.int32).to(torch.uint8), None, out=_FP4_PAIR_LUT)
 
 
 def _global_amax(block_amaxes: torch.Tensor) -> torch.Tensor:
@@ -234,7 +247,7 @@ class NVFP4Quantizer(Quantizer):
         quantized values (``rotated`` when given) may hold a NaN (see :meth:`_codes`).
         """
         m, k = xf.shape
-        scaler = _scaling.NVFP4BlockScaler(_scaling.nvfp4_global_encode_scale(gamax))
+        scaler = _scaling.nvfp4_block_scaler(gamax)
         ws = Workspace.shared(xf.device)
         # The outputs are allocated once and every chunk writes its slice: no per-chunk
         # results to concatenate; the same bytes land in the same places.
@@ -306,7 +319,7 @@ class NVFP4Quantizer(Quantizer):
         out: dict[str, Optional[torch.Tensor]] = dict.fromkeys(NVFP4Tensor._field_names())
         if self.use_2d:
             gamax = _scaling.amax(xf).reshape(1)
-            scaler = _scaling.NVFP4BlockScaler(_scaling.nvfp4_global_encode_scale(gamax))
+            scaler = _scaling.nvfp4_block_scaler(gamax)
             ws = Workspace.shared(xf.device)
 
             def tiles(c: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -62,3 +62,17 @@ def test_mxfp8_matches_slow_reference(seed: int, fmt: str) -> None:
         nan = data == -1
         assert torch.equal(got[~nan], data[~nan]), o
         assert ((got[nan] & 0x7F) >= (0x7D if fmt == "e5m2" else 0x7F)).all()  # NaN codes
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_mxfp8_both_orientations_in_one_pass_equal_each_alone(seed: int) -> None:
+    """The two-orientation quantize (one |x| pass, one NaN check, one scale computation)
+    writes the bytes and codes each single-orientation quantize writes, NaN block included."""
+    from lptrain.precision.recipes import MXFP8Scaling
+
+    x = make_input(seed)
+    both = MXFP8Scaling().make_quantizer("input", True, True).quantize(x).storage_views()
+    for o, usage in (("rowwise", (True, False)), ("columnwise", (False, True))):
+        alone = MXFP8Scaling().make_quantizer("input", *usage).quantize(x).storage_views()
+        for f in (f"{o}_data", f"{o}_scale_inv"):
+            assert torch.equal(both[f], alone[f]), f

@@ -137,3 +137,20 @@ def test_nvfp4_global_scale() -> None:
     assert s[:3].tolist() == [1.0, 1.0, 1.0]  # exact, zero amax, inf amax (2688/inf = 0)
     assert s[3].item() == FLT_MAX  # overflow capped
     assert torch.equal(s[4:], f32(2688.0))
+
+
+def test_nvfp4_cpu_scaler_python_floats_equal_tensor_path() -> None:
+    """The CPU scaler's per-tensor factors in Python floats give the tensor path's bits."""
+    from lptrain.precision.scaling import NVFP4BlockScaler, nvfp4_block_scaler
+
+    g = torch.Generator().manual_seed(3)
+    blocks = torch.cat((f32(0.0, 1e-45, 1e-40, 2.0**-126, 1.0, 6.0, 448.0, 3e38, FLT_MAX, INF),
+                        torch.rand(200, generator=g) * torch.exp2(torch.randint(-140, 127, (200,), generator=g).float())))
+    amaxes = [0.0, 1e-45, 1e-40, 2.0**-126, 1.0, 2688.0, 1e30, 3e38, FLT_MAX, INF,
+              *(torch.rand(20, generator=g) * torch.exp2(torch.randint(-149, 127, (20,), generator=g).float())).tolist()]
+    for a in amaxes:
+        t = f32(a)
+        want = NVFP4BlockScaler(nvfp4_global_encode_scale(t))(blocks)
+        got = nvfp4_block_scaler(t)(blocks)
+        assert torch.equal(got[0], want[0]), a
+        assert bits(got[1]) == bits(want[1]), a

@@ -120,6 +120,10 @@ def test_guard_regression_naive_nvfp4_global_scale(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(
         scaling, "nvfp4_global_encode_scale", lambda a: torch.full_like(a, 2688.0) / a
     )
+    # the CPU scaler's Python-float path, equally naive (IEEE: 2688 / 0 = inf)
+    monkeypatch.setattr(
+        scaling, "nvfp4_global_encode_scale_value", lambda a: 2688.0 / a if a else float("inf")
+    )
     qt = quantize(torch.zeros(32, 32), "nvfp4", role="grad")
     with pytest.raises(AssertionError):
         assert_finite_everywhere(qt)
