@@ -37,6 +37,7 @@ The grad norm and the zero count sum each unit once (on its owner) over the whol
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -344,22 +345,52 @@ class LayerWiseMuon(MasterOptimizer):
             return cached
         return _world_sum(self._local_norm_sq())
 
-    def _local_norm_sq(self) -> torch.Tensor:
-        local = torch.zeros((), dtype=torch.float64, device=self.device)
+    @functools.cached_property
+    def _grad_runs(self) -> list[tuple[torch.Tensor, list[int]]]:
+        """The owned units' grads merged into runs of consecutive pieces adjacent in one
+        bucket: ``(the run's grad view, the pieces' element counts)``, in piece order. The
+        norm and the zero count then convert and count once per run instead of once per
+        unit (the views live as long as the buffers, like :attr:`_grad_views`)."""
+        runs: list[tuple[OwnedUnit, int, list[int]]] = []  # (first piece, hi, sizes)
         for pc in self.pieces:
-            # grad_view().double() == master.grad.double() bitwise (master.grad is the view
-            # itself, or its exact fp32 copy)
-            local += pc.grad_view().double().square().sum()
-        return local
+            u = pc.unit
+            if runs:
+                first, hi, sizes = runs[-1]
+                f = first.unit
+                if first.buffer is pc.buffer and f.bucket == u.bucket and hi == u.lo:
+                    runs[-1] = (first, u.hi, [*sizes, u.numel])
+                    continue
+            runs.append((pc, u.hi, [u.numel]))
+        return [(first.buffer.grad_slice(first.unit.lo, hi), sizes) for first, hi, sizes in runs]
+
+    def _norm_parts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(squared norm of the owned grads, fp64; their zero count, int64), on the device.
+
+        Bitwise the per-unit formula ``sum_u sum(double(g_u)^2)`` added unit by unit in
+        piece order: each run is converted and squared once, each unit's slice of it summed
+        on its own (a reduction over the same values in the same length), and the per-unit
+        sums added left to right by ``cumsum`` (a sequential scan on the CPU, as the
+        ``+=`` chain was). Counting zeros is exact in any grouping: one count per run."""
+        local = torch.zeros((), dtype=torch.float64, device=self.device)
+        zeros = torch.zeros((), dtype=torch.int64, device=self.device)
+        sums: list[torch.Tensor] = []
+        for grad, sizes in self._grad_runs:
+            sq = grad.double().square_()
+            sums += [part.sum() for part in sq.split(sizes)]
+            zeros += grad.numel() - torch.count_nonzero(grad)
+        if sums:
+            local = torch.cat([local.view(1), torch.stack(sums)]).cumsum(0)[-1]
+        return local, zeros
+
+    def _local_norm_sq(self) -> torch.Tensor:
+        return self._norm_parts()[0]
 
     def count_zeros(self) -> int:
         """Zero gradient entries of every Muon matrix, each once, summed over the world (in
         one all-reduce with the squared grad norm, see :meth:`grad_norm_sq`)."""
-        zeros = torch.zeros((), dtype=torch.int64, device=self.device)
-        for pc in self.pieces:
-            zeros += (pc.grad_view() == 0).sum()  # on the device: one host read per step
+        local, zeros = self._norm_parts()
         # fp64 holds the count exactly (below 2^53)
-        packed = _world_sum(torch.stack([self._local_norm_sq(), zeros.to(torch.float64)]))
+        packed = _world_sum(torch.stack([local, zeros.to(torch.float64)]))
         self._norm_cache = packed[0]
         return int(packed[1])
 
