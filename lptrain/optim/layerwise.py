@@ -57,7 +57,7 @@ from lptrain.optim.muon import build_muon
 from lptrain.optim.param_groups import copy_param_attributes
 from lptrain.precision.param_storage import (
     high_precision_value,
-    load_from_staging,
+    load_parts_from_staging,
     release_high_precision_init,
 )
 
@@ -172,7 +172,8 @@ class CompactGather:
     Units are grouped by transport dtype (one collective each); within a group each rank's
     pack holds its owned units in buffer order. ``stage`` packs this rank's masters,
     ``start`` launches the collective(s), ``finish`` waits and loads every param of the
-    bucket from the gathered values (owner included).
+    bucket from the gathered values (owner included). Where each unit lands in the gathered
+    packs is fixed by the ownership, so it is planned once here, not per step.
     """
 
     def __init__(self, bucket: Any, units: Sequence[MuonUnit], owners: dict[tuple[str, int], int],
@@ -187,6 +188,17 @@ class CompactGather:
             per_rank = by_dtype.setdefault(transport_dtype(params[u.name]), [[] for _ in range(group.size)])
             per_rank[owners[u.key]].append(u)
         self.per_rank = list(by_dtype.values())
+        # per dtype group: (elements each rank sends, the pack width = the largest)
+        self._counts = [[sum(u.numel for u in us) for us in per_rank] for per_rank in self.per_rank]
+        # per param, its members in order: (dtype group, owner rank, offset in the pack, numel)
+        where: dict[str, list[tuple[int, int, int, int, int]]] = {}
+        for gi, per_rank in enumerate(self.per_rank):
+            for r, us in enumerate(per_rank):
+                off = 0
+                for u in us:
+                    where.setdefault(u.name, []).append((u.member, gi, r, off, u.numel))
+                    off += u.numel
+        self._where = [(params[name], [w[1:] for w in sorted(ws)]) for name, ws in where.items()]
         self._send: list[torch.Tensor] = []
         self._recv: list[list[torch.Tensor]] = []
         self._handles: list[Any] = []
@@ -195,22 +207,20 @@ class CompactGather:
     def stage(self, masters: dict[tuple[str, int], torch.Tensor]) -> None:
         """Pack this rank's owned units (fp32 master -> transport dtype)."""
         self._send = []
-        for per_rank in self.per_rank:
-            ref = first_nonempty(per_rank)
-            p = self.params[ref.name]
-            width = max(sum(u.numel for u in us) for us in per_rank)
-            send = torch.zeros(width, dtype=transport_dtype(p), device=p.device)
-            mine = per_rank[self.group.rank]
+        for per_rank, counts in zip(self.per_rank, self._counts, strict=True):
+            p = self.params[first_nonempty(per_rank).name]
+            send = torch.empty(max(counts), dtype=transport_dtype(p), device=p.device)
+            mine, n = per_rank[self.group.rank], counts[self.group.rank]
             if mine:  # one batched copy (fp32 -> transport dtype), the same rounding as copy_
-                dsts = list(send[: sum(u.numel for u in mine)].split([u.numel for u in mine]))
+                dsts = list(send[:n].split([u.numel for u in mine]))
                 torch._foreach_copy_(dsts, [masters[u.key].reshape(-1) for u in mine])
+            send[n:].zero_()  # the pad of a shorter pack (gathered, never read)
             self._send.append(send)
 
     def start(self, *, async_op: bool) -> None:
         g = self.group
         self._recv, self._handles = [], []
-        for per_rank, send in zip(self.per_rank, self._send, strict=True):
-            counts = [sum(u.numel for u in us) for us in per_rank]
+        for counts, send in zip(self._counts, self._send, strict=True):
             if not g.active:
                 self._recv.append([send])
             elif self.mode == "pad":
@@ -233,19 +243,10 @@ class CompactGather:
             if h is not None:
                 h.wait()
         self._handles = []
-        pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
-        for per_rank, bufs in zip(self.per_rank, self._recv, strict=True):
-            for us, buf in zip(per_rank, bufs, strict=True):
-                off = 0
-                for u in us:
-                    pieces.setdefault(u.name, []).append((u.member, buf[off : off + u.numel]))
-                    off += u.numel
-        with torch.no_grad():
-            for name, parts in pieces.items():
-                p = self.params[name]
-                parts.sort(key=lambda x: x[0])
-                flat = parts[0][1] if len(parts) == 1 else torch.cat([v for _, v in parts])
-                load_from_staging(p, flat.view(p.shape))
+        recv = self._recv
+        load_parts_from_staging([
+            (p, [recv[gi][r][off : off + n] for gi, r, off, n in parts]) for p, parts in self._where
+        ])
         self._recv = []
         self.in_flight = False
 
@@ -437,9 +438,8 @@ class LayerWiseMuon(MasterOptimizer):
         self._norm_cache = None
         with torch.no_grad():
             if self.param_layout == "compact":
-                masters = {pc.unit.key: pc.master for pc in self.pieces}
                 for gather in self.gathers:
-                    gather.stage(masters)
+                    gather.stage(self._masters_by_key)
             else:
                 dsts = [pc.buffer.param_slice(pc.unit.lo, pc.unit.hi)  # (ZeRO-3: the shard)
                         for pc in self.pieces]
@@ -448,6 +448,12 @@ class LayerWiseMuon(MasterOptimizer):
         for buf in self.buffers:
             for bucket in buf.buckets:
                 bucket.mark_staged()
+
+    @functools.cached_property
+    def _masters_by_key(self) -> dict[tuple[str, int], torch.Tensor]:
+        """Every owned unit's master by unit key, for the gathers' packing: the masters are
+        fixed objects (a checkpoint load copies into them), so the map is built once."""
+        return {pc.unit.key: pc.master for pc in self.pieces}
 
     def update_rms(self) -> Optional[float]:
         self._finish_rms()
