@@ -166,6 +166,28 @@ def _world_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def run_norm_sq_and_zeros(
+    runs: Sequence[tuple[torch.Tensor, Sequence[int]]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sum_u sum(double(g_u)^2), zero entries)`` over units given as runs of adjacent
+    grads ``(run, unit sizes)``: bitwise the per-unit formula added unit by unit in order.
+
+    Each run is converted and squared once, each unit's slice of it summed on its own (a
+    reduction over the same values in the same length as the unit's own tensor), and the
+    per-unit sums added left to right by ``cumsum`` (a sequential scan on the CPU, as the
+    ``+=`` chain was). Counting zeros is exact in any grouping: one count per run."""
+    local = torch.zeros((), dtype=torch.float64, device=device)
+    zeros = torch.zeros((), dtype=torch.int64, device=device)
+    sums: list[torch.Tensor] = []
+    for grad, sizes in runs:
+        sq = grad.double().square_()
+        sums += [part.sum() for part in sq.split(list(sizes))]
+        zeros += grad.numel() - torch.count_nonzero(grad)
+    if sums:
+        local = torch.cat([local.view(1), torch.stack(sums)]).cumsum(0)[-1]
+    return local, zeros
+
+
 class CompactGather:
     """Param sync of one compact-layout Muon bucket: whole units from their owners to all.
 
@@ -365,23 +387,9 @@ class LayerWiseMuon(MasterOptimizer):
         return [(first.buffer.grad_slice(first.unit.lo, hi), sizes) for first, hi, sizes in runs]
 
     def _norm_parts(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(squared norm of the owned grads, fp64; their zero count, int64), on the device.
-
-        Bitwise the per-unit formula ``sum_u sum(double(g_u)^2)`` added unit by unit in
-        piece order: each run is converted and squared once, each unit's slice of it summed
-        on its own (a reduction over the same values in the same length), and the per-unit
-        sums added left to right by ``cumsum`` (a sequential scan on the CPU, as the
-        ``+=`` chain was). Counting zeros is exact in any grouping: one count per run."""
-        local = torch.zeros((), dtype=torch.float64, device=self.device)
-        zeros = torch.zeros((), dtype=torch.int64, device=self.device)
-        sums: list[torch.Tensor] = []
-        for grad, sizes in self._grad_runs:
-            sq = grad.double().square_()
-            sums += [part.sum() for part in sq.split(sizes)]
-            zeros += grad.numel() - torch.count_nonzero(grad)
-        if sums:
-            local = torch.cat([local.view(1), torch.stack(sums)]).cumsum(0)[-1]
-        return local, zeros
+        """(squared norm of the owned grads, fp64; their zero count, int64), on the device:
+        :func:`run_norm_sq_and_zeros` over the runs."""
+        return run_norm_sq_and_zeros(self._grad_runs, self.device)
 
     def _local_norm_sq(self) -> torch.Tensor:
         return self._norm_parts()[0]
