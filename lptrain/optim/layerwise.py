@@ -20,13 +20,14 @@ Two layouts (``optimizer.layer_wise_param_layout``, planned in
   each owner stages its units in their *transport dtype* (the param's logical dtype: bf16 for
   bf16 and FP8 params -- staged from the fp32 master, never a lossy FP8 dequant -- and fp32
   for fp32 params, which a bf16 transport would silently round) and a per-bucket uneven
-  all-gather (:class:`CompactGather`, the bucket's ``param_sync_hook``) delivers them; every
-  rank, the owner included, then loads the gathered value through
-  :func:`lptrain.precision.param_storage.load_from_staging` (a copy for plain params, a
-  requantization of both orientations for FP8 params), so FP8 param gather ON holds exactly
-  ``Q(bf16(master))``, what OFF quantizes in its forward. The gather runs synchronously or
-  overlapped with the next forward through the bucket state machine like any other bucket,
-  so the forced sync (``params_synced``) finalizes a pending one.
+  all-gather (:class:`lptrain.optim.compact_gather.CompactGather`, the bucket's
+  ``param_sync_hook``) delivers them; every rank, the owner included, then loads the
+  gathered value through :func:`lptrain.precision.param_storage.load_from_staging` (a copy
+  for plain params, a requantization of both orientations for FP8 params), so FP8 param
+  gather ON holds exactly ``Q(bf16(master))``, what OFF quantizes in its forward. The
+  gather runs synchronously or overlapped with the next forward through the bucket state
+  machine like any other bucket, so the forced sync (``params_synced``) finalizes a
+  pending one.
 * **padded**: whole params sit inside the equal DP shards of their bucket, so the bucket
   reduce-scatters grads and all-gathers params exactly like a distributed-optimizer bucket;
   the owner is the rank whose shard holds the param. A grouped 3-D expert weight is owned
@@ -48,23 +49,17 @@ import torch.distributed as dist
 
 from lptrain.config.schema import OptimizerConfig
 from lptrain.distributed.buffers import ParamAndGradBuffer
-from lptrain.distributed.collectives import all_gather_flat
 from lptrain.distributed.groups import SINGLE, Group
 from lptrain.distributed.layout import BufferSpec, ns_cost, padded_owner
 from lptrain.optim.child import MasterOptimizer, OptimizerChild
+from lptrain.optim.compact_gather import CompactGather
 from lptrain.optim.distributed import ExpertShardedMasterOptimizer, ShardedMasterOptimizer
 from lptrain.optim.muon import build_muon
 from lptrain.optim.param_groups import copy_param_attributes
 from lptrain.precision.param_storage import (
     high_precision_value,
-    load_parts_from_staging,
     release_high_precision_init,
 )
-
-# Param sync strategy of the compact layout; gloo has no all-gather-v. "pad": one all-gather
-# of per-rank packs padded to the largest, then trimmed; "broadcast": one broadcast per owner.
-# bench/optim.py measures both (DP=2, tiny_cpu): see docs/muon.md for the figures.
-GATHER_MODE = "pad"
 
 
 @dataclass(frozen=True)
@@ -145,21 +140,6 @@ def plan_ownership(
     return owners
 
 
-def transport_dtype(p: torch.Tensor) -> torch.dtype:
-    """Dtype a compact-layout param travels in: its logical dtype (bf16 for bf16 and FP8
-    params, fp32 for fp32 params: a bf16 transport would round fp32 params every step)."""
-    return p.dtype
-
-
-def first_nonempty(per_rank: Sequence[Sequence[Any]]) -> Any:
-    """The first entry of the first non-empty per-rank list (reading ``per_rank[0][0]``
-    instead is an IndexError whenever rank 0 owns nothing in the bucket)."""
-    for entries in per_rank:
-        if entries:
-            return entries[0]
-    raise ValueError("no rank owns anything here")
-
-
 def _world_sum(t: torch.Tensor) -> torch.Tensor:
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t)
@@ -186,91 +166,6 @@ def run_norm_sq_and_zeros(
     if sums:
         local = torch.cat([local.view(1), torch.stack(sums)]).cumsum(0)[-1]
     return local, zeros
-
-
-class CompactGather:
-    """Param sync of one compact-layout Muon bucket: whole units from their owners to all.
-
-    Units are grouped by transport dtype (one collective each); within a group each rank's
-    pack holds its owned units in buffer order. ``stage`` packs this rank's masters,
-    ``start`` launches the collective(s), ``finish`` waits and loads every param of the
-    bucket from the gathered values (owner included). Where each unit lands in the gathered
-    packs is fixed by the ownership, so it is planned once here, not per step.
-    """
-
-    def __init__(self, bucket: Any, units: Sequence[MuonUnit], owners: dict[tuple[str, int], int],
-                 params: dict[str, torch.Tensor], group: Group, mode: Optional[str] = None) -> None:
-        self.bucket = bucket
-        self.group = group
-        self.params = params
-        self.mode = mode or GATHER_MODE
-        self.units = sorted(units, key=lambda u: u.lo)
-        by_dtype: dict[torch.dtype, list[list[MuonUnit]]] = {}
-        for u in self.units:
-            per_rank = by_dtype.setdefault(transport_dtype(params[u.name]), [[] for _ in range(group.size)])
-            per_rank[owners[u.key]].append(u)
-        self.per_rank = list(by_dtype.values())
-        # per dtype group: (elements each rank sends, the pack width = the largest)
-        self._counts = [[sum(u.numel for u in us) for us in per_rank] for per_rank in self.per_rank]
-        # per param, its members in order: (dtype group, owner rank, offset in the pack, numel)
-        where: dict[str, list[tuple[int, int, int, int, int]]] = {}
-        for gi, per_rank in enumerate(self.per_rank):
-            for r, us in enumerate(per_rank):
-                off = 0
-                for u in us:
-                    where.setdefault(u.name, []).append((u.member, gi, r, off, u.numel))
-                    off += u.numel
-        self._where = [(params[name], [w[1:] for w in sorted(ws)]) for name, ws in where.items()]
-        self._send: list[torch.Tensor] = []
-        self._recv: list[list[torch.Tensor]] = []
-        self._handles: list[Any] = []
-        self.in_flight = False
-
-    def stage(self, masters: dict[tuple[str, int], torch.Tensor]) -> None:
-        """Pack this rank's owned units (fp32 master -> transport dtype)."""
-        self._send = []
-        for per_rank, counts in zip(self.per_rank, self._counts, strict=True):
-            p = self.params[first_nonempty(per_rank).name]
-            send = torch.empty(max(counts), dtype=transport_dtype(p), device=p.device)
-            mine, n = per_rank[self.group.rank], counts[self.group.rank]
-            if mine:  # one batched copy (fp32 -> transport dtype), the same rounding as copy_
-                dsts = list(send[:n].split([u.numel for u in mine]))
-                torch._foreach_copy_(dsts, [masters[u.key].reshape(-1) for u in mine])
-            send[n:].zero_()  # the pad of a shorter pack (gathered, never read)
-            self._send.append(send)
-
-    def start(self, *, async_op: bool) -> None:
-        g = self.group
-        self._recv, self._handles = [], []
-        for counts, send in zip(self._counts, self._send, strict=True):
-            if not g.active:
-                self._recv.append([send])
-            elif self.mode == "pad":
-                out = torch.empty(g.size * send.numel(), dtype=send.dtype, device=send.device)
-                self._handles.append(all_gather_flat(out, send, group=g.pg, async_op=async_op))
-                self._recv.append(list(out.view(g.size, -1).unbind(0)))
-            else:
-                bufs = []
-                for r, n in enumerate(counts):
-                    buf = send[:n] if r == g.rank else torch.empty(n, dtype=send.dtype, device=send.device)
-                    if n:
-                        src = dist.get_global_rank(g.pg, r)
-                        self._handles.append(dist.broadcast(buf, src=src, group=g.pg, async_op=async_op))
-                    bufs.append(buf)
-                self._recv.append(bufs)
-        self.in_flight = True
-
-    def finish(self) -> None:
-        for h in self._handles:
-            if h is not None:
-                h.wait()
-        self._handles = []
-        recv = self._recv
-        load_parts_from_staging([
-            (p, [recv[gi][r][off : off + n] for gi, r, off, n in parts]) for p, parts in self._where
-        ])
-        self._recv = []
-        self.in_flight = False
 
 
 @dataclass
