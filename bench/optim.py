@@ -79,11 +79,11 @@ def _ratios() -> list[Ratio]:
 
 def _timed_rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     from lptrain.memory.measure import measured_memory
-    from lptrain.optim import layerwise
+    from lptrain.optim import compact_gather
 
     engines = {}
     for name, (ov, mode) in TIMED.items():
-        layerwise.GATHER_MODE = mode
+        compact_gather.GATHER_MODE = mode
         engines[name] = _engine(ov)
     r = rounds(args, _ratios())
     step = 0

@@ -101,10 +101,11 @@ def _dp2_ratios(shape: str) -> list[Ratio]:
 
 class _NSClock:
     """Times every ``newton_schulz`` call of the Muon optimizer (patched into
-    :mod:`lptrain.optim.muon`), so NS's share is measured in the very steps it is part of."""
+    :mod:`lptrain.optim.orthogonal_update`, where the update calls it), so NS's share is
+    measured in the very steps it is part of."""
 
     def __init__(self) -> None:
-        import lptrain.optim.muon as muon_mod
+        import lptrain.optim.orthogonal_update as muon_mod
 
         self.mod, self.inner, self.spent = muon_mod, muon_mod.newton_schulz, 0.0
 

@@ -85,7 +85,7 @@ class Bucket:
         self.local_sum: Optional[torch.Tensor] = None
         self.next_in_forward: Optional[Bucket] = None
         # Layer-wise (compact Muon) buckets: whole-param uneven gather, set by the optimizer
-        # (lptrain.optim.layerwise.CompactGather).
+        # (lptrain.optim.compact_gather.CompactGather).
         self.param_sync_hook: Optional[ParamSyncHook] = None
         # Sharded grads (ZeRO-2): this bucket's own full grad tensor, allocated only from its
         # first backward use to its reduce-scatter (see lptrain.distributed.buffers).

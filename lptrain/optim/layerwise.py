@@ -20,13 +20,14 @@ Two layouts (``optimizer.layer_wise_param_layout``, planned in
   each owner stages its units in their *transport dtype* (the param's logical dtype: bf16 for
   bf16 and FP8 params -- staged from the fp32 master, never a lossy FP8 dequant -- and fp32
   for fp32 params, which a bf16 transport would silently round) and a per-bucket uneven
-  all-gather (:class:`CompactGather`, the bucket's ``param_sync_hook``) delivers them; every
-  rank, the owner included, then loads the gathered value through
-  :func:`lptrain.precision.param_storage.load_from_staging` (a copy for plain params, a
-  requantization of both orientations for FP8 params), so FP8 param gather ON holds exactly
-  ``Q(bf16(master))``, what OFF quantizes in its forward. The gather runs synchronously or
-  overlapped with the next forward through the bucket state machine like any other bucket,
-  so the forced sync (``params_synced``) finalizes a pending one.
+  all-gather (:class:`lptrain.optim.compact_gather.CompactGather`, the bucket's
+  ``param_sync_hook``) delivers them; every rank, the owner included, then loads the
+  gathered value through :func:`lptrain.precision.param_storage.load_from_staging` (a copy
+  for plain params, a requantization of both orientations for FP8 params), so FP8 param
+  gather ON holds exactly ``Q(bf16(master))``, what OFF quantizes in its forward. The
+  gather runs synchronously or overlapped with the next forward through the bucket state
+  machine like any other bucket, so the forced sync (``params_synced``) finalizes a
+  pending one.
 * **padded**: whole params sit inside the equal DP shards of their bucket, so the bucket
   reduce-scatters grads and all-gathers params exactly like a distributed-optimizer bucket;
   the owner is the rank whose shard holds the param. A grouped 3-D expert weight is owned
@@ -37,6 +38,7 @@ The grad norm and the zero count sum each unit once (on its owner) over the whol
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -47,23 +49,17 @@ import torch.distributed as dist
 
 from lptrain.config.schema import OptimizerConfig
 from lptrain.distributed.buffers import ParamAndGradBuffer
-from lptrain.distributed.collectives import all_gather_flat
 from lptrain.distributed.groups import SINGLE, Group
 from lptrain.distributed.layout import BufferSpec, ns_cost, padded_owner
 from lptrain.optim.child import MasterOptimizer, OptimizerChild
+from lptrain.optim.compact_gather import CompactGather
 from lptrain.optim.distributed import ExpertShardedMasterOptimizer, ShardedMasterOptimizer
 from lptrain.optim.muon import build_muon
 from lptrain.optim.param_groups import copy_param_attributes
 from lptrain.precision.param_storage import (
     high_precision_value,
-    load_from_staging,
     release_high_precision_init,
 )
-
-# Param sync strategy of the compact layout; gloo has no all-gather-v. "pad": one all-gather
-# of per-rank packs padded to the largest, then trimmed; "broadcast": one broadcast per owner.
-# bench/optim.py measures both (DP=2, tiny_cpu): see docs/muon.md for the figures.
-GATHER_MODE = "pad"
 
 
 @dataclass(frozen=True)
@@ -144,109 +140,32 @@ def plan_ownership(
     return owners
 
 
-def transport_dtype(p: torch.Tensor) -> torch.dtype:
-    """Dtype a compact-layout param travels in: its logical dtype (bf16 for bf16 and FP8
-    params, fp32 for fp32 params: a bf16 transport would round fp32 params every step)."""
-    return p.dtype
-
-
-def first_nonempty(per_rank: Sequence[Sequence[Any]]) -> Any:
-    """The first entry of the first non-empty per-rank list (reading ``per_rank[0][0]``
-    instead is an IndexError whenever rank 0 owns nothing in the bucket)."""
-    for entries in per_rank:
-        if entries:
-            return entries[0]
-    raise ValueError("no rank owns anything here")
-
-
 def _world_sum(t: torch.Tensor) -> torch.Tensor:
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t)
     return t
 
 
-class CompactGather:
-    """Param sync of one compact-layout Muon bucket: whole units from their owners to all.
+def run_norm_sq_and_zeros(
+    runs: Sequence[tuple[torch.Tensor, Sequence[int]]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sum_u sum(double(g_u)^2), zero entries)`` over units given as runs of adjacent
+    grads ``(run, unit sizes)``: bitwise the per-unit formula added unit by unit in order.
 
-    Units are grouped by transport dtype (one collective each); within a group each rank's
-    pack holds its owned units in buffer order. ``stage`` packs this rank's masters,
-    ``start`` launches the collective(s), ``finish`` waits and loads every param of the
-    bucket from the gathered values (owner included).
-    """
-
-    def __init__(self, bucket: Any, units: Sequence[MuonUnit], owners: dict[tuple[str, int], int],
-                 params: dict[str, torch.Tensor], group: Group, mode: Optional[str] = None) -> None:
-        self.bucket = bucket
-        self.group = group
-        self.params = params
-        self.mode = mode or GATHER_MODE
-        self.units = sorted(units, key=lambda u: u.lo)
-        by_dtype: dict[torch.dtype, list[list[MuonUnit]]] = {}
-        for u in self.units:
-            per_rank = by_dtype.setdefault(transport_dtype(params[u.name]), [[] for _ in range(group.size)])
-            per_rank[owners[u.key]].append(u)
-        self.per_rank = list(by_dtype.values())
-        self._send: list[torch.Tensor] = []
-        self._recv: list[list[torch.Tensor]] = []
-        self._handles: list[Any] = []
-        self.in_flight = False
-
-    def stage(self, masters: dict[tuple[str, int], torch.Tensor]) -> None:
-        """Pack this rank's owned units (fp32 master -> transport dtype)."""
-        self._send = []
-        for per_rank in self.per_rank:
-            ref = first_nonempty(per_rank)
-            p = self.params[ref.name]
-            width = max(sum(u.numel for u in us) for us in per_rank)
-            send = torch.zeros(width, dtype=transport_dtype(p), device=p.device)
-            mine = per_rank[self.group.rank]
-            if mine:  # one batched copy (fp32 -> transport dtype), the same rounding as copy_
-                dsts = list(send[: sum(u.numel for u in mine)].split([u.numel for u in mine]))
-                torch._foreach_copy_(dsts, [masters[u.key].reshape(-1) for u in mine])
-            self._send.append(send)
-
-    def start(self, *, async_op: bool) -> None:
-        g = self.group
-        self._recv, self._handles = [], []
-        for per_rank, send in zip(self.per_rank, self._send, strict=True):
-            counts = [sum(u.numel for u in us) for us in per_rank]
-            if not g.active:
-                self._recv.append([send])
-            elif self.mode == "pad":
-                out = torch.empty(g.size * send.numel(), dtype=send.dtype, device=send.device)
-                self._handles.append(all_gather_flat(out, send, group=g.pg, async_op=async_op))
-                self._recv.append(list(out.view(g.size, -1).unbind(0)))
-            else:
-                bufs = []
-                for r, n in enumerate(counts):
-                    buf = send[:n] if r == g.rank else torch.empty(n, dtype=send.dtype, device=send.device)
-                    if n:
-                        src = dist.get_global_rank(g.pg, r)
-                        self._handles.append(dist.broadcast(buf, src=src, group=g.pg, async_op=async_op))
-                    bufs.append(buf)
-                self._recv.append(bufs)
-        self.in_flight = True
-
-    def finish(self) -> None:
-        for h in self._handles:
-            if h is not None:
-                h.wait()
-        self._handles = []
-        pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
-        for per_rank, bufs in zip(self.per_rank, self._recv, strict=True):
-            for us, buf in zip(per_rank, bufs, strict=True):
-                off = 0
-                for u in us:
-                    pieces.setdefault(u.name, []).append((u.member, buf[off : off + u.numel]))
-                    off += u.numel
-        with torch.no_grad():
-            for name, parts in pieces.items():
-                p = self.params[name]
-                parts.sort(key=lambda x: x[0])
-                flat = parts[0][1] if len(parts) == 1 else torch.cat([v for _, v in parts])
-                load_from_staging(p, flat.view(p.shape))
-        self._recv = []
-        self.in_flight = False
+    Each run is converted and squared once, each unit's slice of it summed on its own (a
+    reduction over the same values in the same length as the unit's own tensor), and the
+    per-unit sums added left to right by ``cumsum`` (a sequential scan on the CPU, as the
+    ``+=`` chain was). Counting zeros is exact in any grouping: one count per run."""
+    local = torch.zeros((), dtype=torch.float64, device=device)
+    zeros = torch.zeros((), dtype=torch.int64, device=device)
+    sums: list[torch.Tensor] = []
+    for grad, sizes in runs:
+        sq = grad.double().square_()
+        sums += [part.sum() for part in sq.split(list(sizes))]
+        zeros += grad.numel() - torch.count_nonzero(grad)
+    if sums:
+        local = torch.cat([local.view(1), torch.stack(sums)]).cumsum(0)[-1]
+    return local, zeros
 
 
 @dataclass
@@ -344,22 +263,38 @@ class LayerWiseMuon(MasterOptimizer):
             return cached
         return _world_sum(self._local_norm_sq())
 
-    def _local_norm_sq(self) -> torch.Tensor:
-        local = torch.zeros((), dtype=torch.float64, device=self.device)
+    @functools.cached_property
+    def _grad_runs(self) -> list[tuple[torch.Tensor, list[int]]]:
+        """The owned units' grads merged into runs of consecutive pieces adjacent in one
+        bucket: ``(the run's grad view, the pieces' element counts)``, in piece order. The
+        norm and the zero count then convert and count once per run instead of once per
+        unit (the views live as long as the buffers, like :attr:`_grad_views`)."""
+        runs: list[tuple[OwnedUnit, int, list[int]]] = []  # (first piece, hi, sizes)
         for pc in self.pieces:
-            # grad_view().double() == master.grad.double() bitwise (master.grad is the view
-            # itself, or its exact fp32 copy)
-            local += pc.grad_view().double().square().sum()
-        return local
+            u = pc.unit
+            if runs:
+                first, hi, sizes = runs[-1]
+                f = first.unit
+                if first.buffer is pc.buffer and f.bucket == u.bucket and hi == u.lo:
+                    runs[-1] = (first, u.hi, [*sizes, u.numel])
+                    continue
+            runs.append((pc, u.hi, [u.numel]))
+        return [(first.buffer.grad_slice(first.unit.lo, hi), sizes) for first, hi, sizes in runs]
+
+    def _norm_parts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(squared norm of the owned grads, fp64; their zero count, int64), on the device:
+        :func:`run_norm_sq_and_zeros` over the runs."""
+        return run_norm_sq_and_zeros(self._grad_runs, self.device)
+
+    def _local_norm_sq(self) -> torch.Tensor:
+        return self._norm_parts()[0]
 
     def count_zeros(self) -> int:
         """Zero gradient entries of every Muon matrix, each once, summed over the world (in
         one all-reduce with the squared grad norm, see :meth:`grad_norm_sq`)."""
-        zeros = torch.zeros((), dtype=torch.int64, device=self.device)
-        for pc in self.pieces:
-            zeros += (pc.grad_view() == 0).sum()  # on the device: one host read per step
+        local, zeros = self._norm_parts()
         # fp64 holds the count exactly (below 2^53)
-        packed = _world_sum(torch.stack([self._local_norm_sq(), zeros.to(torch.float64)]))
+        packed = _world_sum(torch.stack([local, zeros.to(torch.float64)]))
         self._norm_cache = packed[0]
         return int(packed[1])
 
@@ -406,9 +341,8 @@ class LayerWiseMuon(MasterOptimizer):
         self._norm_cache = None
         with torch.no_grad():
             if self.param_layout == "compact":
-                masters = {pc.unit.key: pc.master for pc in self.pieces}
                 for gather in self.gathers:
-                    gather.stage(masters)
+                    gather.stage(self._masters_by_key)
             else:
                 dsts = [pc.buffer.param_slice(pc.unit.lo, pc.unit.hi)  # (ZeRO-3: the shard)
                         for pc in self.pieces]
@@ -417,6 +351,12 @@ class LayerWiseMuon(MasterOptimizer):
         for buf in self.buffers:
             for bucket in buf.buckets:
                 bucket.mark_staged()
+
+    @functools.cached_property
+    def _masters_by_key(self) -> dict[tuple[str, int], torch.Tensor]:
+        """Every owned unit's master by unit key, for the gathers' packing: the masters are
+        fixed objects (a checkpoint load copies into them), so the map is built once."""
+        return {pc.unit.key: pc.master for pc in self.pieces}
 
     def update_rms(self) -> Optional[float]:
         self._finish_rms()

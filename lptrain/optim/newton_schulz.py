@@ -25,6 +25,7 @@ exact polar factor as steps are added.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Union
 
@@ -65,8 +66,18 @@ def coefficients_per_step(coefficients: CoefficientsArg, steps: int) -> Coeffici
     ``simple`` and ``quintic`` (and explicit tuples) cycle; ``polar_express`` repeats its last
     tuple once the table is exhausted.
     """
+    if isinstance(coefficients, str):
+        return _named_schedule(coefficients, steps)
     coeffs = resolve_coefficients(coefficients)
-    name = coefficients if isinstance(coefficients, str) else None
+    return tuple(coeffs[coefficient_index(None, len(coeffs), i)] for i in range(steps))
+
+
+@functools.lru_cache(maxsize=64)
+def _named_schedule(name: str, steps: int) -> Coefficients:
+    """A named set's schedule, computed once per ``(name, steps)``: every Muon matrix of
+    every step asks for it, and building it (validation, one index rule per step) cost
+    more host time than a tiny matrix's elementwise work (~70 us per call at tiny_cpu)."""
+    coeffs = resolve_coefficients(name)
     return tuple(coeffs[coefficient_index(name, len(coeffs), i)] for i in range(steps))
 
 

@@ -275,6 +275,30 @@ def load_all_from_staging(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) ->
             load_from_staging(p, staged)
 
 
+def load_parts_from_staging(targets: Sequence[tuple[torch.Tensor, Sequence[torch.Tensor]]]) -> None:
+    """:func:`load_from_staging` for ``(param, staged parts)`` pairs whose parts, concatenated
+    in order, are the param's staged value (a grouped weight's members gathered from several
+    ranks). Plain params take every part in one batched copy straight into their member
+    views (no concatenation; a copy either way, so bitwise the per-param load); the others
+    load the concatenated value through their format."""
+    dsts: list[torch.Tensor] = []
+    srcs: list[torch.Tensor] = []
+    with torch.no_grad():
+        for p, parts in targets:
+            if _is_plain(p):
+                flat = p.view(-1)
+                off = 0
+                for part in parts:
+                    dsts.append(flat[off : off + part.numel()])
+                    srcs.append(part)
+                    off += part.numel()
+            else:
+                value = parts[0] if len(parts) == 1 else torch.cat(list(parts))
+                load_from_staging(p, value.view(p.shape))
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)
+
+
 def _is_plain(p: torch.Tensor) -> bool:
     return type(p) in (torch.Tensor, torch.nn.Parameter) and not is_quantized(p)
 

@@ -133,7 +133,7 @@ def ownership_orders(rank: int, world: int) -> dict[str, Any]:
 def layer_wise_regressions(rank: int, world: int) -> dict[str, Any]:
     """Each layer-wise fix removed in turn (and kept, as the control)."""
     from lptrain.distributed import layout
-    from lptrain.optim import layerwise
+    from lptrain.optim import compact_gather
 
     out: dict[str, Any] = {}
 
@@ -147,7 +147,7 @@ def layer_wise_regressions(rank: int, world: int) -> dict[str, Any]:
     def naive_first(per_rank: Sequence[Sequence[Any]]) -> Any:
         return per_rank[0][0]
 
-    with patched(layerwise, "first_nonempty", naive_first):
+    with patched(compact_gather, "first_nonempty", naive_first):
         out["empty_slot_broken"] = run(SMALL_BUCKETS, steps=1)
     ok = run(SMALL_BUCKETS, steps=1)
     out["empty_slot_fixed"] = ok if isinstance(ok, str) else None
@@ -161,7 +161,7 @@ def layer_wise_regressions(rank: int, world: int) -> dict[str, Any]:
 
     fp32 = ["precision.params_dtype=fp32"]
     out["fp32_fixed"] = fp32_match(run(fp32, steps=2))
-    with patched(layerwise, "transport_dtype", lambda p: torch.bfloat16):
+    with patched(compact_gather, "transport_dtype", lambda p: torch.bfloat16):
         out["fp32_broken"] = fp32_match(run(fp32, steps=2))
 
     # 3. split all-reduce buffers: FP8 Muon params keyed apart from bf16 ones (the router).

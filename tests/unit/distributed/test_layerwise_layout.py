@@ -18,7 +18,13 @@ from lptrain.distributed.layout import (
     plan_layout,
 )
 from lptrain.memory.analytic import ParamDesc, analytic_memory
-from lptrain.optim.layerwise import MuonUnit, assign_owners, plan_ownership, units_of_buffer
+from lptrain.optim.layerwise import (
+    MuonUnit,
+    assign_owners,
+    plan_ownership,
+    run_norm_sq_and_zeros,
+    units_of_buffer,
+)
 
 BF16, FP32 = torch.bfloat16, torch.float32
 ADAM = BufferKey(BF16, FP32, False, False, False)
@@ -165,3 +171,30 @@ def test_analytic_1b_compact_muon_fp8_no_more_than_adamw_fp8(dp: int) -> None:
     n_adam = sum(d.numel for d in ONE_B if not d.is_muon)
     masters = sum(m.masters for m in muon)
     assert n_muon * 4 + n_adam * 4 <= masters <= n_muon * 4 + n_adam * 4 + dp * 4 * 2 * BUCKET_END_ALIGN * dp
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_run_norm_and_zeros_equal_the_per_unit_formula_bitwise(dtype: torch.dtype) -> None:
+    """The layer-wise grad norm and zero count go per run of adjacent units; they must be
+    bitwise the per-unit ``sum(double(g)^2)`` added unit by unit, and the exact zero count
+    (runs at odd offsets of a larger buffer, units of unequal sizes, zeros and -0.0)."""
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(20):
+        sizes = [int(n) for n in torch.randint(1, 3000, (int(torch.randint(1, 12, (1,), generator=gen)),),
+                                               generator=gen)]
+        base = (torch.randn(sum(sizes) + 7, generator=gen) * (trial + 1)).to(dtype)
+        base[torch.rand(base.numel(), generator=gen) < 0.02] = 0.0
+        base[3] = -0.0
+        cut = sum(sizes[: len(sizes) // 2])
+        runs = [(base[3 : 3 + cut], sizes[: len(sizes) // 2]),
+                (base[3 + cut : 3 + sum(sizes)], sizes[len(sizes) // 2 :])]
+        runs = [r for r in runs if r[1]]
+        want = torch.zeros((), dtype=torch.float64)
+        zeros = 0
+        for grad, ss in runs:
+            for g in grad.split(ss):
+                want += g.double().square().sum()
+                zeros += int((g == 0).sum())
+        got, got_zeros = run_norm_sq_and_zeros(runs, torch.device("cpu"))
+        assert torch.equal(got, want), (trial, got, want)
+        assert int(got_zeros) == zeros
