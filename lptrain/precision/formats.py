@@ -338,13 +338,12 @@ def sr_e2m1_codes_i32(
     a = y.abs_()
     p = torch.clamp(a, 1.0, 4.0, out=ws.get("t1", y.shape, torch.float32))
     p.view(torch.int32).bitwise_and_(_EXP_MASK)
-    # the bytes are widened into a reused fp32 buffer first: given uint8, addcmul would cast
-    # them into a fresh chunk-sized temporary on every call (page-faulted in on the CPU),
-    # which cost more than the addcmul itself; the widening is exact, so the sum is the same
-    r = rbits.reshape(y.shape)
-    if r.dtype != torch.float32:
-        r = ws.get("rbf", y.shape, torch.float32).copy_(r)
-    t = torch.addcmul(a, r, p, value=2.0**-9, out=ws.get("t2", y.shape, torch.float32))
+    # the bytes are widened into the output buffer first and the sum is taken in place: given
+    # uint8, addcmul would cast them into a fresh chunk-sized temporary on every call
+    # (page-faulted in on the CPU), which cost more than the addcmul itself; the widening is
+    # exact, so the sum is the same
+    t = ws.get("t2", y.shape, torch.float32)
+    t = torch.addcmul(a, t.copy_(rbits.reshape(y.shape)), p, value=2.0**-9, out=t)
     low = torch.mul(t, 1.5, out=p).clamp_(max=0.75)
     torch.maximum(t, low, out=t)
     code = torch.bitwise_right_shift(t.view(torch.int32), 22, out=a.view(torch.int32))

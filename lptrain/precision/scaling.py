@@ -259,6 +259,15 @@ def nvfp4_dequant_block_scale(scale_bits: torch.Tensor, global_amax: torch.Tenso
     return (sdec * global_amax.to(torch.float32)) * _INV_GLOBAL_NUM
 
 
+def nvfp4_dequant_block_scale_into(
+    scale_bits: torch.Tensor, global_amax: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """:func:`nvfp4_dequant_block_scale` computed in ``out`` (fp32, ``scale_bits``' shape):
+    the same ops in place, for callers that evaluate it chunk by chunk into a reused buffer."""
+    out.copy_(scale_bits.view(torch.float8_e4m3fn))
+    return out.mul_(global_amax.to(torch.float32)).mul_(_INV_GLOBAL_NUM)
+
+
 def maybe_reduce_amax(amax_t: torch.Tensor, reduction: Optional[object]) -> torch.Tensor:
     """MAX-reduce ``amax_t`` with a callable (returns the result or reduces in place) or a
     ``torch.distributed`` process group (all_reduce MAX when its size > 1)."""
