@@ -108,13 +108,16 @@ def rotated_scratch(shape: tuple[int, int], device: torch.device) -> torch.Tenso
 
 
 def rotate_group_rows_keep(x: torch.Tensor, out: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """:func:`rotate_group_rows_into` (forward, rounded to bf16) that also leaves the bf16
-    values in ``keep`` (same shape): the same GEMM call, and the rounding that
-    ``_round_bf16_`` does (fp32 -> bf16 round-to-nearest-even, widened back), so ``out``
-    holds the same bits and ``keep`` their exact bf16 form."""
+    """:func:`rotate_group_rows_into` (forward, rounded to bf16) with the rounded values left
+    in ``keep`` (bf16, same shape) and returned; ``out`` (fp32) is the GEMM's scratch.
+
+    The same GEMM call, and the rounding ``_round_bf16_`` does (fp32 -> bf16
+    round-to-nearest-even): ``keep`` widened is exactly what :func:`rotate_group_rows_into`
+    returns. Why not widen it back into ``out`` as well: the consumers (the block amaxes and
+    the codes pass) read the bf16 values directly, and the widening pass cost as much as the
+    rounding."""
     rotate_group_rows_into(x, out, round_to_bf16=False)
-    keep.copy_(out)
-    return out.copy_(keep)
+    return keep.copy_(out)
 
 
 def rotate_token_groups(x: torch.Tensor, inverse: bool = False, round_to_bf16: bool = True) -> torch.Tensor:

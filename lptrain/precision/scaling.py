@@ -22,6 +22,8 @@ _POW2_MASK = -8388608
 _SUBNORMAL_2_POW_M127 = 0x00400000  # bits of 2^-127 in fp32
 _ABS_MASK = 0x7FFFFFFF  # clears the fp32 sign bit
 _INF_BITS = 0x7F800000  # bits of +inf; larger patterns (sign cleared) are NaN
+_ABS_MASK_BF16 = 0x7FFF  # the same two for the 16-bit bfloat16 patterns
+_INF_BITS_BF16 = 0x7F80
 
 Number = Union[float, torch.Tensor]
 
@@ -65,8 +67,10 @@ def block_amax_nan(
     Callers use it to skip NaN handling passes that cannot change anything."""
     if x.numel() == 0:
         return block_amax(x, dim), x.device.type != "cpu"
-    xf = x.float()
     d = () if dim is None else dim
+    if x.dtype == torch.bfloat16:
+        return _block_amax_nan_bf16(x, d, ws)
+    xf = x.float()
     out = None if ws is None else ws.get("amax", xf.shape, torch.int32)
     a = torch.bitwise_and(xf.view(torch.int32), _ABS_MASK, out=out).amax(dim=d)
     # On the CPU the NaN-free common case skips the recompute (asked as one max and one
@@ -75,6 +79,26 @@ def block_amax_nan(
     has_nan = x.device.type != "cpu" or int(a.max()) > _INF_BITS
     if has_nan:
         a = torch.where(a > _INF_BITS, abs_nan_to_zero(xf).amax(dim=d).view(torch.int32), a)
+    return a.view(torch.float32), has_nan
+
+
+def _block_amax_nan_bf16(
+    x: torch.Tensor, d: int | tuple[int, ...], ws: Optional[Workspace]
+) -> tuple[torch.Tensor, bool]:
+    """:func:`block_amax_nan` of bf16 ``x`` on its int16 bit patterns (the same fp32 result).
+
+    Why: the NVFP4 RHT operand is rounded to bf16 and its amax was taken after widening it
+    back to fp32, a pass that writes twice the bytes the amax reads; bf16 widens to fp32 by
+    appending 16 zero bits, so the int16 order of the sign-cleared patterns is the fp32 one
+    and the widened max is the int16 max shifted left by 16 (exact). NaN patterns sort above
+    inf's 0x7F80 as in the fp32 case and are recomputed the same way."""
+    out = None if ws is None else ws.get("amax16", x.shape, torch.int16)
+    a16 = torch.bitwise_and(x.view(torch.int16), _ABS_MASK_BF16, out=out).amax(dim=d)
+    nan = a16 > _INF_BITS_BF16
+    has_nan = x.device.type != "cpu" or bool(nan.any())
+    a = a16.to(torch.int32).bitwise_left_shift_(16)
+    if has_nan:
+        a = torch.where(nan, abs_nan_to_zero(x).amax(dim=d).view(torch.int32), a)
     return a.view(torch.float32), has_nan
 
 
@@ -316,6 +340,15 @@ def nvfp4_dequant_block_scale(scale_bits: torch.Tensor, global_amax: torch.Tenso
     """fp32(fp32(float(sdec_b) * amax) * fl32(1/2688)), TE's ``dequantize_nvfp4`` block factor."""
     sdec = scale_bits.view(torch.float8_e4m3fn).float()
     return (sdec * global_amax.to(torch.float32)) * _INV_GLOBAL_NUM
+
+
+def nvfp4_dequant_block_scale_into(
+    scale_bits: torch.Tensor, global_amax: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """:func:`nvfp4_dequant_block_scale` computed in ``out`` (fp32, ``scale_bits``' shape):
+    the same ops in place, for callers that evaluate it chunk by chunk into a reused buffer."""
+    out.copy_(scale_bits.view(torch.float8_e4m3fn))
+    return out.mul_(global_amax.to(torch.float32)).mul_(_INV_GLOBAL_NUM)
 
 
 def maybe_reduce_amax(amax_t: torch.Tensor, reduction: Optional[object]) -> torch.Tensor:
