@@ -10,7 +10,15 @@ Targets: lptrain's step at most 1.05x torch DDP's for the overlapped variants (t
 overlaps its all-reduce with the backward, so they are the like-for-like comparison; the
 non-overlapped ones are printed for reference), and overlap on faster than overlap off
 (``overlap on / overlap off`` below 1.0, for plain DDP and for the distributed optimizer);
-padding under 1%. The bucket count and sizes of every variant are printed. Rounds (every variant
+padding under 1%.
+
+Reference (no target): ``torch DDP, overlap off`` -- torch DDP with every micro-batch under
+``no_sync()`` and one all-reduce of the flattened grads after the last backward (what DDP
+does without overlap), against ``torch DDP``: ``torch DDP: overlap on / overlap off`` is the
+bound for lptrain's own on/off ratio (on 2 cores with gloo, a collective overlapped with the
+backward takes its CPU time from that backward).
+
+The bucket count and sizes of every variant are printed. Rounds (every variant
 once, each after a barrier, the slowest rank's time) repeat until each ratio's median is
 known within ``--spread`` or ``--cap`` seconds pass (``bench/harness.py``; REGRESSED
 against ``bench/baseline.json``).
@@ -81,7 +89,9 @@ def _ratios() -> list[Ratio]:
                 for name in VARIANTS if _strategy(name) in STRATEGY_TARGETS]
     on_off = [Ratio(f"{what}: overlap on / overlap off", on, off, OVERLAP_TARGET)
               for what, (on, off) in OVERLAP_PAIRS.items()]
-    return vs_torch + vs_optim + on_off
+    # the bound of on_off (no target): torch's own overlap against torch reducing after the backward
+    torch_on_off = [Ratio("torch DDP: overlap on / overlap off", "torch DDP", "torch DDP, overlap off")]
+    return vs_torch + vs_optim + on_off + torch_on_off
 
 
 def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -102,6 +112,10 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     ddp = torch.nn.parallel.DistributedDataParallel(torch_model)
     opt = torch.optim.AdamW(torch_model.parameters(), lr=cfg.optimizer.lr, foreach=True)
     torch_it, _ = train_batches(cfg, rank, world)
+    flat_model = build_model(cfg)  # the same init: torch DDP reducing once, after the backward
+    flat_ddp = torch.nn.parallel.DistributedDataParallel(flat_model)
+    flat_opt = torch.optim.AdamW(flat_model.parameters(), lr=cfg.optimizer.lr, foreach=True)
+    flat_it, _ = train_batches(cfg, rank, world)
 
     def torch_step(step: int) -> None:
         for i in range(n):
@@ -113,9 +127,25 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    def torch_flat_step(step: int) -> None:
+        for _ in range(n):
+            b = next(flat_it)
+            with flat_ddp.no_sync():
+                loss, _ = flat_ddp(b["tokens"], labels=b["labels"])
+                (loss / n).backward()
+        grads = [p.grad for p in flat_model.parameters() if p.grad is not None]
+        flat = torch._utils._flatten_dense_tensors(grads)
+        torch.distributed.all_reduce(flat)
+        flat.div_(world)
+        for g, f in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
+            g.copy_(f)
+        flat_opt.step()
+        flat_opt.zero_grad(set_to_none=True)
+
     fns = {name: (lambda s, e=engines[name], it=its[name]: e.train_step([next(it) for _ in range(n)], s))
            for name in VARIANTS}
     fns["torch DDP"] = torch_step
+    fns["torch DDP, overlap off"] = torch_flat_step
     r = rounds(args, _ratios())
     step = 0
     while True:

@@ -18,14 +18,8 @@ from typing import Optional
 
 import torch
 
-from lptrain.distributed.layout import (
-    BufferKey,
-    BufferLayout,
-    ParamSpec,
-    muon_buffer_key,
-    plan_layer_wise_layout,
-    plan_layout,
-)
+from lptrain.distributed.layerwise_layout import muon_buffer_key, plan_layer_wise_layout
+from lptrain.distributed.layout import BufferKey, BufferLayout, ParamSpec, plan_layout
 from lptrain.memory.accounting import OptimizerLayout, Sharding, StoredParam, rank_memory
 from lptrain.memory.breakdown import MemoryBreakdown
 

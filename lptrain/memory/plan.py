@@ -211,7 +211,8 @@ def _specs(
     ``is_quantized`` of a proxy the run's weight quantizer made)."""
     from dataclasses import replace
 
-    from lptrain.distributed.layout import muon_buffer_key, param_specs
+    from lptrain.distributed.layerwise_layout import muon_buffer_key
+    from lptrain.distributed.layout import param_specs
     from lptrain.precision.param_storage import is_quantized, staging_dtype
 
     gemm = _gemm_weights(model)

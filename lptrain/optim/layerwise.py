@@ -14,7 +14,7 @@ when several matrices have equal shapes (sorting by numel alone lets a stable so
 to each rank's registration order, and ranks then disagree on who owns which matrix).
 
 Two layouts (``optimizer.layer_wise_param_layout``, planned in
-:func:`lptrain.distributed.layout.plan_layer_wise_layout`):
+:func:`lptrain.distributed.layerwise_layout.plan_layer_wise_layout`):
 
 * **compact** (default): Muon buffers have no padding; grads are all-reduced; after the step
   each owner stages its units in their *transport dtype* (the param's logical dtype: bf16 for
@@ -50,7 +50,8 @@ import torch.distributed as dist
 from lptrain.config.schema import OptimizerConfig
 from lptrain.distributed.buffers import ParamAndGradBuffer
 from lptrain.distributed.groups import SINGLE, Group
-from lptrain.distributed.layout import BufferSpec, ns_cost, padded_owner
+from lptrain.distributed.layerwise_layout import ns_cost, padded_owner
+from lptrain.distributed.layout import BufferSpec
 from lptrain.optim.child import MasterOptimizer, OptimizerChild
 from lptrain.optim.compact_gather import CompactGather
 from lptrain.optim.distributed import ExpertShardedMasterOptimizer, ShardedMasterOptimizer

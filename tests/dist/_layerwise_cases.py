@@ -132,7 +132,7 @@ def ownership_orders(rank: int, world: int) -> dict[str, Any]:
 
 def layer_wise_regressions(rank: int, world: int) -> dict[str, Any]:
     """Each layer-wise fix removed in turn (and kept, as the control)."""
-    from lptrain.distributed import layout
+    from lptrain.distributed import layerwise_layout as layout
     from lptrain.optim import compact_gather
 
     out: dict[str, Any] = {}

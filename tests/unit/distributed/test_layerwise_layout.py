@@ -7,14 +7,16 @@ import math
 import pytest
 import torch
 
+from lptrain.distributed.layerwise_layout import (
+    PADDED_SHARD_CAP,
+    padded_owner,
+    plan_layer_wise_layout,
+)
 from lptrain.distributed.layout import (
     BUCKET_END_ALIGN,
-    PADDED_SHARD_CAP,
     PARAM_START_ALIGN,
     BufferKey,
     ParamSpec,
-    padded_owner,
-    plan_layer_wise_layout,
     plan_layout,
 )
 from lptrain.memory.analytic import ParamDesc, analytic_memory
@@ -128,7 +130,7 @@ def test_ownership_balanced_by_ns_cost_and_order_independent() -> None:
     units = units_of_buffer(muon, member_level=True)
     owners = assign_owners(units, 8)
     assert owners == assign_owners(list(reversed(units)), 8)
-    from lptrain.distributed.layout import ns_cost
+    from lptrain.distributed.layerwise_layout import ns_cost
 
     loads = [0] * 8
     for u in units:
