@@ -153,6 +153,9 @@ def unpack_fp4_values(
         # small operand: one gather of the byte's two values (no per-call scale check: v * b
         # is what both int paths compute), one multiply by the block scales
         out = torch.index_select(_FP4_PAIR_LUT, 0, packed.reshape(-1).to(torch.int32)).view(r, half * 2)
+        if scale_bits is not None:  # the NVFP4 factors, as the chunked path computes them
+            assert gamax is not None
+            block_scale = _scaling.nvfp4_dequant_block_scale(scale_bits, gamax)
         if block_scale is not None:
             out.view(-1, NV_BLOCK).mul_(block_scale.to(torch.float32).reshape(-1, 1))
         return out
