@@ -18,8 +18,11 @@ install: $(STAMP)
 run: install
 	$(BIN)/lptrain pretrain --recipe tiny_cpu.yaml --overwrite
 
+# Two pytest-xdist workers by default (CI has 2 cores); TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
+
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal
 
 lint: install
 	$(BIN)/ruff check lptrain tests bench

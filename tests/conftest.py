@@ -2,8 +2,18 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
+import os
+
+# Under pytest-xdist (``make test`` runs two workers on the 2-core CI machine) each worker gets
+# an equal share of the cores, and so do the CLI runs it starts as subprocesses: two workers
+# each spinning two OpenMP threads on two cores made single-process tests 2-5x slower.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+_THREADS = 2 if _WORKERS <= 1 else max(1, (os.cpu_count() or 2) // _WORKERS)
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 def _te_importable() -> bool:
@@ -31,4 +41,4 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def _cpu_defaults() -> None:
     # Subnormal fp32 scales (2^-127) must survive: never flush denormals.
     torch.set_flush_denormal(False)
-    torch.set_num_threads(2)
+    torch.set_num_threads(_THREADS)

@@ -14,7 +14,7 @@ def test_pretrain_tiny_cpu_runs(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "lptrain", "pretrain", "--recipe", "tiny_cpu.yaml",
          "--output-dir", str(out), "train.train_iters=3", "optimizer.warmup_iters=1",
-         "train.eval_iters=1",
+         "train.eval_iters=1", "data.builtin_max_mb=1",  # `make run` prepares the full 32 MB
          f"data.cache_dir={tmp_path / 'cache'}", "logging.progress=false"],
         capture_output=True, text=True, timeout=240,
     )
