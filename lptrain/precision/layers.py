@@ -90,8 +90,7 @@ def accumulate_wgrad(weight: torch.Tensor, dw: torch.Tensor, fuse: bool) -> Opti
     """
     main_grad = getattr(weight, "main_grad", None)
     if fuse and main_grad is not None:
-        main_grad.add_(dw.view_as(main_grad).to(main_grad.dtype))
-        weight.grad_added_to_main_grad = True
+        _ops.add_wgrad(weight, dw, main_grad)
         return torch.zeros(tuple(weight.shape), dtype=weight.dtype, device=weight.device)
     return dw.to(weight.dtype)
 

@@ -150,7 +150,11 @@ def col_operand_t(q: Any) -> torch.Tensor:
 def add_wgrad(weight: torch.Tensor, dw: torch.Tensor, main_grad: Optional[torch.Tensor]) -> None:
     """Accumulate ``dw`` into ``main_grad`` (fp32 add) and flag the weight (fusion contract)."""
     assert main_grad is not None
-    main_grad.add_(dw.view_as(main_grad).to(main_grad.dtype))
+    # reshaped and cast only when needed: each is an op per linear per backward, and the
+    # add is the same either way
+    if dw.shape != main_grad.shape:
+        dw = dw.view_as(main_grad)
+    main_grad.add_(dw if dw.dtype == main_grad.dtype else dw.to(main_grad.dtype))
     weight.grad_added_to_main_grad = True
 
 
