@@ -108,7 +108,7 @@ class OptimizerChild(Protocol):
         ...
 
 
-def _scalar_for(like: torch.Tensor, value: float) -> float | torch.Tensor:
+def foreach_scalar(like: torch.Tensor, value: float) -> float | torch.Tensor:
     """``value`` as the multiplier of fp32 ``like``'s list in ``_foreach_mul_``.
 
     Why: on the CPU, ``_foreach_mul_`` with a Python scalar is a per-tensor loop that wraps
@@ -151,7 +151,7 @@ class MasterOptimizer:
         update every group at ``lrs[group name]``."""
         if clip_coef is not None and self.pieces:
             grads = self.master_grads()
-            torch._foreach_mul_(grads, _scalar_for(grads[0], clip_coef))
+            torch._foreach_mul_(grads, foreach_scalar(grads[0], clip_coef))
         for opt in self.optimizers:
             for g in opt.param_groups:
                 g["lr"] = lrs[g["name"]]
