@@ -88,6 +88,10 @@ def norm_views(piece: MasterPiece, grad: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
+# (buffer, lo, hi, pieces, part sizes, the part of each piece): see ``_norm_spans``
+_NormSpan = tuple[ParamAndGradBuffer, int, int, list[MasterPiece], list[int], list[int]]
+
+
 def _pieces(buffers: Sequence[ParamAndGradBuffer]) -> list[MasterPiece]:
     out: list[MasterPiece] = []
     for buf in buffers:
@@ -156,16 +160,57 @@ class ShardedMasterOptimizer(MasterOptimizer):
         order) or discrete params (laid out in reverse): :func:`norm_views`."""
         sharded = torch.zeros((), dtype=torch.float64, device=self.device)
         replicated = torch.zeros((), dtype=torch.float64, device=self.device)
-        grads = self.master_grads()
         for acc, want in ((sharded, True), (replicated, False)):
-            mine = [v for pc, g in zip(self.pieces, grads, strict=True) if bool(pc.buffer.sharded) == want
-                    for v in norm_views(pc, g)]
-            if mine:
-                norms = torch._foreach_norm(mine, 2, dtype=torch.float64)
+            if self.device.type == "cpu":
+                norms = self._cpu_norms(want)
+            else:
+                grads = self.master_grads()
+                mine = [v for pc, g in zip(self.pieces, grads, strict=True) if bool(pc.buffer.sharded) == want
+                        for v in norm_views(pc, g)]
+                norms = torch._foreach_norm(mine, 2, dtype=torch.float64) if mine else []
+            if norms:
                 acc += torch.stack(norms).square().sort().values.sum()
         if self.group.active and any(b.sharded for b in self.buffers):
             dist.all_reduce(sharded, group=self.group.pg)
         return sharded + replicated
+
+    @functools.cached_property
+    def _norm_spans(self) -> dict[bool, list[_NormSpan]]:
+        """Per sharded flag, one :data:`_NormSpan` per bucket: ``[lo, hi)`` spans its pieces
+        (inside this rank's shard of the bucket: one :meth:`grad_slice`), ``sizes`` cut it
+        into pieces and the gaps between them, ``keep`` says which part is each piece."""
+        out: dict[bool, list[_NormSpan]] = {True: [], False: []}
+        for buf in self.buffers:
+            for bucket in buf.buckets:
+                mine = sorted((pc for pc in self.pieces if pc.buffer is buf and bucket.start <= pc.lo < bucket.end),
+                              key=lambda pc: pc.lo)
+                if not mine:
+                    continue
+                sizes: list[int] = []
+                keep: list[int] = []
+                at = mine[0].lo
+                for pc in mine:
+                    if pc.lo > at:  # padding between params: cut off, not normed
+                        sizes.append(pc.lo - at)
+                    keep.append(len(sizes))
+                    sizes.append(pc.hi - pc.lo)
+                    at = pc.hi
+                out[bool(buf.sharded)].append((buf, mine[0].lo, at, mine, sizes, keep))
+        return out
+
+    def _cpu_norms(self, sharded: bool) -> list[torch.Tensor]:
+        """The fp64 norms of :func:`norm_views` of the ``sharded`` (or replicated) pieces'
+        reduced grads, each bucket's span cast to fp64 once. Why: on the CPU
+        ``_foreach_norm(..., dtype=float64)`` is a loop that casts every tensor before its norm
+        (4 ops each); norms of views of one cast are the same numbers (the fp64 values are
+        exact, and the reduction runs on fp64 either way) at one cast per bucket. CUDA keeps
+        the fused kernel, which reads the fp32 grads directly."""
+        norms: list[torch.Tensor] = []
+        for buf, lo, hi, pieces, sizes, keep in self._norm_spans[sharded]:
+            parts = buf.grad_slice(lo, hi).to(torch.float64).split(sizes)  # (one op for all)
+            views = [v for pc, i in zip(pieces, keep, strict=True) for v in norm_views(pc, parts[i])]
+            norms.extend(torch._foreach_norm(views, 2))
+        return norms
 
     def count_zeros(self) -> Optional[int]:
         """Not counted here: ``muon_grad_zeros`` is the layer-wise Muon's metric."""

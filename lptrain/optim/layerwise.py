@@ -52,7 +52,7 @@ from lptrain.distributed.buffers import ParamAndGradBuffer
 from lptrain.distributed.groups import SINGLE, Group
 from lptrain.distributed.layerwise_layout import ns_cost, padded_owner
 from lptrain.distributed.layout import BufferSpec
-from lptrain.optim.child import MasterOptimizer, OptimizerChild
+from lptrain.optim.child import MasterOptimizer, OptimizerChild, foreach_scalar
 from lptrain.optim.compact_gather import CompactGather
 from lptrain.optim.distributed import ExpertShardedMasterOptimizer, ShardedMasterOptimizer
 from lptrain.optim.muon import build_muon
@@ -304,7 +304,8 @@ class LayerWiseMuon(MasterOptimizer):
         waiting: :meth:`update_rms` reads it, so its latency overlaps staging and the gather."""
         self._finish_rms()
         if clip_coef is not None and self.pieces:
-            torch._foreach_mul_([pc.master.grad for pc in self.pieces], clip_coef)  # type: ignore[misc]
+            grads = [pc.master.grad for pc in self.pieces]
+            torch._foreach_mul_(grads, foreach_scalar(grads[0], clip_coef))  # type: ignore[arg-type]
         for opt in self.optimizers:
             for g in opt.param_groups:
                 g["lr"] = lrs[g["name"]]

@@ -86,13 +86,13 @@ def accumulate_wgrad(weight: torch.Tensor, dw: torch.Tensor, fuse: bool) -> Opti
     """Return ``dw`` as the autograd grad, or add it into ``weight.main_grad`` (fusion).
 
     With fusion, autograd still needs a gradient of the weight's shape; a zero tensor is
-    returned the way TE does (``grad_added_to_main_grad`` tells the DDP hook to skip it).
+    returned the way TE does (``grad_added_to_main_grad`` tells the DDP hook to skip it; a
+    cached one: :func:`lptrain.precision.linear_ops.fused_wgrad_placeholder`).
     """
     main_grad = getattr(weight, "main_grad", None)
     if fuse and main_grad is not None:
-        main_grad.add_(dw.view_as(main_grad).to(main_grad.dtype))
-        weight.grad_added_to_main_grad = True
-        return torch.zeros(tuple(weight.shape), dtype=weight.dtype, device=weight.device)
+        _ops.add_wgrad(weight, dw, main_grad)
+        return _ops.fused_wgrad_placeholder(weight.shape, weight.dtype, weight.device)
     return dw.to(weight.dtype)
 
 
