@@ -86,13 +86,14 @@ def accumulate_wgrad(weight: torch.Tensor, dw: torch.Tensor, fuse: bool) -> Opti
     """Return ``dw`` as the autograd grad, or add it into ``weight.main_grad`` (fusion).
 
     With fusion, autograd still needs a gradient of the weight's shape; a zero tensor is
-    returned the way TE does (``grad_added_to_main_grad`` tells the DDP hook to skip it; a
-    cached one: :func:`lptrain.precision.linear_ops.fused_wgrad_placeholder`).
+    returned the way TE does (``grad_added_to_main_grad`` tells the DDP hook to skip it). A
+    fresh one each time, never a cached zero: without the DDP hook to drop it, ``p.grad``
+    would alias the cache, and autograd's in-place sum of a later grad would write into it.
     """
     main_grad = getattr(weight, "main_grad", None)
     if fuse and main_grad is not None:
         _ops.add_wgrad(weight, dw, main_grad)
-        return _ops.fused_wgrad_placeholder(weight.shape, weight.dtype, weight.device)
+        return torch.zeros(tuple(weight.shape), dtype=weight.dtype, device=weight.device)
     return dw.to(weight.dtype)
 
 

@@ -147,27 +147,6 @@ def col_operand_t(q: Any) -> torch.Tensor:
     return q.dequantize("columnwise").t()
 
 
-_PLACEHOLDERS: dict[tuple[tuple[int, ...], torch.dtype, torch.device], torch.Tensor] = {}
-
-
-def fused_wgrad_placeholder(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The zero gradient a fused-wgrad GEMM hands autograd for its weight (the real one went
-    into ``main_grad``; ``grad_added_to_main_grad`` tells the DDP hook to drop this one).
-
-    Why cached: a fresh ``torch.zeros`` per linear per backward is 3 ops and an allocation.
-    One zero tensor per (shape, dtype, device) is handed out as a fresh alias (``detach``):
-    ``AccumulateGrad`` takes an alias nobody else references as ``p.grad`` without copying,
-    and the DDP hook drops it. Nothing non-zero is written into it: autograd sums two grads
-    of one input in place only when their storage has no other user (this one's always has:
-    the cache), and under the DDP hook ``p.grad`` never outlives its backward (without the
-    hook, a later fused backward adds only another placeholder's zeros into it)."""
-    key = (tuple(shape), dtype, device)
-    z = _PLACEHOLDERS.get(key)
-    if z is None:
-        z = _PLACEHOLDERS[key] = torch.zeros(key[0], dtype=dtype, device=device)
-    return z.detach()
-
-
 def add_wgrad(weight: torch.Tensor, dw: torch.Tensor, main_grad: Optional[torch.Tensor]) -> None:
     """Accumulate ``dw`` into ``main_grad`` (fp32 add) and flag the weight (fusion contract)."""
     assert main_grad is not None
@@ -295,7 +274,7 @@ def _weight_grads(ctx: Any, dws: list[torch.Tensor]) -> list[Optional[torch.Tens
             for i, dw in enumerate(dws):
                 main_grad[i].add_(dw.to(main_grad.dtype))
             w.grad_added_to_main_grad = True
-            out.append(fused_wgrad_placeholder(shape, dtype, device))
+            out.append(torch.zeros(shape, dtype=dtype, device=device))
         else:
             out.append(torch.stack(dws).to(dtype))
         return out
@@ -305,7 +284,7 @@ def _weight_grads(ctx: Any, dws: list[torch.Tensor]) -> list[Optional[torch.Tens
         main_grad = getattr(w, "main_grad", None) if w is not None else None
         if op.fuse_wgrad and main_grad is not None:
             add_wgrad(w, dw, main_grad)
-            out.append(fused_wgrad_placeholder(shape, dtype, device))
+            out.append(torch.zeros(shape, dtype=dtype, device=device))
         else:
             out.append(dw.to(dtype))
     return out
