@@ -24,10 +24,11 @@ def map_row_chunks(
     return map_row_ranges(lambda c, _r0: fn(c), x, align)
 
 
-def row_ranges(m: int, k: int, align: int = 1) -> list[tuple[int, int]]:
+def row_ranges(m: int, k: int, align: int = 1, target: int = 0) -> list[tuple[int, int]]:
     """The [r0, r1) row ranges :func:`map_row_ranges` evaluates for an [m, k] tensor (callers
-    that write each chunk's result into preallocated outputs use the same chunking)."""
-    rows = max(align, (TARGET_ELEMS // max(k, 1)) // align * align)
+    that write each chunk's result into preallocated outputs use the same chunking);
+    ``target``: elements per chunk instead of :data:`TARGET_ELEMS`."""
+    rows = max(align, ((target or TARGET_ELEMS) // max(k, 1)) // align * align)
     return [(r, min(m, r + rows)) for r in range(0, m, rows)] or [(0, 0)]
 
 

@@ -28,11 +28,16 @@ from ..formats import (
     sr_e2m1_codes_i32,
 )
 from ..rht import rht_rows_from_chunks, rotate_group_rows_keep, rotated_scratch
-from ._chunks import map_row_chunks, map_row_ranges, row_ranges
+from ._chunks import map_row_chunks, row_ranges
 from .base import Orientation, QuantizedTensor, Quantizer, Role, rows_of
 
 NV_BLOCK = 16
 
+# Row chunk of the quantize passes (elements): 1 MiB of fp32 per buffer, so the SR chain's few
+# chunk buffers stay mostly in a 1 MiB L2 (2 MiB chunks measured ~5-10% slower per NVFP4 q+dq;
+# much smaller ones pay the per-op overhead). Elementwise math, 16-row-aligned RHT groups and
+# word-aligned SR draws, so the chunking never changes a bit.
+_ROW_CHUNK_ELEMS = 1 << 18
 _CHUNK_BYTES = 1 << 17  # packed bytes per pass (1 MiB of fp32 output, cached for the scaling)
 _F16_TO_E2M1 = 16384.0  # fp16 built from an E2M1 code is the E2M1 value times 2^-14 (bias 15 vs 1)
 _LO_HI_MAG = 0x00070007  # magnitude bits of both nibbles once spread to bits 0-3 and 16-19
@@ -96,14 +101,14 @@ def decode_fp4_chunks(
     n = flat.numel()
     if n == 0:
         return
+    ws = Workspace.shared(packed.device)
     if scale_bits is not None:
         assert gamax is not None
-        scale, folded = _nvfp4_decode_scale(scale_bits, gamax)
+        scale, folded = _nvfp4_decode_scale(scale_bits, gamax, ws)
     else:
         scale, folded = _decode_scale(block_scale)
     cb = chunk_elems // 2
     m = min(n, cb)
-    ws = Workspace.shared(packed.device)
     w = ws.get("dq_w", (m,), torch.int32)
     s = ws.get("dq_s", (m,), torch.int32)
     dst = out.view(-1) if out is not None else None
@@ -121,16 +126,20 @@ def decode_fp4_chunks(
             sink(o, 2 * b0, 2 * b1)
 
 
-def _nvfp4_decode_scale(scale_bits: torch.Tensor, gamax: torch.Tensor) -> tuple[torch.Tensor, bool]:
+def _nvfp4_decode_scale(
+    scale_bits: torch.Tensor, gamax: torch.Tensor, ws: Optional[Workspace] = None
+) -> tuple[torch.Tensor, bool]:
     """:func:`_decode_scale` of ``scaling.nvfp4_dequant_block_scale(scale_bits, gamax)``, bit
-    for bit, with one fresh buffer instead of eight.
+    for bit, with one buffer instead of eight (``ws``'s reused "dq_scale" slot when given).
 
     Why: the factors are a sixteenth of the output's size, and the composed version made a
     fresh temporary per op (widen, two multiplies, the 2^14 fold, and ``isfinite``'s four),
     which on the CPU cost about a fifth of the decode. Here the same multiplies run in place
     and the finiteness check is one ``aminmax`` (NaN propagates into both ends); the rare
     non-finite case falls back to the unfolded factors."""
-    f = torch.empty(scale_bits.numel(), dtype=torch.float32, device=scale_bits.device)
+    n = scale_bits.numel()
+    f = (torch.empty(n, dtype=torch.float32, device=scale_bits.device) if ws is None
+         else ws.get("dq_scale", (n,), torch.float32))
     _scaling.nvfp4_dequant_block_scale_into(scale_bits.reshape(-1), gamax, f).mul_(_F16_TO_E2M1)
     lo, hi = torch.aminmax(f)
     if bool(torch.isfinite(lo) & torch.isfinite(hi)):
@@ -293,16 +302,18 @@ class NVFP4Quantizer(Quantizer):
         if dim == 1:
             data = torch.empty(m, k // 2, dtype=torch.uint8, device=xf.device)
             scales = torch.empty(m, k // NV_BLOCK, dtype=torch.uint8, device=xf.device)
-            for r0, r1 in row_ranges(m, k):
+            for r0, r1 in row_ranges(m, k, 1, _ROW_CHUNK_ELEMS):
                 xv = xf[r0:r1].view(r1 - r0, k // NV_BLOCK, NV_BLOCK)
                 sbytes, enc = scaler(bamax[r0:r1])
                 scales[r0:r1].copy_(sbytes)
                 codes = self._codes(xv, enc[:, :, None], ws, may_have_nan).view(r1 - r0, k)
                 pack_fp4_i32(codes, data[r0:r1], ws)
             return data, scales
-        data = torch.empty(m // 2, k, dtype=torch.uint8, device=xf.device)
-        scales = torch.empty(m // NV_BLOCK, k, dtype=torch.uint8, device=xf.device)
-        for r0, r1 in row_ranges(m, k, NV_BLOCK):
+        # [M/2, K] bytes and [M/16, K] scales are transposed into the returned buffers below,
+        # so they are workspace scratch (fresh ones would be page-faulted in on every call)
+        data = ws.get("col_bytes", (m // 2, k), torch.uint8)
+        scales = ws.get("col_scales", (m // NV_BLOCK, k), torch.uint8)
+        for r0, r1 in row_ranges(m, k, NV_BLOCK, _ROW_CHUNK_ELEMS):
             c = xf[r0:r1]
             if rotated is not None:  # widened where _codes scales it
                 c = ws.get("y", c.shape, torch.float32).copy_(rotated[r0:r1])
@@ -314,7 +325,10 @@ class NVFP4Quantizer(Quantizer):
             pack_fp4_rows(codes, data[r0 // 2 : r1 // 2], ws)
         # one whole-tensor transpose: torch's byte transpose is several times cheaper on a
         # contiguous [M/2, K] source than chunk by chunk into column slices
-        return data.t().contiguous(), scales.t().contiguous()
+        # (clone, not contiguous(): the results must never alias the workspace, even when the
+        # transposed view happens to be contiguous, e.g. an empty tensor)
+        return (data.t().clone(memory_format=torch.contiguous_format),
+                scales.t().clone(memory_format=torch.contiguous_format))
 
     @staticmethod
     def _block_amaxes(
@@ -349,8 +363,22 @@ class NVFP4Quantizer(Quantizer):
                 nan[1] |= has_nan
             return tuple(res)
 
-        out = iter(map_row_ranges(both, xf, NV_BLOCK))
-        return (next(out) if rowwise else None), (next(out) if columnwise else None), nan[0], nan[1]
+        ranges = row_ranges(m, k, NV_BLOCK, _ROW_CHUNK_ELEMS)
+        if len(ranges) == 1:
+            res = iter(both(xf, 0))
+            return (next(res) if rowwise else None), (next(res) if columnwise else None), nan[0], nan[1]
+        # Several chunks: each chunk's amaxes land in their slice of a reused workspace buffer
+        # (they are consumed by this quantization's codes pass), instead of a per-chunk list
+        # concatenated into fresh full-size tensors (a cat that is mostly page faults on CPU).
+        row_out = ws.get("bamax_row", (m, k // NV_BLOCK), torch.float32) if rowwise else None
+        col_out = ws.get("bamax_col", (m // NV_BLOCK, k), torch.float32) if columnwise else None
+        for r0, r1 in ranges:
+            res = iter(both(xf[r0:r1], r0))
+            if row_out is not None:
+                row_out[r0:r1].copy_(next(res))
+            if col_out is not None:
+                col_out[r0 // NV_BLOCK : r1 // NV_BLOCK].copy_(next(res))
+        return row_out, col_out, nan[0], nan[1]
 
     def _quantize_fields(self, x2d: torch.Tensor) -> dict[str, Optional[torch.Tensor]]:
         xf = x2d.float()
