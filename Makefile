@@ -19,10 +19,12 @@ run: install
 	$(BIN)/lptrain pretrain --recipe tiny_cpu.yaml --overwrite
 
 # Two pytest-xdist workers by default (CI has 2 cores); TEST_WORKERS=0 runs in one process.
+# loadscope keeps a module on one worker, so its module-scoped fixtures (multi-rank batteries
+# of 10-40 s) are built once, not once per worker that took one of its tests.
 TEST_WORKERS ?= 2
 
 test: install
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope
 
 lint: install
 	$(BIN)/ruff check lptrain tests bench
