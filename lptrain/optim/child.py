@@ -117,7 +117,7 @@ def foreach_scalar(like: torch.Tensor, value: float) -> float | torch.Tensor:
     (fp32 math). CUDA keeps the scalar form of the fused kernel."""
     if like.device.type != "cpu" or like.dtype != torch.float32:
         return value
-    return torch.tensor(value, dtype=torch.float32)
+    return torch.tensor(value, dtype=torch.float32, device=like.device)
 
 
 class MasterOptimizer:

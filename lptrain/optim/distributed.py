@@ -160,11 +160,12 @@ class ShardedMasterOptimizer(MasterOptimizer):
         order) or discrete params (laid out in reverse): :func:`norm_views`."""
         sharded = torch.zeros((), dtype=torch.float64, device=self.device)
         replicated = torch.zeros((), dtype=torch.float64, device=self.device)
+        cpu = self.device.type == "cpu"
+        grads = [] if cpu else self.master_grads()  # (read once for both accumulators)
         for acc, want in ((sharded, True), (replicated, False)):
-            if self.device.type == "cpu":
+            if cpu:
                 norms = self._cpu_norms(want)
             else:
-                grads = self.master_grads()
                 mine = [v for pc, g in zip(self.pieces, grads, strict=True) if bool(pc.buffer.sharded) == want
                         for v in norm_views(pc, g)]
                 norms = torch._foreach_norm(mine, 2, dtype=torch.float64) if mine else []
