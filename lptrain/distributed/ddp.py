@@ -13,7 +13,9 @@ shutdown.
 
 Grad accumulation: a hook on each parameter's ``AccumulateGrad`` node adds ``p.grad`` into
 ``p.main_grad`` (skipped when a fused linear already accumulated straight into it and set
-``grad_added_to_main_grad``) and drops ``p.grad``. With ``ddp.overlap_grad_reduce``, the last
+``grad_added_to_main_grad``) and drops ``p.grad``. Fused linears hand autograd no weight grad
+at all (``p.main_grad_hooked``; :func:`lptrain.precision.linear_ops.fused_wgrad_placeholder`),
+so the hook only resets the flag and marks the grad ready. With ``ddp.overlap_grad_reduce``, the last
 micro-batch's hooks count ready params per bucket and dispatch each bucket's reduction
 asynchronously as soon as it is complete.
 """
@@ -107,7 +109,9 @@ class DataParallel:
             p.grad_added_to_main_grad = getattr(p, "grad_added_to_main_grad", False)
         for name, p in named.items():
             if p.requires_grad:
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._make_grad_hook(name)))
+                hook = self._make_grad_hook(name)
+                self._hooks.append(p.register_post_accumulate_grad_hook(hook))
+                p.main_grad_hooked = True  # see fused_wgrad_placeholder
         if ddp_cfg.overlap_param_gather and not self.shards_params:
             for m in model.modules():
                 if any(True for _ in m.parameters(recurse=False)):

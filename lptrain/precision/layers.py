@@ -93,7 +93,7 @@ def accumulate_wgrad(weight: torch.Tensor, dw: torch.Tensor, fuse: bool) -> Opti
     main_grad = getattr(weight, "main_grad", None)
     if fuse and main_grad is not None:
         _ops.add_wgrad(weight, dw, main_grad)
-        return torch.zeros(tuple(weight.shape), dtype=weight.dtype, device=weight.device)
+        return _ops.fused_wgrad_placeholder(weight)
     return dw.to(weight.dtype)
 
 

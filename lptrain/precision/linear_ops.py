@@ -26,6 +26,7 @@ zero tokens skips its GEMMs and gets an exact zero weight gradient.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -158,6 +159,49 @@ def add_wgrad(weight: torch.Tensor, dw: torch.Tensor, main_grad: Optional[torch.
     weight.grad_added_to_main_grad = True
 
 
+def fused_wgrad_placeholder(weight: torch.Tensor) -> Optional[torch.Tensor]:
+    """What a fused-wgrad backward hands autograd for ``weight`` once its grad is in
+    ``main_grad``.
+
+    Under a data-parallel engine (``weight.main_grad_hooked``: its post-accumulate hook adds
+    ``.grad`` into ``main_grad`` when there is one, resets the fusion flag and marks the grad
+    ready) this is ``None``, so autograd accumulates nothing into ``.grad``: the zero tensor,
+    its accumulation and the hook's drop of it, per weight per backward, are not paid (host
+    cost that caps small models). Autograd still runs the weight's AccumulateGrad and so the
+    hook, with ``.grad`` None; :func:`_hooks_fire_without_grad` checks that this torch does,
+    else the zero is returned as before. Without an engine, a fresh zero of the weight's
+    shape, the way TE does (never a cached one: ``p.grad`` would alias it, and autograd's
+    in-place sum of a later grad would write into the cache).
+    """
+    if getattr(weight, "main_grad_hooked", False) and _hooks_fire_without_grad():
+        return None
+    return torch.zeros(tuple(weight.shape), dtype=weight.dtype, device=weight.device)
+
+
+class _NoWeightGrad(torch.autograd.Function):
+    """y = x * w whose backward gives ``w`` no grad (the probe of :func:`_hooks_fire_without_grad`)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x * w
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
+        return dy, None
+
+
+@functools.cache
+def _hooks_fire_without_grad() -> bool:
+    """Whether autograd runs a leaf's post-accumulate-grad hooks when a backward hands it no
+    grad (None), as torch 2.13 does. Probed once on two 1-element tensors."""
+    w = torch.ones(1, requires_grad=True)
+    fired: list[Optional[torch.Tensor]] = []
+    w.register_post_accumulate_grad_hook(lambda p: fired.append(p.grad))
+    with torch.enable_grad():
+        _NoWeightGrad.apply(torch.ones(1, requires_grad=True), w).sum().backward()
+    return fired == [None]
+
+
 class _QuantizedGroupedFn(torch.autograd.Function):
     """y_i = x_i W_i^T for consecutive token splits x_i, each member quantized on its own.
 
@@ -263,28 +307,29 @@ def _saved_operands(ctx: Any, plain: list[bool]) -> list[Any]:
 
 
 def _weight_grads(ctx: Any, dws: list[torch.Tensor]) -> list[Optional[torch.Tensor]]:
-    """Per-weight autograd grads; with fusion, accumulate into ``main_grad`` and return zeros."""
+    """Per-weight autograd grads; with fusion, accumulate into ``main_grad`` and return
+    :func:`fused_wgrad_placeholder` (None under a data-parallel engine, else zeros)."""
     op: _OpContext = ctx.op
     out: list[Optional[torch.Tensor]] = []
     if op.single:
-        shape, dtype, device = ctx.wshapes[0]
+        dtype = ctx.wshapes[0][1]
         w = ctx.weights[0] if ctx.weights is not None else None
         main_grad = getattr(w, "main_grad", None) if w is not None else None
         if op.fuse_wgrad and main_grad is not None:
             for i, dw in enumerate(dws):
                 main_grad[i].add_(dw.to(main_grad.dtype))
             w.grad_added_to_main_grad = True
-            out.append(torch.zeros(shape, dtype=dtype, device=device))
+            out.append(fused_wgrad_placeholder(w))
         else:
             out.append(torch.stack(dws).to(dtype))
         return out
     for i, dw in enumerate(dws):
-        shape, dtype, device = ctx.wshapes[i]
+        dtype = ctx.wshapes[i][1]
         w = ctx.weights[i] if ctx.weights is not None else None
         main_grad = getattr(w, "main_grad", None) if w is not None else None
         if op.fuse_wgrad and main_grad is not None:
             add_wgrad(w, dw, main_grad)
-            out.append(torch.zeros(shape, dtype=dtype, device=device))
+            out.append(fused_wgrad_placeholder(w))
         else:
             out.append(dw.to(dtype))
     return out

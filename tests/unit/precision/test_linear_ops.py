@@ -294,3 +294,47 @@ def test_unaligned_tokens_raise_a_clear_error() -> None:
     x = torch.randn(40, IN, requires_grad=True)
     with autocast(RECIPES["mxfp8"]()), pytest.raises(ValueError, match=r"linear_fc1.*mxfp8.*32"):
         lin(x)
+
+
+@pytest.mark.parametrize("name", [None, "tensorwise", "mxfp8"])
+def test_fused_wgrad_under_an_engine_hands_autograd_no_weight_grad(name: str | None) -> None:
+    """With ``weight.main_grad_hooked`` (set by the data-parallel engine next to its
+    post-accumulate hook), a fused linear returns no weight grad: ``.grad`` stays None, the
+    hook still runs exactly once per backward (it resets the flag and marks readiness), and
+    ``main_grad`` is bitwise the unfused sum. With the placeholder forced back to a zero
+    tensor, the hook sees a zero ``.grad`` instead, which this test refuses."""
+    assert linear_ops._hooks_fire_without_grad(), "this torch skips post-accumulate hooks on None grads"
+    x, w, dy = data()
+    x2, _, dy2 = data(seed=1)
+
+    def build(fuse: bool) -> Linear:
+        lin = Linear(IN, OUT, params_dtype=torch.float32, fuse_wgrad_accumulation=fuse)
+        with torch.no_grad():
+            lin.weight.copy_(w)
+        lin.weight.main_grad = torch.zeros(OUT, IN)
+        return lin
+
+    fused, manual = build(True), build(False)
+    seen: list[tuple[bool, bool]] = []
+
+    def hook(p: torch.Tensor) -> None:  # the engine's hook, reduced to what this test needs
+        seen.append((p.grad is None, bool(p.grad_added_to_main_grad)))
+        p.grad = None
+        p.grad_added_to_main_grad = False
+
+    fused.weight.register_post_accumulate_grad_hook(hook)
+    fused.weight.main_grad_hooked = True
+    recipes = [(RECIPES[name](), RECIPES[name]()) if name else (None, None) for _ in range(2)]
+    for (xi, dyi), (ra, rb) in zip(((x, dy), (x2, dy2)), recipes, strict=True):
+        for lin, r in ((fused, ra), (manual, rb)):
+            if r is None:
+                lin(xi).backward(dyi)
+            else:
+                with autocast(r):
+                    lin(xi).backward(dyi)
+        manual.weight.main_grad += manual.weight.grad
+        manual.weight.grad = None
+    assert seen == [(True, True), (True, True)]
+    assert fused.weight.grad is None
+    assert torch.equal(fused.weight.main_grad, manual.weight.main_grad)
+    assert fused.weight.main_grad.abs().sum() > 0
