@@ -109,8 +109,7 @@ class DataParallel:
             p.grad_added_to_main_grad = getattr(p, "grad_added_to_main_grad", False)
         for name, p in named.items():
             if p.requires_grad:
-                hook = self._make_grad_hook(name)
-                self._hooks.append(p.register_post_accumulate_grad_hook(hook))
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._make_grad_hook(name)))
                 p.main_grad_hooked = True  # see fused_wgrad_placeholder
         if ddp_cfg.overlap_param_gather and not self.shards_params:
             for m in model.modules():

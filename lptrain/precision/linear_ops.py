@@ -253,7 +253,7 @@ class _QuantizedGroupedFn(torch.autograd.Function):
         # through save_for_backward, so activation checkpointing can drop and recompute them
         ctx.kinds = _save_operands(ctx, saved_x + saved_w)
         ctx.need_dgrad = need_dgrad
-        ctx.wshapes = [(tuple(w.shape), w.dtype, w.device) for w in weights]
+        ctx.wdtypes = [w.dtype for w in weights]
         ctx.in_features = x.shape[-1]
         ctx.x_dtype = x.dtype
         ctx.weights = weights if op.fuse_wgrad else None
@@ -286,7 +286,7 @@ class _QuantizedGroupedFn(torch.autograd.Function):
                 dws.append(op.col_t(qdy) @ op.col_t(qx).t())
         del operands
         dx = (dxs[0] if len(dxs) == 1 else torch.cat(dxs, dim=0)).to(ctx.x_dtype) if need_dgrad else None
-        wgrads = _weight_grads(ctx, dws) if need_wgrad else [None] * len(ctx.wshapes)
+        wgrads = _weight_grads(ctx, dws) if need_wgrad else [None] * len(ctx.wdtypes)
         # Delayed scaling: the first module of the autocast region updates grad-role scales
         # after its backward, i.e. after every module's backward (numerics.md 2.1).
         if op.bwd_slots is not None:
@@ -312,7 +312,7 @@ def _weight_grads(ctx: Any, dws: list[torch.Tensor]) -> list[Optional[torch.Tens
     op: _OpContext = ctx.op
     out: list[Optional[torch.Tensor]] = []
     if op.single:
-        dtype = ctx.wshapes[0][1]
+        dtype = ctx.wdtypes[0]
         w = ctx.weights[0] if ctx.weights is not None else None
         main_grad = getattr(w, "main_grad", None) if w is not None else None
         if op.fuse_wgrad and main_grad is not None:
@@ -324,7 +324,7 @@ def _weight_grads(ctx: Any, dws: list[torch.Tensor]) -> list[Optional[torch.Tens
             out.append(torch.stack(dws).to(dtype))
         return out
     for i, dw in enumerate(dws):
-        dtype = ctx.wshapes[i][1]
+        dtype = ctx.wdtypes[i]
         w = ctx.weights[i] if ctx.weights is not None else None
         main_grad = getattr(w, "main_grad", None) if w is not None else None
         if op.fuse_wgrad and main_grad is not None:

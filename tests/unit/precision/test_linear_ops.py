@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from _linear_helpers import IN, OUT, RECIPES, data, rel_err
@@ -187,6 +189,15 @@ def test_orientations_other_recipes(monkeypatch: pytest.MonkeyPatch, name: str) 
     _check_orientations(fwd, bwd)
 
 
+def _fp32_linear(w: torch.Tensor, *, fuse: bool) -> Linear:
+    """An fp32 Linear holding ``w``, with a zero ``main_grad`` (the engine's fp32 grad buffer)."""
+    lin = Linear(IN, OUT, params_dtype=torch.float32, fuse_wgrad_accumulation=fuse)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    lin.weight.main_grad = torch.zeros(OUT, IN)
+    return lin
+
+
 @pytest.mark.parametrize("name", sorted(RECIPES))
 def test_wgrad_fusion_matches_manual_accumulation_bitwise(name: str) -> None:
     """main_grad after 2 micro-batches with fusion == sum of .grad by hand, bitwise.
@@ -197,15 +208,8 @@ def test_wgrad_fusion_matches_manual_accumulation_bitwise(name: str) -> None:
     x, w, dy = data()
     x2, _, dy2 = data(seed=1)
 
-    def build(fuse: bool) -> Linear:
-        lin = Linear(IN, OUT, params_dtype=torch.float32, fuse_wgrad_accumulation=fuse)
-        with torch.no_grad():
-            lin.weight.copy_(w)
-        lin.weight.main_grad = torch.zeros(OUT, IN)
-        return lin
-
     recipe_a, recipe_b = RECIPES[name](), RECIPES[name]()
-    fused, manual = build(True), build(False)
+    fused, manual = _fp32_linear(w, fuse=True), _fp32_linear(w, fuse=False)
     for xi, dyi in ((x, dy), (x2, dy2)):
         with autocast(recipe_a):
             fused(xi).backward(dyi)
@@ -307,14 +311,7 @@ def test_fused_wgrad_under_an_engine_hands_autograd_no_weight_grad(name: str | N
     x, w, dy = data()
     x2, _, dy2 = data(seed=1)
 
-    def build(fuse: bool) -> Linear:
-        lin = Linear(IN, OUT, params_dtype=torch.float32, fuse_wgrad_accumulation=fuse)
-        with torch.no_grad():
-            lin.weight.copy_(w)
-        lin.weight.main_grad = torch.zeros(OUT, IN)
-        return lin
-
-    fused, manual = build(True), build(False)
+    fused, manual = _fp32_linear(w, fuse=True), _fp32_linear(w, fuse=False)
     seen: list[tuple[bool, bool]] = []
 
     def hook(p: torch.Tensor) -> None:  # the engine's hook, reduced to what this test needs
@@ -324,14 +321,11 @@ def test_fused_wgrad_under_an_engine_hands_autograd_no_weight_grad(name: str | N
 
     fused.weight.register_post_accumulate_grad_hook(hook)
     fused.weight.main_grad_hooked = True
-    recipes = [(RECIPES[name](), RECIPES[name]()) if name else (None, None) for _ in range(2)]
-    for (xi, dyi), (ra, rb) in zip(((x, dy), (x2, dy2)), recipes, strict=True):
-        for lin, r in ((fused, ra), (manual, rb)):
-            if r is None:
+    recipes = (RECIPES[name](), RECIPES[name]()) if name else (None, None)
+    for xi, dyi in ((x, dy), (x2, dy2)):
+        for lin, r in zip((fused, manual), recipes, strict=True):
+            with autocast(r) if r is not None else contextlib.nullcontext():
                 lin(xi).backward(dyi)
-            else:
-                with autocast(r):
-                    lin(xi).backward(dyi)
         manual.weight.main_grad += manual.weight.grad
         manual.weight.grad = None
     assert seen == [(True, True), (True, True)]
