@@ -18,6 +18,13 @@ does without overlap), against ``torch DDP``: ``torch DDP: overlap on / overlap 
 bound for lptrain's own on/off ratio (on 2 cores with gloo, a collective overlapped with the
 backward takes its CPU time from that backward).
 
+Reference (no target): ``torch DDP, fp32 masters`` -- torch DDP doing the mixed-precision
+work the engine does by design (bf16 grads cast into fp32 master grads, clipped, AdamW on fp32
+masters and moments, copied back: ``workload.fp32_masters_step``). ``<variant> vs torch DDP,
+fp32 masters`` is the engine's own cost; ``torch DDP, fp32 masters vs torch DDP`` is the part
+of every ``vs torch DDP`` ratio that fp32 masters cost torch DDP too (torch's loop steps bf16
+params with bf16 moments).
+
 The bucket count and sizes of every variant are printed. Rounds (every variant
 once, each after a barrier, the slowest rank's time) repeat until each ratio's median is
 known within ``--spread`` or ``--cap`` seconds pass (``bench/harness.py``; REGRESSED
@@ -39,7 +46,7 @@ import time
 from typing import Any
 
 from harness import Ratio, add_args, report, rounds
-from workload import train_batches
+from workload import fp32_masters_step, train_batches
 
 STEP_TARGET = 1.05
 OVERLAP_TARGET = 1.0  # overlap on / overlap off: overlapping must pay
@@ -73,6 +80,7 @@ VARIANTS = {
                                      "ddp.overlap_grad_reduce=true", "ddp.overlap_param_gather=true",
                                      BUCKETS],
 }
+MASTERS = "torch DDP, fp32 masters"  # reference: see the module doc
 OPTIM = "distopt, overlap on"  # the strategies' baseline (data_parallel_sharding_strategy=optim)
 
 
@@ -91,7 +99,12 @@ def _ratios() -> list[Ratio]:
               for what, (on, off) in OVERLAP_PAIRS.items()]
     # the bound of on_off (no target): torch's own overlap against torch reducing after the backward
     torch_on_off = [Ratio("torch DDP: overlap on / overlap off", "torch DDP", "torch DDP, overlap off")]
-    return vs_torch + vs_optim + on_off + torch_on_off
+    # the engine's own cost (no target): the overlapped variants against torch DDP doing the
+    # engine's fp32-master work, and what that work costs torch DDP itself
+    vs_masters = [Ratio(f"{name} vs {MASTERS}", name, MASTERS)
+                  for name in VARIANTS if "overlap on" in name and _strategy(name) not in STRATEGY_TARGETS]
+    masters_cost = [Ratio(f"{MASTERS} vs torch DDP", MASTERS, "torch DDP")]
+    return vs_torch + vs_optim + on_off + torch_on_off + vs_masters + masters_cost
 
 
 def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -142,10 +155,23 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
         flat_opt.step()
         flat_opt.zero_grad(set_to_none=True)
 
+    masters_model = build_model(cfg)  # the same init: torch DDP with the engine's fp32 masters
+    masters_ddp = torch.nn.parallel.DistributedDataParallel(masters_model)
+    masters_it, _ = train_batches(cfg, rank, world)
+
+    def masters_backward(batches: list[dict[str, Any]]) -> None:
+        for i, b in enumerate(batches):
+            with masters_ddp.no_sync() if i < n - 1 else torch.enable_grad():
+                loss, _ = masters_ddp(b["tokens"], labels=b["labels"])
+                (loss / n).backward()
+
+    masters_step = fp32_masters_step(masters_model, cfg, masters_backward)
+
     fns = {name: (lambda s, e=engines[name], it=its[name]: e.train_step([next(it) for _ in range(n)], s))
            for name in VARIANTS}
     fns["torch DDP"] = torch_step
     fns["torch DDP, overlap off"] = torch_flat_step
+    fns[MASTERS] = lambda s: masters_step([next(masters_it) for _ in range(n)])
     r = rounds(args, _ratios())
     step = 0
     while True:

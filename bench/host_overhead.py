@@ -51,7 +51,7 @@ from typing import Any
 import torch
 from harness import Figure, Ratio, add_args, report, rounds
 from rich.console import Console
-from workload import train_batches
+from workload import fp32_masters_step, train_batches
 
 from lptrain.config import World, derive
 from lptrain.config.compose import load
@@ -92,33 +92,15 @@ def _plain_optimizers(model: torch.nn.Module, cfg: Any) -> list[torch.optim.Opti
 
 def _masters_step(model: torch.nn.Module, cfg: Any) -> Any:
     """The plain loop with fp32 masters (the module doc's reference), as a step function."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    masters = [p.detach().float() for p in params]
-    for m in masters:
-        m.grad = torch.zeros_like(m)
-    o = cfg.optimizer
-    decay = [m for p, m in zip(params, masters, strict=True) if p.dim() >= 2]
-    no_decay = [m for p, m in zip(params, masters, strict=True) if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=o.lr,
-                            betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps, foreach=True)
-    grads = [m.grad for m in masters]
 
-    def step(batches: list[dict[str, torch.Tensor]]) -> None:
+    def backward(batches: list[dict[str, torch.Tensor]]) -> None:
         n = len(batches)
         for b in batches:
             with model.autocast():
                 loss, _ = model(b["tokens"], labels=b["labels"])
             (loss / n).backward()
-        torch._foreach_copy_(grads, [p.grad for p in params])
-        for p in params:
-            p.grad = None
-        torch.nn.utils.clip_grad_norm_(masters, o.clip_grad, foreach=True)
-        opt.step()
-        with torch.no_grad():
-            torch._foreach_copy_(params, masters)
 
-    return step
+    return fp32_masters_step(model, cfg, backward)
 
 
 def _bench(name: str, overrides: list[str], args: Any) -> tuple[list[Figure], int, dict[str, float]]:

@@ -208,7 +208,7 @@ class DDPConfig:
         False, "MXFP8 param gather rides a bf16 view of the grad buffer."
     )
     average_in_collective: bool = opt(False, "Average in the collective instead of pre-scaling.")
-    check_for_nan_in_grad: bool = opt(True, "Check each bucket's grads for NaN/Inf before reducing.")
+    check_for_nan_in_grad: bool = opt(True, "Check each bucket's grads for NaN/Inf before reducing (one process: through the grad norm).")
 
 
 @dataclass

@@ -17,7 +17,9 @@ Grad accumulation: a hook on each parameter's ``AccumulateGrad`` node adds ``p.g
 at all (``p.main_grad_hooked``; :func:`lptrain.precision.linear_ops.fused_wgrad_placeholder`),
 so the hook only resets the flag and marks the grad ready. With ``ddp.overlap_grad_reduce``, the last
 micro-batch's hooks count ready params per bucket and dispatch each bucket's reduction
-asynchronously as soon as it is complete.
+asynchronously as soon as it is complete. Without it, lptrain's own fused-wgrad weights in
+unsharded buckets get no hook at all (``p.main_grad_unhooked``): there is nothing for it to
+do, and ``backward_phase`` does the rest of its work (``_collect_unhooked``) once per backward.
 """
 
 from __future__ import annotations
@@ -107,8 +109,16 @@ class DataParallel:
         self._params = list(named.values())
         for p in self._params:  # (the grad hook reads it without a default)
             p.grad_added_to_main_grad = getattr(p, "grad_added_to_main_grad", False)
+        # fused-wgrad weights autograd gives no grad, whose readiness nothing waits for: no
+        # hook (one Python call per weight per backward saved); see _collect_unhooked
+        self._unhooked: list[nn.Parameter] = self._hook_free_params(model)
+        unhooked = {id(p) for p in self._unhooked}
         for name, p in named.items():
-            if p.requires_grad:
+            if not p.requires_grad:
+                continue
+            if id(p) in unhooked:
+                p.main_grad_unhooked = True  # see fused_wgrad_placeholder
+            else:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._make_grad_hook(name)))
                 p.main_grad_hooked = True  # see fused_wgrad_placeholder
         if ddp_cfg.overlap_param_gather and not self.shards_params:
@@ -191,6 +201,36 @@ class DataParallel:
 
         return post_hook
 
+    def _hook_free_params(self, model: nn.Module) -> list[nn.Parameter]:
+        """The params that need no grad hook: lptrain's fused-wgrad weights
+        (:func:`lptrain.precision.params.hook_free_wgrad_weights`: their layers add the grad
+        into ``main_grad`` and hand autograd none) in buckets that neither dispatch
+        reductions from hooks (``ddp.overlap_grad_reduce``) nor shard grads or params (whose
+        hooks allocate and free bucket storage). None of TE's: they hand autograd a dummy
+        grad, which the hook frees as soon as it lands."""
+        from lptrain.precision.params import hook_free_wgrad_weights
+
+        if bool(self.cfg.overlap_grad_reduce):
+            return []
+        out = []
+        for p in hook_free_wgrad_weights(model):
+            bucket = self.bucket_of.get(self.param_names.get(id(p), ""))
+            if bucket is not None and bucket.full_grad is None and bucket.full_param is None:
+                out.append(p)
+        return out
+
+    def _collect_unhooked(self) -> None:
+        """After a backward, what the grad hook does for the unhooked params: a ``.grad``
+        autograd left after all (none is expected: their layers hand it none) goes into
+        ``main_grad`` unless the fused wgrad was added, and the fusion flag is reset."""
+        for p in self._unhooked:
+            grad = p.grad
+            if grad is not None:
+                if not p.grad_added_to_main_grad:
+                    p.main_grad.add_(grad.view_as(p.main_grad))
+                p.grad = None
+            p.grad_added_to_main_grad = False
+
     def _make_grad_hook(self, name: str) -> Callable[[torch.Tensor], None]:
         # Runs once per param per backward: everything that does not change during a run is
         # decided here, so the hook itself is the accumulation plus what this layout needs.
@@ -241,14 +281,38 @@ class DataParallel:
         code for :meth:`raise_on_nonfinite` (0: all finite or ``ddp.check_for_nan_in_grad``
         off; else 1 + the position of its first bad element). The caller exchanges the codes
         with its other per-step scalars, so the check costs no collective of its own."""
+        self._collect_unhooked()  # (a caller that ran its backward outside backward_phase)
         cfg = self.cfg
-        check = bool(cfg.check_for_nan_in_grad)
+        check = bool(cfg.check_for_nan_in_grad) and not self.norm_finds_nonfinite
         for b in self.buffers:
             for bucket in b.buckets:
                 bucket.finish_grad_sync(check, self.grad_scale, bool(cfg.average_in_collective))
         if self.shards_params:
             self.release_sharded_params()  # (buckets whose params got no grad this step)
         return self._local_nonfinite_code() if check else 0
+
+    @property
+    def norm_finds_nonfinite(self) -> bool:
+        """Whether ``ddp.check_for_nan_in_grad`` is left to the optimizer's grad norm: in a
+        world of one process nothing is reduced, so the norm (fp64 over every grad: finite
+        fp32 grads cannot overflow it) is non-finite exactly when a grad is, and the
+        per-bucket pass over the grads each step would find nothing the norm does not. The
+        engine then calls :meth:`scan_nonfinite_code` on that failure path only, to name the
+        parameter. With more ranks the check must run before the reduction mixes the ranks'
+        grads (the error names the rank)."""
+        return bool(self.cfg.check_for_nan_in_grad) and self.groups.world_size == 1
+
+    def scan_nonfinite_code(self) -> int:
+        """This rank's non-finite code (as :meth:`finish_grad_sync` returns it) read straight
+        from the reduced grads: the first non-finite element of this rank's shard of each
+        bucket, in buffer order; 0 when all are finite. A full pass: failure paths only."""
+        for b in self.buffers:
+            for k in b.buckets:
+                lo, hi = k.shard_range()
+                bad = (~torch.isfinite(b.grad_slice(lo, hi))).nonzero()
+                if len(bad):
+                    return 1 + b.index * (1 << 40) + lo + int(bad[0])
+        return 0
 
     @contextlib.contextmanager
     def backward_phase(self) -> Iterator[None]:
@@ -259,6 +323,7 @@ class DataParallel:
             yield
         finally:
             self._in_backward = False
+        self._collect_unhooked()
 
     def release_sharded_params(self) -> None:
         """ZeRO-3: free every bucket's full params (finishing gathers in flight first); the

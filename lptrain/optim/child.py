@@ -70,7 +70,8 @@ class OptimizerChild(Protocol):
         ...
 
     def discard_grads(self) -> None:
-        """Drop the masters' ``.grad`` (after a step, or instead of a skipped one)."""
+        """Drop the masters' ``.grad`` (after a step, or instead of a skipped one); a
+        ``.grad`` that is a view of the grad buffer may stay (nothing steps it unprepared)."""
         ...
 
     def grad_norm_sq(self) -> torch.Tensor:
@@ -134,11 +135,31 @@ class MasterOptimizer:
         views per tensor."""
         return [pc.grad_view() for pc in self.pieces]
 
+    @functools.cached_property
+    def _grads_are_views(self) -> bool:
+        """Whether every master's fp32 grad is its reduced-gradient view itself (fp32 grad
+        buffers). Then each master keeps that view as ``.grad`` for the whole run: it *is*
+        the grad buffer, which every step zeroes and refills, so there is nothing to drop
+        between steps, and the two checked ``.grad`` assignments per tensor per step are
+        not paid. A master whose ``.grad`` someone else changed is pointed back."""
+        return all(g.dtype == torch.float32 for g in self._grad_views)
+
     def prepare_grads(self) -> None:
-        for pc, g in zip(self.pieces, self._grad_views, strict=True):
+        views = self._grad_views
+        if self._grads_are_views:
+            if all(pc.master.grad is g for pc, g in zip(self.pieces, views, strict=True)):
+                return
+            for pc, g in zip(self.pieces, views, strict=True):
+                pc.master.grad = g
+            return
+        for pc, g in zip(self.pieces, views, strict=True):
             pc.master.grad = g if g.dtype == torch.float32 else g.float()
 
     def discard_grads(self) -> None:
+        """Drop the masters' converted grads (kept when they are the buffer's own views:
+        :attr:`_grads_are_views`)."""
+        if self._grads_are_views:
+            return
         for pc in self.pieces:
             pc.master.grad = None
 

@@ -149,7 +149,23 @@ class ShardedMasterOptimizer(MasterOptimizer):
             self.muon = build_muon([pc.master for pc in muon], cfg)
             self.optimizers.append(self.muon)
 
-    # ---- the step (prepare_grads, step, lr_by_group: MasterOptimizer) ------------------------
+    # ---- the step (step, lr_by_group: MasterOptimizer) ---------------------------------------
+
+    def prepare_grads(self) -> None:
+        """Point every master's ``.grad`` at its reduced gradient in fp32: the grads of fp32
+        buffers are views (:attr:`_grad_views`); a lower-precision buffer's span is cast once
+        per bucket and cut into the pieces (one cast instead of one per tensor, and the fp32
+        grads the optimizer reads lie side by side; the cast is elementwise and exact, so the
+        values are those of a cast per piece)."""
+        if all(b.key.grad_dtype == torch.float32 for b in self.buffers):
+            super().prepare_grads()
+            return
+        for spans in self._norm_spans.values():
+            for buf, lo, hi, pieces, sizes, keep in spans:
+                g = buf.grad_slice(lo, hi)
+                parts = (g if g.dtype == torch.float32 else g.float()).split(sizes)
+                for pc, i in zip(pieces, keep, strict=True):
+                    pc.master.grad = parts[i].view(pc.master.shape)
 
     def grad_norm_sq(self) -> torch.Tensor:
         """Squared norm of this optimizer's full gradient (fp64; reduced over its group for

@@ -101,6 +101,9 @@ class _QuantizedModuleMixin:
     """Per-recipe quantizer/delayed-scaling state and primary-weight creation."""
 
     _num_members: int
+    # a fused-wgrad backward returns fused_wgrad_placeholder: None under the data-parallel
+    # engine (lptrain.precision.params.hook_free_wgrad_weights)
+    hands_autograd_no_fused_wgrad = True
 
     def _init_layer(
         self,

@@ -171,8 +171,12 @@ def fused_wgrad_placeholder(weight: torch.Tensor) -> Optional[torch.Tensor]:
     hook, with ``.grad`` None; :func:`_hooks_fire_without_grad` checks that this torch does,
     else the zero is returned as before. Without an engine, a fresh zero of the weight's
     shape, the way TE does (never a cached one: ``p.grad`` would alias it, and autograd's
-    in-place sum of a later grad would write into the cache).
+    in-place sum of a later grad would write into the cache). A weight the engine keeps no
+    hook on (``weight.main_grad_unhooked``: no overlapped reduction needs its readiness)
+    gets ``None`` on any torch.
     """
+    if getattr(weight, "main_grad_unhooked", False):  # the engine expects no grad at all
+        return None
     if getattr(weight, "main_grad_hooked", False) and _hooks_fire_without_grad():
         return None
     return torch.zeros(tuple(weight.shape), dtype=weight.dtype, device=weight.device)

@@ -299,8 +299,15 @@ def load_parts_from_staging(targets: Sequence[tuple[torch.Tensor, Sequence[torch
             torch._foreach_copy_(dsts, srcs)
 
 
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
 def _is_plain(p: torch.Tensor) -> bool:
-    return type(p) in (torch.Tensor, torch.nn.Parameter) and not is_quantized(p)
+    """Whether ``p`` is an ordinary tensor: exactly torch's own type. Every quantized param,
+    lptrain's and TE's, is a subclass (``nn.Parameter`` keeps a subclass's type), so the
+    type alone decides, without :func:`is_quantized`'s dispatch (a per-param cost each
+    stage and gather)."""
+    return type(p) in _PLAIN_TYPES
 
 
 def write_values(params: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:

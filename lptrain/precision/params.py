@@ -44,9 +44,24 @@ def fused_wgrad_weights(model: nn.Module) -> Iterator[nn.Parameter]:
     TE's ``Linear``/``GroupedLinear``/``LayerNormLinear`` alike (norm weights and biases
     take ordinary gradients). Each parameter is yielded once.
     """
+    yield from _fused_weights(model, hook_free_only=False)
+
+
+def hook_free_wgrad_weights(model: nn.Module) -> Iterator[nn.Parameter]:
+    """The :func:`fused_wgrad_weights` of layers whose backward hands autograd no weight
+    grad at all once the grad is in ``main_grad`` (lptrain's emulated layers, which declare
+    ``hands_autograd_no_fused_wgrad``; TE's hand it a dummy tensor, which a hook must drop as
+    soon as it lands). Only these can go without a per-parameter grad hook: autograd never
+    gives them a ``.grad`` to move (:class:`lptrain.distributed.ddp.DataParallel`)."""
+    yield from _fused_weights(model, hook_free_only=True)
+
+
+def _fused_weights(model: nn.Module, *, hook_free_only: bool) -> Iterator[nn.Parameter]:
     seen: set[int] = set()
     for m in model.modules():
         if not getattr(m, "fuse_wgrad_accumulation", False):
+            continue
+        if hook_free_only and not getattr(m, "hands_autograd_no_fused_wgrad", False):
             continue
         for name, p in m.named_parameters(recurse=False):
             if _WEIGHT_NAME.fullmatch(name) and id(p) not in seen:

@@ -160,8 +160,25 @@ class TrainEngine:
             outcome = self.optimizer.step(lrs)
             if not outcome.skipped:
                 return self._finish_step(outcome, lrs, losses, moe_metrics, zeros)
-            bad = f"step {step}: global gradient norm is {outcome.grad_norm}"
+            bad = self._nonfinite_grad(step) or f"step {step}: global gradient norm is {outcome.grad_norm}"
         return self._skip_step(bad, losses, lrs)
+
+    def _nonfinite_grad(self, step: int) -> str | None:
+        """After a non-finite grad norm, the parameter to blame when the grad check was left
+        to the norm (:attr:`lptrain.distributed.ddp.DataParallel.norm_finds_nonfinite`)."""
+        if not self.ddp.norm_finds_nonfinite:
+            return None
+        return self._grad_note(step, [self.ddp.scan_nonfinite_code()])
+
+    def _grad_note(self, step: int, codes: list[int]) -> str | None:
+        """The first rank's non-finite gradient named from the per-rank codes, or None."""
+        from lptrain.distributed.ddp import NonFiniteGradError
+
+        try:
+            self.ddp.raise_on_nonfinite(codes)
+        except NonFiniteGradError as e:
+            return f"step {step}, rank {e.rank}: gradient of '{e.param}' is not finite"
+        return None
 
     def _to_device(self, b: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self.device.type == "cpu":
@@ -204,12 +221,9 @@ class TrainEngine:
     def _nonfinite(self, losses: torch.Tensor, step: int) -> str | None:
         """Why this step cannot be taken (a rank's non-finite gradient, else a non-finite
         loss), or None. Every rank reads the same gathered ``losses``: all decide alike."""
-        from lptrain.distributed.ddp import NonFiniteGradError
-
-        try:
-            self.ddp.raise_on_nonfinite([int(c) for c in losses[:, 2].tolist()])
-        except NonFiniteGradError as e:
-            return f"step {step}, rank {e.rank}: gradient of '{e.param}' is not finite"
+        note = self._grad_note(step, [int(c) for c in losses[:, 2].tolist()])
+        if note is not None:
+            return note
         if not math.isfinite(float(losses[:, 1].mean())):
             r = int((~torch.isfinite(losses[:, 1])).nonzero()[0])
             return f"step {step}, rank {r}: loss is {float(losses[r, 1])}"

@@ -79,6 +79,48 @@ def test_check_for_nan_in_grad_names_the_parameter(check: bool) -> None:
         assert "global gradient norm is nan" in str(err.value)
 
 
+def test_one_process_leaves_the_nan_check_to_the_grad_norm() -> None:
+    """In a world of one process nothing is reduced, so ``ddp.check_for_nan_in_grad`` rides
+    on the grad norm: no per-bucket pass over the grads on a finite step, and a single NaN
+    element is still found and named by the scan of the failure path (shown failing: with the
+    scan disabled the message only gives the norm)."""
+    e = _engine()
+    e.train_step(_batch(), 1)
+    assert e.ddp.norm_finds_nonfinite
+    assert all(k.local_sum is None for b in e.ddp.buffers for k in b.buckets)
+
+    def one_nan(g: torch.Tensor) -> torch.Tensor:
+        g = g.clone()
+        g.view(-1)[3] = float("nan")
+        return g
+
+    e.model.layers[1].input_norm.weight.register_hook(one_nan)
+    with pytest.raises(TrainingDivergedError, match=r"step 2, rank 0: gradient of "
+                       r"'layers\.1\.input_norm\.weight' is not finite"):
+        e.train_step(_batch(1), 2)
+    e.ddp.scan_nonfinite_code = lambda: 0  # type: ignore[method-assign]
+    with pytest.raises(TrainingDivergedError, match="global gradient norm is nan"):
+        e.train_step(_batch(1), 3)
+
+
+def test_bf16_grads_reach_the_optimizer_as_one_cast_per_bucket() -> None:
+    """``ddp.grad_reduce_in_fp32=false``: each bucket's bf16 grad span is cast to fp32 once and
+    cut into the masters' grads, bitwise the per-tensor casts."""
+    e = _engine("ddp.grad_reduce_in_fp32=false")
+    e.train_step(_batch(), 1)
+    (child,) = e.optimizer.children
+    assert all(b.key.grad_dtype == torch.bfloat16 for b in child.buffers)
+    e.ddp.begin_step(child.stage)
+    e._forward_backward(_batch(1))
+    e.ddp.finish_grad_sync()
+    child.prepare_grads()
+    grads = child.master_grads()
+    assert all(torch.equal(g, pc.grad_view().float()) for g, pc in zip(grads, child.pieces, strict=True))
+    storages = {g.untyped_storage().data_ptr() for g in grads}
+    assert len(storages) == sum(len(spans) for spans in child._norm_spans.values())
+    child.discard_grads()
+
+
 def test_num_workers_reads_in_worker_processes(cache_dir: Path) -> None:
     """data.num_workers > 0 reads the batches through a DataLoader with worker processes
     (the same bytes as in-process reading: tests/unit/data/test_loader.py)."""
