@@ -15,7 +15,7 @@ from typing import Optional, Union
 
 import torch
 
-from .formats import E8M0_MAX_CODE, E8M0_NAN, FLT_MAX, Workspace
+from .formats import E8M0_MAX_CODE, E8M0_NAN, FLT_MAX, Workspace, e4m3_bits_to_float, operand
 
 # 0xFF800000 as a signed int32: keeps sign + exponent, i.e. floors a float to a power of two.
 _POW2_MASK = -8388608
@@ -72,7 +72,8 @@ def block_amax_nan(
         return _block_amax_nan_bf16(x, d, ws)
     xf = x.float()
     out = None if ws is None else ws.get("amax", xf.shape, torch.int32)
-    a = torch.bitwise_and(xf.view(torch.int32), _ABS_MASK, out=out).amax(dim=d)
+    bits = xf.view(torch.int32)
+    a = torch.bitwise_and(bits, operand(_ABS_MASK, bits), out=out).amax(dim=d)
     # On the CPU the NaN-free common case skips the recompute (asked as one max and one
     # read of the int amaxes); elsewhere asking would be a host sync per quantization, so
     # the (value-identical) select always runs.
@@ -93,7 +94,8 @@ def _block_amax_nan_bf16(
     and the widened max is the int16 max shifted left by 16 (exact). NaN patterns sort above
     inf's 0x7F80 as in the fp32 case and are recomputed the same way."""
     out = None if ws is None else ws.get("amax16", x.shape, torch.int16)
-    a16 = torch.bitwise_and(x.view(torch.int16), _ABS_MASK_BF16, out=out).amax(dim=d)
+    bits = x.view(torch.int16)
+    a16 = torch.bitwise_and(bits, operand(_ABS_MASK_BF16, bits), out=out).amax(dim=d)
     nan = a16 > _INF_BITS_BF16
     has_nan = x.device.type != "cpu" or bool(nan.any())
     a = a16.to(torch.int32).bitwise_left_shift_(16)
@@ -332,13 +334,13 @@ class NVFP4BlockScaler:
     def __call__(self, block_amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         v = (block_amax.to(torch.float32) * self.k).clamp_(max=448.0)
         sdec_bits = v.to(torch.float8_e4m3fn).view(torch.uint8)
-        enc = torch.mul(sdec_bits.view(torch.float8_e4m3fn).float(), self.s_dec)
+        enc = e4m3_bits_to_float(sdec_bits).mul_(self.s_dec)
         return sdec_bits, enc.reciprocal_().clamp_(max=FLT_MAX)
 
 
 def nvfp4_dequant_block_scale(scale_bits: torch.Tensor, global_amax: torch.Tensor) -> torch.Tensor:
     """fp32(fp32(float(sdec_b) * amax) * fl32(1/2688)), TE's ``dequantize_nvfp4`` block factor."""
-    sdec = scale_bits.view(torch.float8_e4m3fn).float()
+    sdec = e4m3_bits_to_float(scale_bits)
     return (sdec * global_amax.to(torch.float32)) * _INV_GLOBAL_NUM
 
 
@@ -347,7 +349,7 @@ def nvfp4_dequant_block_scale_into(
 ) -> torch.Tensor:
     """:func:`nvfp4_dequant_block_scale` computed in ``out`` (fp32, ``scale_bits``' shape):
     the same ops in place, for callers that evaluate it chunk by chunk into a reused buffer."""
-    out.copy_(scale_bits.view(torch.float8_e4m3fn))
+    e4m3_bits_to_float(scale_bits, out)
     return out.mul_(global_amax.to(torch.float32)).mul_(_INV_GLOBAL_NUM)
 
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lptrain.precision import scaling
+from lptrain.precision import formats, scaling
+from lptrain.precision import recipes as R
 from lptrain.precision.formats import (
     E2M1_GRID,
     E4M3,
@@ -20,13 +21,17 @@ from lptrain.precision.formats import (
     cast_to_e2m1,
     draw_rbits,
     e2m1_codes_i32,
+    e4m3_bits_to_float,
     fp8_to_float,
+    operand,
     pack_fp4,
+    pack_fp4_col_words,
     pack_fp4_i32,
     pack_fp4_rows,
     stochastic_round_e2m1,
 )
 from lptrain.precision.rht import apply_rht, rotate_token_groups
+from lptrain.precision.tensors import nvfp4 as nvfp4_mod
 
 GRID = torch.tensor(E2M1_GRID, dtype=torch.float64)
 
@@ -111,6 +116,85 @@ def test_int_packers_match_pack_fp4(shape: tuple[int, int]) -> None:
     codes = torch.randint(0, 16, shape, generator=g, dtype=torch.uint8)
     assert torch.equal(pack_fp4_i32(codes.int()), pack_fp4(codes))
     assert torch.equal(pack_fp4_rows(codes.int()).t(), pack_fp4(codes.t()))
+
+
+@pytest.mark.parametrize("shape", [(8, 1), (16, 10), (64, 48), (128, 3), (0, 4)])
+@pytest.mark.parametrize("with_ws", [False, True])
+def test_columnwise_word_packer_transposed_is_pack_fp4_of_the_transpose(
+    shape: tuple[int, int], with_ws: bool
+) -> None:
+    """Every code value in every nibble, the top nibble (into the int32 sign bit) included:
+    the words, transposed and viewed as bytes, must be the [K, r/2] packing of codes^T."""
+    g = torch.Generator().manual_seed(2)
+    codes = torch.randint(0, 16, shape, generator=g, dtype=torch.uint8)
+    if codes.numel():
+        codes[-1] = 15  # row 8q+7 of the last word: its high nibble is bit 31
+    words = torch.full((shape[0] // 8, shape[1]), 0x5A5A5A5A, dtype=torch.int32)  # stale content
+    ws = Workspace() if with_ws else None
+    pack_fp4_col_words(codes.int(), words, ws)
+    got = words.t().clone(memory_format=torch.contiguous_format).view(torch.uint8)
+    assert got.shape == (shape[1], shape[0] // 2)
+    assert torch.equal(got, pack_fp4(codes.t()))
+
+
+def test_columnwise_word_packer_rejects_rows_not_divisible_by_8() -> None:
+    with pytest.raises(ValueError, match="divisible by 8"):
+        pack_fp4_col_words(torch.zeros(12, 4, dtype=torch.int32), torch.zeros(1, 4, dtype=torch.int32))
+
+
+def test_e4m3_bits_to_float_is_torchs_cast_for_every_byte() -> None:
+    bits = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(3).view(3, 256)
+    ref = bits.view(torch.float8_e4m3fn).float()
+    got = e4m3_bits_to_float(bits)
+    into = e4m3_bits_to_float(bits, torch.full((3, 256), 7.0))
+    assert got.shape == ref.shape
+    # compared as bit patterns: the two NaN bytes must give torch's NaN payload too
+    assert torch.equal(got.view(torch.int32), ref.view(torch.int32))
+    assert torch.equal(into.view(torch.int32), ref.view(torch.int32))
+
+
+def test_operand_is_a_cached_zero_dim_tensor_of_the_dtype_that_keeps_negative_zero_apart() -> None:
+    x = torch.zeros(4, dtype=torch.int32)
+    a, b = operand(31, x), operand(31, x)
+    assert a is b and a.dim() == 0 and a.dtype == torch.int32 and int(a) == 31
+    f = torch.zeros(4)
+    pz, nz = operand(0.0, f), operand(-0.0, f)
+    assert pz is not nz and torch.signbit(nz) and not torch.signbit(pz)
+    assert operand(2.0, torch.zeros(2, dtype=torch.bfloat16)).dtype == torch.bfloat16
+
+
+def _specials(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randn(n, generator=g) * 4
+    y[:8] = torch.tensor([0.0, -0.0, float("nan"), float("inf"), -float("inf"), 6.0, -0.25, 3.0e38])
+    return y
+
+
+@pytest.mark.parametrize("role", ["input", "grad"])
+def test_tensor_operands_give_the_python_scalar_results_bit_for_bit(monkeypatch: pytest.MonkeyPatch, role: str) -> None:
+    """The kernels' cached 0-dim operands against plain Python scalars (``operand`` patched
+    to return the number), on every kernel that takes one: RNE/SR codes, the packers, the
+    block amaxes and the NVFP4 (RHT + SR) quantize-dequantize."""
+    y = _specials(4096, 3)
+    rb = torch.randint(0, 256, (4096,), generator=torch.Generator().manual_seed(4), dtype=torch.uint8)
+    x = _specials(512 * 512, 5).view(512, 512)  # above the small-operand gather decode
+
+    def run() -> list[torch.Tensor]:
+        q = R.NVFP4Scaling().make_quantizer(role, True, True)
+        t = q.quantize(x)
+        codes = e2m1_codes_i32(y)
+        return [codes, stochastic_round_e2m1(y, rbits=rb), pack_fp4_i32(codes.view(64, 64) & 15),
+                pack_fp4_rows(codes.view(64, 64) & 15), scaling.block_amax(y.view(256, 16), 1),
+                scaling.block_amax(y.bfloat16().view(256, 16), 1),
+                t.dequantize("rowwise"), t.dequantize("columnwise")]
+
+    with_tensors = run()
+    for mod in (formats, scaling, nvfp4_mod):
+        monkeypatch.setattr(mod, "operand", lambda value, like: value)
+    with_scalars = run()
+    for a, b in zip(with_tensors, with_scalars, strict=True):
+        assert torch.equal(a.view(torch.int32) if a.dtype == torch.float32 else a,
+                           b.view(torch.int32) if b.dtype == torch.float32 else b)
 
 
 @pytest.mark.parametrize("fmt", [E4M3, E5M2])
