@@ -15,7 +15,8 @@ from typing import Optional, Union
 
 import torch
 
-from .formats import E8M0_MAX_CODE, E8M0_NAN, FLT_MAX, Workspace, e4m3_bits_to_float, operand
+from .formats import E8M0_MAX_CODE, E8M0_NAN, FLT_MAX, e4m3_bits_to_float
+from .scratch import Workspace, operand
 
 # 0xFF800000 as a signed int32: keeps sign + exponent, i.e. floors a float to a power of two.
 _POW2_MASK = -8388608

@@ -17,7 +17,8 @@ from typing import Optional
 import torch
 
 from .. import scaling as _scaling
-from ..formats import FP8Format, Workspace, cast_to_fp8, fp8_to_float
+from ..formats import FP8Format, cast_to_fp8, fp8_to_float
+from ..scratch import Workspace
 from ._chunks import map_row_chunks
 from .base import FP8QuantizedTensor, FP8Quantizer, Orientation, Role, rows_of
 

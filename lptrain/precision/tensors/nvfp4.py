@@ -20,16 +20,15 @@ import torch
 from .. import scaling as _scaling
 from ..formats import (
     GATHER_DECODE_ELEMS,
-    Workspace,
     draw_rbits,
     e2m1_codes_i32,
-    operand,
     pack_fp4_col_words,
     pack_fp4_i32,
     pack_fp4_rows,
     sr_e2m1_codes_i32,
 )
 from ..rht import rht_rows_from_chunks, rotate_group_rows_keep, rotated_scratch
+from ..scratch import Workspace, operand
 from ._chunks import map_row_chunks, row_ranges
 from .base import Orientation, QuantizedTensor, Quantizer, Role, rows_of
 

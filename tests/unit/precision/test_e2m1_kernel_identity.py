@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lptrain.precision.formats import E2M1_GRID, Workspace, e2m1_codes_i32, sr_e2m1_codes_i32
+from lptrain.precision.formats import E2M1_GRID, e2m1_codes_i32, sr_e2m1_codes_i32
+from lptrain.precision.scratch import Workspace
 
 
 def _old_sign(y: torch.Tensor) -> torch.Tensor:

@@ -17,13 +17,11 @@ from lptrain.precision.formats import (
     E2M1_GRID,
     E4M3,
     E5M2,
-    Workspace,
     cast_to_e2m1,
     draw_rbits,
     e2m1_codes_i32,
     e4m3_bits_to_float,
     fp8_to_float,
-    operand,
     pack_fp4,
     pack_fp4_col_words,
     pack_fp4_i32,
@@ -31,6 +29,7 @@ from lptrain.precision.formats import (
     stochastic_round_e2m1,
 )
 from lptrain.precision.rht import apply_rht, rotate_token_groups
+from lptrain.precision.scratch import Workspace, operand
 from lptrain.precision.tensors import nvfp4 as nvfp4_mod
 
 GRID = torch.tensor(E2M1_GRID, dtype=torch.float64)
