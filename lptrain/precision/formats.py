@@ -418,6 +418,25 @@ def pack_fp4_col_words(codes: torch.Tensor, out: torch.Tensor, ws: Optional[Work
     return torch.bitwise_or(hi, q[0::2], out=out)
 
 
+def transposed_copy(t: torch.Tensor) -> torch.Tensor:
+    """``t.t()`` as a fresh contiguous tensor (never a view of ``t``), same bits, for a 2-D
+    tensor.
+
+    Why: torch's CPU transpose moves a 4-byte element several times faster than a byte, so
+    bytes with a row count divisible by 4 are first gathered four rows to an int32 word (row
+    4q+j in byte j, little-endian): the transposed words are then the transposed bytes, in
+    a quarter of the elements (the NVFP4 columnwise scales: ~1.2 -> ~0.55 ms at 4096^2)."""
+    r, c = t.shape
+    if t.device.type == "cpu" and t.element_size() == 1 and r % 4 == 0 and t.numel():
+        b = t.view(r // 4, 4, c)
+        w = torch.empty(r // 4, c, dtype=torch.int32)
+        w.copy_(b[:, 3])
+        for j in (2, 1, 0):
+            w.bitwise_left_shift_(operand(8, w)).bitwise_or_(b[:, j])
+        return w.t().clone(memory_format=torch.contiguous_format).view(t.dtype)
+    return t.t().clone(memory_format=torch.contiguous_format)
+
+
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`pack_fp4`: [..., n] bytes -> [..., 2n] codes."""
     lo = packed & 0xF

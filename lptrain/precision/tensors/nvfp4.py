@@ -26,6 +26,7 @@ from ..formats import (
     pack_fp4_i32,
     pack_fp4_rows,
     sr_e2m1_codes_i32,
+    transposed_copy,
 )
 from ..rht import rht_rows_from_chunks, rotate_group_rows_keep, rotated_scratch
 from ..scratch import Workspace, operand
@@ -327,11 +328,9 @@ class NVFP4Quantizer(Quantizer):
             pack_fp4_col_words(codes, words[r0 // 8 : r1 // 8], ws)
         # one whole-tensor transpose of int32 words, viewed as the [K, M/2] bytes after it:
         # torch transposes 4-byte elements ~5x faster than bytes, and a contiguous source
-        # beats chunk by chunk into column slices (clone, not contiguous(): the results must
-        # never alias the workspace, even when the transposed view happens to be contiguous,
-        # e.g. an empty tensor)
-        data = words.t().clone(memory_format=torch.contiguous_format).view(torch.uint8)
-        return data, scales.t().clone(memory_format=torch.contiguous_format)
+        # beats chunk by chunk into column slices (transposed_copy: the scale bytes go four
+        # rows per word too; the results never alias the workspace)
+        return transposed_copy(words).view(torch.uint8), transposed_copy(scales)
 
     @staticmethod
     def _block_amaxes(
