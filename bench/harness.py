@@ -114,6 +114,8 @@ class Rounds:
     spread: float = 0.05
     min_rounds: int = 5
     max_rounds: int = 1000
+    # untimed calls of each fn right before its timed one (see run; --settle)
+    settle: int = 0
     series: dict[str, list[float]] = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)
 
@@ -145,13 +147,20 @@ class Rounds:
         return self.n >= self.max_rounds or self.elapsed() >= self.cap_s or self.converged()
 
     def run(self, fns: Mapping[str, Callable[[], Any]], warmup: int = 1) -> Rounds:
-        """Time ``fns`` in rounds (in the given order, each call back to back) until done."""
+        """Time ``fns`` in rounds (in the given order, each call back to back) until done.
+
+        With ``settle``, each fn first runs that many untimed times right before its timed
+        call, so it is timed on its own warm caches (the steady state of a training loop,
+        which runs the same step again and again), not on those the previous fn of the round
+        left; the rounds still alternate, so drift and load hit every fn alike."""
         for _ in range(warmup):
             for fn in fns.values():
                 fn()
         while not self.done():
             times = {}
             for name, fn in fns.items():
+                for _ in range(self.settle):
+                    fn()
                 t0 = time.perf_counter()
                 fn()
                 times[name] = time.perf_counter() - t0
@@ -205,13 +214,20 @@ class BaselineStore:
         self.path.write_text(json.dumps(self._all, indent=1, sort_keys=True) + "\n")
 
 
-def add_args(ap: argparse.ArgumentParser, cap_s: float, spread: float = 0.05, min_rounds: int = 5) -> None:
-    """The flags every bench shares: the time cap, the spread goal, saving the baseline."""
+def add_args(ap: argparse.ArgumentParser, cap_s: float, spread: float = 0.05, min_rounds: int = 5,
+             settle: int = 0) -> None:
+    """The flags every bench shares: the time cap, the spread goal, the settle steps, saving
+    the baseline. Benches that alternate different models or engines in a round settle each
+    one (``settle=1``): a step timed right after another model's runs on the caches that
+    model left, a penalty that grows with the footprint and that no training loop pays."""
     ap.add_argument("--cap", type=float, default=cap_s, help=f"time cap per measurement, s (default {cap_s:g})")
     ap.add_argument("--spread", type=float, default=spread,
                     help="stop repeating once every median is known within this fraction")
     ap.add_argument("--min-rounds", type=int, default=min_rounds,
                     help=f"rounds before the spread may stop the repeats (default {min_rounds})")
+    ap.add_argument("--settle", type=int, default=settle,
+                    help="untimed runs of each variant right before its timed one "
+                         f"(default {settle}; 0: time it on the caches the previous one left)")
     ap.add_argument("--save-baseline", action="store_true",
                     help="accept this run's figures into bench/baseline.json")
 
@@ -219,7 +235,7 @@ def add_args(ap: argparse.ArgumentParser, cap_s: float, spread: float = 0.05, mi
 def rounds(args: argparse.Namespace, ratios: list[Ratio], cap_s: Optional[float] = None) -> Rounds:
     """A :class:`Rounds` configured from :func:`add_args`'s flags (``cap_s`` overrides)."""
     return Rounds(ratios, cap_s=args.cap if cap_s is None else cap_s, spread=args.spread,
-                  min_rounds=args.min_rounds)
+                  min_rounds=args.min_rounds, settle=getattr(args, "settle", 0))
 
 
 def _fmt(v: Optional[float], unit: str) -> str:

@@ -150,7 +150,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--only", choices=list(VARIANTS), action="append",
                     help="run only this variant (repeatable)")
-    add_args(ap, cap_s=40.0)
+    add_args(ap, cap_s=40.0, settle=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     figures, lines = [], []

@@ -34,6 +34,7 @@ from lptrain.config.schema import OptimizerConfig
 from lptrain.distributed.buffers import ParamAndGradBuffer
 from lptrain.distributed.groups import SINGLE, Group
 from lptrain.optim.child import MasterOptimizer
+from lptrain.optim.fp64_scratch import fp64_copy
 from lptrain.optim.lion import scalar_optimizer
 from lptrain.optim.muon import Muon, build_muon
 from lptrain.optim.param_groups import copy_param_attributes
@@ -224,8 +225,9 @@ class ShardedMasterOptimizer(MasterOptimizer):
         the fused kernel, which reads the fp32 grads directly."""
         norms: list[torch.Tensor] = []
         for buf, lo, hi, pieces, sizes, keep in self._norm_spans[sharded]:
-            parts = buf.grad_slice(lo, hi).to(torch.float64).split(sizes)  # (one op for all)
+            parts = fp64_copy(buf.grad_slice(lo, hi)).split(sizes)  # (one op for all)
             views = [v for pc, i in zip(pieces, keep, strict=True) for v in norm_views(pc, parts[i])]
+            # the norms are taken before the next span reuses the scratch
             norms.extend(torch._foreach_norm(views, 2))
         return norms
 

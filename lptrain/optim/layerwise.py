@@ -55,6 +55,7 @@ from lptrain.distributed.layout import BufferSpec
 from lptrain.optim.child import MasterOptimizer, OptimizerChild, foreach_scalar
 from lptrain.optim.compact_gather import CompactGather
 from lptrain.optim.distributed import ExpertShardedMasterOptimizer, ShardedMasterOptimizer
+from lptrain.optim.fp64_scratch import fp64_copy
 from lptrain.optim.muon import build_muon
 from lptrain.optim.param_groups import copy_param_attributes
 from lptrain.precision.param_storage import (
@@ -161,7 +162,7 @@ def run_norm_sq_and_zeros(
     zeros = torch.zeros((), dtype=torch.int64, device=device)
     sums: list[torch.Tensor] = []
     for grad, sizes in runs:
-        sq = grad.double().square_()
+        sq = fp64_copy(grad).square_()  # (summed below, before the next run's cast)
         sums += [part.sum() for part in sq.split(list(sizes))]
         zeros += grad.numel() - torch.count_nonzero(grad)
     if sums:
