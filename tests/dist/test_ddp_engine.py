@@ -214,3 +214,14 @@ def test_nonfinite_grad_on_one_rank_stops_every_rank() -> None:
         C.run_nan_injection, 2, args=([*ov, "train.on_nonfinite=skip"],), timeout_s=60
     )
     assert skipped[0]["skipped"] == [False, True, False]
+
+
+def test_nonfinite_grad_is_located_before_sharded_grads_are_released() -> None:
+    """ZeRO-2 (``optim_grads``): the full grads are freed right after their reduce-scatter, so
+    the bad element is located from the full bucket before that (only when its sum is not
+    finite, on the CPU). The message still names the parameter."""
+    ov = [*C.DISTOPT, "train.gradient_accumulation_fusion=false",
+          "ddp.data_parallel_sharding_strategy=optim_grads", "ddp.overlap_grad_reduce=true"]
+    with pytest.raises(RankFailedError) as info:
+        run_distributed(C.run_nan_injection, 2, args=(ov,), timeout_s=60)
+    assert "step 2, rank 1: gradient of 'layers.1.mlp.linear_fc2.weight' is not finite" in str(info.value)
