@@ -1,6 +1,6 @@
 """fp64 copies of flat grads for the grad norms, into a buffer kept across steps on the CPU.
 
-The grad norms are summed in fp64 (see ``DistributedOptimizer.grad_norm_sq`` and the
+The grad norms are summed in fp64 (see ``ShardedMasterOptimizer.grad_norm_sq`` and the
 layer-wise ``run_norm_sq_and_zeros``), which casts each bucket's span of the flat fp32 grad
 buffer once per step. On the CPU a fresh fp64 copy of a 1M-element span is an 8 MiB
 allocation that glibc serves by mmap and the kernel page-faults in on every step: measured
@@ -31,5 +31,5 @@ def fp64_copy(grads: torch.Tensor) -> torch.Tensor:
     buf = getattr(_LOCAL, "buf", None)
     if buf is None or buf.numel() < n:
         with torch.inference_mode(False):  # a normal tensor even when first made in inference
-            buf = _LOCAL.buf = torch.empty(n, dtype=torch.float64)
+            buf = _LOCAL.buf = torch.empty(n, dtype=torch.float64, device=grads.device)
     return buf[:n].copy_(grads.reshape(-1))

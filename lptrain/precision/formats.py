@@ -429,7 +429,7 @@ def transposed_copy(t: torch.Tensor) -> torch.Tensor:
     r, c = t.shape
     if t.device.type == "cpu" and t.element_size() == 1 and r % 4 == 0 and t.numel():
         b = t.view(r // 4, 4, c)
-        w = torch.empty(r // 4, c, dtype=torch.int32)
+        w = torch.empty(r // 4, c, dtype=torch.int32, device=t.device)
         w.copy_(b[:, 3])
         for j in (2, 1, 0):
             w.bitwise_left_shift_(operand(8, w)).bitwise_or_(b[:, j])
