@@ -26,7 +26,7 @@ import json
 import math
 import statistics
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -253,9 +253,14 @@ def verdict(fig: Figure, accepted: Optional[float]) -> str:
 
 
 def report(console: Console, bench: str, title: str, figures: list[Figure],
-           args: Optional[argparse.Namespace] = None, note: str = "") -> bool:
+           args: Optional[argparse.Namespace] = None, note: str = "",
+           unevaluated: Sequence[str] = ()) -> bool:
     """Print the figures as one table (median, spread, min/min, target, accepted, verdict),
-    save them as the baseline when asked; True when every target passes and nothing regressed."""
+    save them as the baseline when asked; True when every target passes and nothing regressed.
+
+    ``unevaluated``: lines naming targets that could not be computed this run (a target read
+    from another bench's accepted figure that is missing): printed, and the overall verdict
+    is INCOMPLETE (False), never a PASS that checked nothing."""
     store = BaselineStore(bench)
     table = Table(title=title)
     for col in ("figure", "median", "spread", "min/min", "rounds", "target", "accepted", "result"):
@@ -284,5 +289,11 @@ def report(console: Console, bench: str, title: str, figures: list[Figure],
         skipped = [f.name for f in figures if f not in tight]
         console.print(f"accepted: {len(tight)} figures written to bench/{BASELINE_PATH.name} [{bench}]"
                       + (f"; not accepted (spread above {goal:.0%}): {', '.join(skipped)}" if skipped else ""))
+    for line in unevaluated:
+        console.print(f"target not evaluated: {line}")
+    if unevaluated:
+        console.print(f"overall: INCOMPLETE ({len(unevaluated)} target(s) not evaluated"
+                      f"{'' if ok else '; and a FAIL or REGRESSED above'})")
+        return False
     console.print(f"overall: {'PASS' if ok else 'FAIL'}")
     return ok

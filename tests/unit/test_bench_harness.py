@@ -78,3 +78,31 @@ def test_save_baseline_accepts_only_converged_figures(tmp_path: Path, monkeypatc
     harness.report(Console(file=io.StringIO()), "b", "t", [noisy, harness.Figure("tight", [1.0] * 5)], Args())
     store = harness.BaselineStore("b")
     assert store.accepted("tight") == 1.0 and store.accepted("noisy") is None
+
+
+def test_a_target_that_could_not_be_computed_is_incomplete_not_pass() -> None:
+    out = io.StringIO()
+    figs = [harness.Figure("x", [1.0, 1.0, 1.0], target=2.0), harness.Figure("y", [3.0, 3.0, 3.0])]
+    assert harness.report(Console(file=out, width=200), "b", "t", figs)  # every target passes
+    assert not harness.report(Console(file=out, width=200), "b", "t", figs, unevaluated=["y: no figure"])
+    text = out.getvalue()
+    assert "target not evaluated: y: no figure" in text
+    assert "overall: INCOMPLETE (1 target(s) not evaluated)" in text
+
+
+def test_model_step_names_each_recipe_whose_linear_figure_is_missing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """model_step's per-recipe targets come from quantize's accepted linear figures; with one
+    missing, that recipe's target is reported as not evaluated (it read 'info' and the bench
+    said PASS before)."""
+    import model_step
+
+    monkeypatch.setattr(harness, "BASELINE_PATH", tmp_path / "baseline.json")
+    store = harness.BaselineStore("quantize")
+    store.save([harness.Figure(f"{fig} linear fwd+bwd", [1.2] * 3)
+                for name, fig in model_step.LINEAR_FIGURE.items() if name != "mxfp8"])
+    missing = model_step.unevaluated_targets()
+    assert len(missing) == 1 and missing[0].startswith("lptrain mxfp8: no accepted 'mxfp8 linear fwd+bwd'")
+    store.save([harness.Figure("mxfp8 linear fwd+bwd", [1.2] * 3)])
+    assert model_step.unevaluated_targets() == []
