@@ -21,6 +21,14 @@ skips it): the same ratios where the GEMMs are large enough that the fixed per-c
 quantized linear is a small share; no targets (diagnostic: how much of tiny_cpu's gap is the
 shape rather than the quantizers).
 
+Kernel split (tiny_cpu, after the rounds; ``bench/quantizer_calls.py``, no targets): per
+quantized recipe, the step's seconds inside its quantizer kernels (the linears' quantize and
+dequantize calls, timed where they run, and replayed alone on the step's own operands),
+the rest of the step next to the bf16 step, and exact aten op counts: the kernels', and the
+rest's minus the bf16 step's (what the quantized path adds outside the kernels, e.g. delayed
+scaling's amax history). It tells a target missed inside the kernels from one missed around
+them, which is what the targets' "cost outside the GEMMs" premise is about.
+
     .venv/bin/python bench/model_step.py [--cap 60] [--wide-cap 60] [--warmup 5] [--threads 1] [--save-baseline]
 """
 
@@ -28,12 +36,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from harness import BaselineStore, Figure, Ratio, add_args, report, rounds
+from quantizer_calls import count_ops, dispatch_floor_s, kernel_timer, record, replay
 from rich.console import Console
 from torch import nn
 
@@ -255,6 +265,9 @@ def measure(args: argparse.Namespace, base: LPTrainConfig, suffix: str, cap_s: f
         fns[n] = step(*variants[n])
     ratios = [Ratio(n + suffix, n, f"ref:{n}", targets[n][0]) for n in names]
     r = rounds(args, ratios, cap_s=cap_s).run(fns, warmup=args.warmup)
+    split = kernel_split(fns, [n for n in names if n.removeprefix("lptrain ") in RECIPES],
+                         statistics.median(r.series[f"ref:{names[0]}"]),
+                         {n: targets[n][0] for n in names}) if with_targets else []
     flops = flops_per_token(mc).total * b * s
     ref_s = statistics.median(r.series[f"ref:{names[0]}"])
     lines = [f"{n}: {statistics.median(r.series[n]) * 1e3:.2f} ms, {b * s / statistics.median(r.series[n]):,.0f} "
@@ -262,8 +275,51 @@ def measure(args: argparse.Namespace, base: LPTrainConfig, suffix: str, cap_s: f
     note = (f"GPT fwd+bwd{suffix}, {mc.num_layers}L h{mc.hidden_size} ffn{mc.ffn_hidden_size} seq{s} mbs{b}, "
             f"{args.threads} thread(s), {r.n} rounds ({r.stop_reason()}); reference {ref_s * 1e3:.2f} ms "
             f"({flops / ref_s / 1e9:.2f} GFLOP/s)\n" + "\n".join(lines)
-            + f"\nreference vs lptrain fp32 loss: {l_ref.item():.6f} vs {l_lp.item():.6f}")
+            + f"\nreference vs lptrain fp32 loss: {l_ref.item():.6f} vs {l_lp.item():.6f}"
+            + "".join("\n" + line for line in split))
     return r.figures(), note
+
+
+def kernel_split(fns: dict[str, Callable[[], None]], names: list[str], ref_s: float,
+                 targets: dict[str, float | None], repeats: int = 21) -> list[str]:
+    """Where each quantized recipe's step goes (``bench/quantizer_calls.py``): the seconds
+    inside its quantizer kernels (its quantize and dequantize calls, timed in the step, and
+    the same calls replayed alone on the step's operands), the rest of the step next to the
+    bf16 step, and exact aten op counts of the kernels and of the rest (the rest's count
+    minus the bf16 step's is what the quantized path adds outside the kernels). Each repeat
+    times the bf16 step, the recipe's step and the replay back to back; medians.
+    Diagnostic: it says whether a target is out of reach inside the kernels or outside them."""
+    bf16 = fns["lptrain bf16 params"]
+    bf16_ops = count_ops(bf16)
+    floors: list[float] = []
+    lines: list[str] = []
+    for n in names:
+        calls = record(fns[n])
+        kern_ops, step_ops = count_ops(lambda calls=calls: replay(calls)), count_ops(fns[n])
+        rows = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            bf16()
+            t1 = time.perf_counter()
+            with kernel_timer() as inside:
+                fns[n]()
+            t2 = time.perf_counter()
+            replay(calls)
+            t3 = time.perf_counter()
+            rows.append((t1 - t0, t2 - t1, inside[0], t3 - t2))
+            floors.append(dispatch_floor_s(200))
+        floor = statistics.median(floors)
+        bf16_s, step_s, kern_s, alone_s = (statistics.median(col) for col in zip(*rows, strict=True))
+        target = targets.get(n)
+        room = f"; the target leaves {(target * ref_s - bf16_s) * 1e3:.2f} ms above the bf16 step" if target else ""
+        lines.append(
+            f"  {n}: step {step_s * 1e3:.2f} ms = kernels {kern_s * 1e3:.2f} (alone {alone_s * 1e3:.2f}; "
+            f"{len(calls)} quantize + {sum(len(c.uses) for c in calls)} dequantize calls, {kern_ops} ops "
+            f"~ {kern_ops * floor * 1e3:.2f} ms fixed) + rest {(step_s - kern_s) * 1e3:.2f} (bf16 step "
+            f"{bf16_s * 1e3:.2f}; ops outside the kernels {step_ops - kern_ops - bf16_ops:+d} vs it){room}")
+    head = (f"quantizer kernels (the linears' quantize/dequantize calls; one trivial op "
+            f"{statistics.median(floors) * 1e6:.1f} us; bf16 step {bf16_ops} aten ops):") if names else ""
+    return [head, *lines] if names else []
 
 
 def main() -> None:
