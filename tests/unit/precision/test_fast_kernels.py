@@ -21,6 +21,7 @@ from lptrain.precision.formats import (
     draw_rbits,
     e2m1_codes_i32,
     e4m3_bits_to_float,
+    e5m2_bits_to_float,
     fp8_to_float,
     pack_fp4,
     pack_fp4_col_words,
@@ -150,6 +151,15 @@ def test_e4m3_bits_to_float_is_torchs_cast_for_every_byte() -> None:
     # compared as bit patterns: the two NaN bytes must give torch's NaN payload too
     assert torch.equal(got.view(torch.int32), ref.view(torch.int32))
     assert torch.equal(into.view(torch.int32), ref.view(torch.int32))
+
+
+def test_e5m2_shift_decode_is_torchs_cast_for_every_byte_and_layout() -> None:
+    bits = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(4).view(16, 64)
+    for b in (bits, bits.t(), bits[:, ::2], bits.reshape(-1)):  # any layout: an elementwise shift
+        ref = b.view(torch.float8_e5m2).float()
+        got = e5m2_bits_to_float(b)
+        assert got.shape == ref.shape
+        assert torch.equal(got.view(torch.int32), ref.view(torch.int32))  # NaN payloads too
 
 
 def test_operand_is_a_cached_zero_dim_tensor_of_the_dtype_that_keeps_negative_zero_apart() -> None:
