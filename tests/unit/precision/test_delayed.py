@@ -125,3 +125,57 @@ def test_non_pow2_scale_scale_inv_is_fp32_reciprocal() -> None:
 def test_quantize_api_requires_state() -> None:
     with pytest.raises(ValueError, match="state"):
         quantize(torch.ones(4), "delayed")
+
+
+@pytest.mark.parametrize("length", [1, 2, 4, 16])
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+@pytest.mark.parametrize("margin", [0.0, 2.0])
+@pytest.mark.parametrize("reduce", [False, True])
+def test_batched_update_is_the_per_slot_rule_bit_for_bit(length: int, algo: str, margin: float, reduce: bool) -> None:
+    """``DelayedScaling.update`` updates all slots in one batch (``update_slots``); every
+    branch of the per-slot rule is hit: zero amax (no roll), NaN / inf in the history or as
+    the current amax, amaxes so small the scale overflows to FLT_MAX, mixed formats."""
+    from lptrain.precision.recipes import update_slots
+
+    g = torch.Generator().manual_seed(length * 7 + int(margin))
+    specials = torch.tensor([0.0, float("nan"), INF, 1e-38, 1e-45, 3.0, 448.0, 6e4])
+    batch, single = [], []
+    for i in range(24):
+        fmt = E4M3 if i % 3 else E5M2
+        hist = torch.rand(length, generator=g) * 10.0 ** torch.randint(-6, 6, (1,), generator=g).item()
+        picks = torch.randint(0, len(specials) * 4, (length,), generator=g)  # ~1 in 4 special
+        for j, p in enumerate(picks.tolist()):
+            if p < len(specials):
+                hist[j] = specials[p]
+        if i % 5 == 0:
+            hist[0] = 0.0  # nothing recorded this step
+        a, b = DelayedScalingState(length, fmt), DelayedScalingState(length, fmt)
+        a.amax_history.copy_(hist)
+        b.amax_history.copy_(hist)
+        a.scale.fill_(0.5 + i)
+        b.scale.fill_(0.5 + i)
+        batch.append(a)
+        single.append(b)
+    reduced = None
+    if reduce:
+        reduced = torch.stack([s.amax_history[0] for s in batch]) * 2.0
+        reduced[::4] = 0.0  # a zero reduced amax falls back to the local one
+        reduced[1] = float("nan")
+    update_slots(batch, margin, algo, reduced)
+    for i, st in enumerate(single):
+        st.update(margin, algo, None if reduced is None else reduced[i])
+    for a, b in zip(batch, single, strict=True):
+        assert torch.equal(a.amax_history.view(torch.int32), b.amax_history.view(torch.int32))
+        assert torch.equal(a.scale.view(torch.int32), b.scale.view(torch.int32))
+    assert any(not torch.equal(a.scale, torch.full((1,), 0.5 + i)) for i, a in enumerate(batch))  # scales moved
+
+
+def test_update_groups_slots_by_history_length() -> None:
+    r = DelayedScaling(amax_history_len=4)
+    short, long_ = DelayedScalingState(1, E4M3), DelayedScalingState(4, E4M3)
+    for st in (short, long_):
+        st.amax_history[0] = 2.0
+    r.update([short, long_])
+    assert short.scale.item() == 224.0 and long_.scale.item() == 224.0
+    assert short.amax_history.tolist() == [0.0]
+    assert long_.amax_history.tolist() == [0.0, 0.0, 0.0, 2.0]
