@@ -265,8 +265,8 @@ def measure(args: argparse.Namespace, base: LPTrainConfig, suffix: str, cap_s: f
         fns[n] = step(*variants[n])
     ratios = [Ratio(n + suffix, n, f"ref:{n}", targets[n][0]) for n in names]
     r = rounds(args, ratios, cap_s=cap_s).run(fns, warmup=args.warmup)
-    split = kernel_split(fns, [n for n in names if n.removeprefix("lptrain ") in RECIPES],
-                         statistics.median(r.series[f"ref:{names[0]}"]),
+    bf16_ratio = {f.name: f.median for f in r.figures()}.get("lptrain bf16 params")
+    split = kernel_split(fns, [n for n in names if n.removeprefix("lptrain ") in RECIPES], bf16_ratio,
                          {n: targets[n][0] for n in names}) if with_targets else []
     flops = flops_per_token(mc).total * b * s
     ref_s = statistics.median(r.series[f"ref:{names[0]}"])
@@ -280,7 +280,7 @@ def measure(args: argparse.Namespace, base: LPTrainConfig, suffix: str, cap_s: f
     return r.figures(), note
 
 
-def kernel_split(fns: dict[str, Callable[[], None]], names: list[str], ref_s: float,
+def kernel_split(fns: dict[str, Callable[[], None]], names: list[str], bf16_ratio: float | None,
                  targets: dict[str, float | None], repeats: int = 21) -> list[str]:
     """Where each quantized recipe's step goes (``bench/quantizer_calls.py``): the seconds
     inside its quantizer kernels (its quantize and dequantize calls, timed in the step, and
@@ -288,6 +288,9 @@ def kernel_split(fns: dict[str, Callable[[], None]], names: list[str], ref_s: fl
     bf16 step, and exact aten op counts of the kernels and of the rest (the rest's count
     minus the bf16 step's is what the quantized path adds outside the kernels). Each repeat
     times the bf16 step, the recipe's step and the replay back to back; medians.
+    Shares of the bf16 step (kernels / bf16 step, both from the same repeats) stay
+    comparable when the machine's speed drifts; ``bf16_ratio`` (the rounds' bf16-params
+    figure) turns a recipe's target into the share it allows: (target - bf16) / bf16.
     Diagnostic: it says whether a target is out of reach inside the kernels or outside them."""
     bf16 = fns["lptrain bf16 params"]
     bf16_ops = count_ops(bf16)
@@ -311,12 +314,15 @@ def kernel_split(fns: dict[str, Callable[[], None]], names: list[str], ref_s: fl
         floor = statistics.median(floors)
         bf16_s, step_s, kern_s, alone_s = (statistics.median(col) for col in zip(*rows, strict=True))
         target = targets.get(n)
-        room = f"; the target leaves {(target * ref_s - bf16_s) * 1e3:.2f} ms above the bf16 step" if target else ""
+        room = (f"; the target allows {(target - bf16_ratio) / bf16_ratio:.2f}x for both"
+                if target and bf16_ratio else "")
         lines.append(
-            f"  {n}: step {step_s * 1e3:.2f} ms = kernels {kern_s * 1e3:.2f} (alone {alone_s * 1e3:.2f}; "
+            f"  {n}: step {step_s * 1e3:.2f} ms = kernels {kern_s * 1e3:.2f} = {kern_s / bf16_s:.2f}x the "
+            f"bf16 step (alone {alone_s * 1e3:.2f}; "
             f"{len(calls)} quantize + {sum(len(c.uses) for c in calls)} dequantize calls, {kern_ops} ops "
-            f"~ {kern_ops * floor * 1e3:.2f} ms fixed) + rest {(step_s - kern_s) * 1e3:.2f} (bf16 step "
-            f"{bf16_s * 1e3:.2f}; ops outside the kernels {step_ops - kern_ops - bf16_ops:+d} vs it){room}")
+            f"~ {kern_ops * floor * 1e3:.2f} ms fixed) + rest {(step_s - kern_s) * 1e3:.2f} = "
+            f"bf16 step {bf16_s * 1e3:.2f} + {(step_s - kern_s - bf16_s) / bf16_s:.2f}x of it (ops outside the "
+            f"kernels {step_ops - kern_ops - bf16_ops:+d} vs it){room}")
     head = (f"quantizer kernels (the linears' quantize/dequantize calls; one trivial op "
             f"{statistics.median(floors) * 1e6:.1f} us; bf16 step {bf16_ops} aten ops):") if names else ""
     return [head, *lines] if names else []

@@ -100,14 +100,25 @@ _E4M3_LUT = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.floa
 GATHER_DECODE_ELEMS = 1 << 18
 
 
-def e4m3_bits_gather(bits: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def e4m3_bits_gather(
+    bits: torch.Tensor, out: Optional[torch.Tensor] = None, table: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """E4M3 bytes (uint8, CPU) -> fp32 values by one table gather (torch's conversion bits);
-    ``out`` (contiguous fp32, ``bits``' numel) receives them when given."""
+    ``out`` (contiguous fp32, ``bits``' numel) receives them when given. ``table``: the 256
+    values to gather instead (e.g. :func:`e4m3_scaled_table`)."""
+    lut = _E4M3_LUT if table is None else table
     idx = bits.reshape(-1).to(torch.int32)
     if out is not None:
-        torch.index_select(_E4M3_LUT, 0, idx, out=out.view(-1))
+        torch.index_select(lut, 0, idx, out=out.view(-1))
         return out
-    return torch.index_select(_E4M3_LUT, 0, idx).view(bits.shape)
+    return torch.index_select(lut, 0, idx).view(bits.shape)
+
+
+def e4m3_scaled_table(scale: torch.Tensor) -> torch.Tensor:
+    """The 256 E4M3 values times one fp32 ``scale`` ((1,) or 0-d, CPU): gathering from it is
+    decode-then-multiply bit for bit (the same fp32 product per element, NaNs included),
+    with the operand-sized multiply done on 256 elements instead."""
+    return _E4M3_LUT * scale.reshape(())
 
 
 def e4m3_bits_to_float(bits: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -158,7 +169,8 @@ def e5m2_bits_to_float(bits: torch.Tensor) -> torch.Tensor:
 
 
 def fp8_to_float(
-    bits: torch.Tensor, fmt: FP8Format, scale_rows: Optional[RowScale] = None, align: int = 1
+    bits: torch.Tensor, fmt: FP8Format, scale_rows: Optional[RowScale] = None, align: int = 1,
+    *, scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """FP8 bits (uint8) -> fp32 values (exact), optionally scaled in place row chunk by chunk.
 
@@ -172,7 +184,19 @@ def fp8_to_float(
     operands (``GATHER_DECODE_ELEMS``) take a 256-entry table gather instead: serial, but one
     op against the int16 path's dozen, whose per-op cost is what a small model pays. Small
     E5M2 operands take :func:`e5m2_bits_to_float` (a shift into fp16), large ones torch's cast.
+
+    ``scale`` (one fp32 value for the whole tensor, on ``bits``' device; instead of
+    ``scale_rows``): every value times it. Small E4M3 operands then gather from the scaled
+    table (:func:`e4m3_scaled_table`: no operand-sized multiply); elsewhere it is a multiply.
     """
+    if scale is not None:
+        if scale_rows is not None:
+            raise ValueError("fp8_to_float takes scale or scale_rows, not both")
+        if (fmt.torch_dtype == torch.float8_e4m3fn and bits.device.type == "cpu" and scale.device.type == "cpu"
+                and bits.numel() * torch.get_num_threads() <= GATHER_DECODE_ELEMS):
+            return e4m3_bits_gather(bits, table=e4m3_scaled_table(scale))
+        s = scale.reshape(())
+        return fp8_to_float(bits, fmt, lambda o, r0, r1: o.mul_(s), align)
     small = bits.device.type == "cpu" and bits.numel() * torch.get_num_threads() <= GATHER_DECODE_ELEMS
     if fmt.torch_dtype == torch.float8_e5m2 and small:
         out = e5m2_bits_to_float(bits)
@@ -439,6 +463,9 @@ def pack_fp4_col_words(codes: torch.Tensor, out: torch.Tensor, ws: Optional[Work
     return torch.bitwise_or(hi, q[0::2], out=out)
 
 
+_TINY_TRANSPOSE = 1 << 13  # elements x threads up to which torch's byte transpose is fastest
+
+
 def transposed_copy(t: torch.Tensor) -> torch.Tensor:
     """``t.t()`` as a fresh contiguous tensor (never a view of ``t``), same bits, for a 2-D
     tensor.
@@ -446,9 +473,19 @@ def transposed_copy(t: torch.Tensor) -> torch.Tensor:
     Why: torch's CPU transpose moves a 4-byte element several times faster than a byte, so
     bytes with a row count divisible by 4 are first gathered four rows to an int32 word (row
     4q+j in byte j, little-endian): the transposed words are then the transposed bytes, in
-    a quarter of the elements (the NVFP4 columnwise scales: ~1.2 -> ~0.55 ms at 4096^2)."""
+    a quarter of the elements (the NVFP4 columnwise scales: ~1.2 -> ~0.55 ms at 4096^2), for
+    tensors above ``GATHER_DECODE_ELEMS``. Below it, operands with at most 256 columns (a small
+    model's: K = 64-256) go through an int16 copy, and tiny ones (``_TINY_TRANSPOSE``)
+    through torch's transpose, whose fixed cost is the lowest; the bytes are the same."""
     r, c = t.shape
-    if t.device.type == "cpu" and t.element_size() == 1 and r % 4 == 0 and t.numel():
+    n = t.numel() * torch.get_num_threads()
+    if t.device.type == "cpu" and t.element_size() == 1 and _TINY_TRANSPOSE < n <= GATHER_DECODE_ELEMS and c <= 256:
+        # a small model's operands (few columns): the strided read widened to int16 and
+        # narrowed back beats both the byte transpose and the word path below (~1.5-2x)
+        w = torch.empty(c, r, dtype=torch.int16, device=t.device)
+        w.copy_(t.view(torch.uint8).t())
+        return w.to(torch.uint8).view(t.dtype)
+    if t.device.type == "cpu" and t.element_size() == 1 and r % 4 == 0 and n > GATHER_DECODE_ELEMS:
         b = t.view(r // 4, 4, c)
         w = torch.empty(r // 4, c, dtype=torch.int32, device=t.device)
         w.copy_(b[:, 3])

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from .. import scaling as _scaling
-from ..formats import FLT_MAX, FP8Format, cast_to_fp8, fp8_to_float
+from ..formats import FLT_MAX, FP8Format, cast_to_fp8, fp8_to_float, transposed_copy
 from ._chunks import map_row_chunks
 from .base import FP8QuantizedTensor, FP8Quantizer, Orientation, Role
 
@@ -39,7 +39,7 @@ class Float8Tensor(FP8QuantizedTensor):
     def _derive_orientation(self, orientation: Orientation) -> dict[str, torch.Tensor]:
         src = self._fields["columnwise_data" if orientation == "rowwise" else "rowwise_data"]
         assert src is not None
-        return {f"{orientation}_data": src.t().contiguous()}
+        return {f"{orientation}_data": transposed_copy(src)}
 
     @property
     def shard_quantizable(self) -> bool:
@@ -65,8 +65,7 @@ class Float8Tensor(FP8QuantizedTensor):
     def _dequantize_2d(self, orientation: Orientation) -> torch.Tensor:
         data = self._fields[f"{orientation}_data"]
         assert data is not None
-        sinv = self.scale_inv
-        vals = fp8_to_float(data, self.fp8_format, lambda o, r0, r1: o.mul_(sinv))
+        vals = fp8_to_float(data, self.fp8_format, scale=self.scale_inv)
         return vals if orientation == "rowwise" else vals.t()
 
 
@@ -119,7 +118,7 @@ class Float8Quantizer(FP8Quantizer):
         return {
             "rowwise_data": q if self.rowwise else None,
             "scale_inv": torch.reciprocal(s),
-            "columnwise_data": q.t().contiguous() if self.columnwise else None,
+            "columnwise_data": transposed_copy(q) if self.columnwise else None,
         }
 
     def __repr__(self) -> str:

@@ -218,6 +218,21 @@ def test_fp8_decode_bit_identical_to_torch(fmt: object, shape: tuple[int, ...]) 
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))  # NaN payloads too
 
 
+@pytest.mark.parametrize("fmt", [E4M3, E5M2])
+@pytest.mark.parametrize("shape", [(16, 16), (512, 64), (600, 500)])
+def test_fp8_decode_with_one_scale_is_decode_then_multiply(fmt: object, shape: tuple[int, int]) -> None:
+    """``scale=`` (per-tensor FP8): small E4M3 operands gather from a scaled table instead of
+    multiplying the operand; every byte, NaNs and a non-power-of-two scale included."""
+    n = shape[0] * shape[1]
+    bits = (torch.arange(n) % 256).to(torch.uint8).reshape(shape)
+    s = torch.tensor([0.3141592], dtype=torch.float32)
+    want = bits.view(fmt.torch_dtype).float() * s  # type: ignore[attr-defined]
+    got = fp8_to_float(bits, fmt, scale=s)  # type: ignore[arg-type]
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    with pytest.raises(ValueError, match="not both"):
+        fp8_to_float(bits, fmt, lambda o, r0, r1: None, scale=s)  # type: ignore[arg-type]
+
+
 def test_fp8_decode_fused_row_scaling_equals_separate_multiply() -> None:
     bits = (torch.arange(640 * 256) % 256).to(torch.uint8).reshape(640, 256)
     scale = torch.rand(640, 1) * 1000

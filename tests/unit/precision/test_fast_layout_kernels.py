@@ -1,6 +1,7 @@
-"""The transpose shortcut keeps every bit: ``formats.transposed_copy`` transposes bytes four
-rows per int32 word (other dtypes, and odd row counts, through torch's transpose); each case
-is compared with torch's plain transpose on random bit patterns, exactly (``torch.equal``).
+"""The transpose shortcut keeps every bit: ``formats.transposed_copy`` transposes large byte
+tensors four rows per int32 word, small ones with few columns through an int16 copy (tiny
+ones, other dtypes and odd row counts through torch's transpose); each case is compared
+with torch's plain transpose on random bit patterns, exactly (``torch.equal``).
 """
 
 from __future__ import annotations
@@ -29,10 +30,18 @@ def test_transposed_copy_of_words_is_the_bitwise_transpose_and_never_aliases(sha
         assert not torch.equal(out, w.t().contiguous())
 
 
-@pytest.mark.parametrize("shape", [(256, 4096), (4, 3), (12, 40), (6, 10), (0, 8)])
+@pytest.mark.parametrize("shape", [(256, 4096), (4, 3), (12, 40), (6, 10), (0, 8),
+                                   (512, 64), (513, 192), (1024, 256), (64, 512)])
 def test_transposed_copy_of_bytes_is_the_bitwise_transpose(shape: tuple[int, int]) -> None:
     g = torch.Generator().manual_seed(1)
     b = torch.randint(0, 256, shape, generator=g, dtype=torch.int32).to(torch.uint8)
     out = transposed_copy(b)  # (6, 10): rows not divisible by 4 take torch's byte transpose
     assert out.dtype == torch.uint8 and out.is_contiguous()
     assert torch.equal(out, b.t().contiguous())
+
+
+def test_transposed_copy_keeps_an_fp8_dtype_view() -> None:
+    b = (torch.arange(512 * 64) % 256).to(torch.uint8).view(512, 64).view(torch.float8_e4m3fn)
+    out = transposed_copy(b)  # the int16 path: same dtype back, same bytes
+    assert out.dtype == torch.float8_e4m3fn
+    assert torch.equal(out.view(torch.uint8), b.view(torch.uint8).t().contiguous())
