@@ -485,7 +485,8 @@ def transposed_copy(t: torch.Tensor) -> torch.Tensor:
         w = torch.empty(c, r, dtype=torch.int16, device=t.device)
         w.copy_(t.view(torch.uint8).t())
         return w.to(torch.uint8).view(t.dtype)
-    if t.device.type == "cpu" and t.element_size() == 1 and r % 4 == 0 and n > GATHER_DECODE_ELEMS:
+    if (t.device.type == "cpu" and t.element_size() == 1 and r % 4 == 0 and n > GATHER_DECODE_ELEMS
+            and t.is_contiguous()):
         b = t.view(r // 4, 4, c)
         w = torch.empty(r // 4, c, dtype=torch.int32, device=t.device)
         w.copy_(b[:, 3])

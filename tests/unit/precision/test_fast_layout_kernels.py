@@ -45,3 +45,11 @@ def test_transposed_copy_keeps_an_fp8_dtype_view() -> None:
     out = transposed_copy(b)  # the int16 path: same dtype back, same bytes
     assert out.dtype == torch.float8_e4m3fn
     assert torch.equal(out.view(torch.uint8), b.view(torch.uint8).t().contiguous())
+
+
+def test_transposed_copy_of_a_strided_byte_view() -> None:
+    """A non-contiguous byte tensor (e.g. a column slice) takes a path that reads strides."""
+    g = torch.Generator().manual_seed(2)
+    big = torch.randint(0, 256, (1024, 1024), generator=g, dtype=torch.int32).to(torch.uint8)
+    for b in (big[:, :512], big[::2, :128]):
+        assert torch.equal(transposed_copy(b), b.t().contiguous())
