@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from .. import scaling as _scaling
-from ..formats import FLT_MAX, FP8Format, cast_to_fp8, fp8_to_float, transposed_copy
+from ..formats import FLT_MAX, FP8Format, cast_to_fp8, fp8_to_float, transposed_bytes
 from ._chunks import map_row_chunks
 from .base import FP8QuantizedTensor, FP8Quantizer, Orientation, Role
 
@@ -39,7 +39,7 @@ class Float8Tensor(FP8QuantizedTensor):
     def _derive_orientation(self, orientation: Orientation) -> dict[str, torch.Tensor]:
         src = self._fields["columnwise_data" if orientation == "rowwise" else "rowwise_data"]
         assert src is not None
-        return {f"{orientation}_data": transposed_copy(src)}
+        return {f"{orientation}_data": transposed_bytes(src)}
 
     @property
     def shard_quantizable(self) -> bool:
@@ -118,7 +118,7 @@ class Float8Quantizer(FP8Quantizer):
         return {
             "rowwise_data": q if self.rowwise else None,
             "scale_inv": torch.reciprocal(s),
-            "columnwise_data": transposed_copy(q) if self.columnwise else None,
+            "columnwise_data": transposed_bytes(q) if self.columnwise else None,
         }
 
     def __repr__(self) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lptrain.precision.formats import transposed_copy
+from lptrain.precision.formats import transposed_bytes, transposed_copy
 
 
 def _random_words(shape: tuple[int, int], seed: int = 0) -> torch.Tensor:
@@ -42,14 +42,16 @@ def test_transposed_copy_of_bytes_is_the_bitwise_transpose(shape: tuple[int, int
 
 def test_transposed_copy_keeps_an_fp8_dtype_view() -> None:
     b = (torch.arange(512 * 64) % 256).to(torch.uint8).view(512, 64).view(torch.float8_e4m3fn)
-    out = transposed_copy(b)  # the int16 path: same dtype back, same bytes
-    assert out.dtype == torch.float8_e4m3fn
-    assert torch.equal(out.view(torch.uint8), b.view(torch.uint8).t().contiguous())
+    for fn in (transposed_copy, transposed_bytes):
+        out = fn(b)  # the int16 path: same dtype back, same bytes
+        assert out.dtype == torch.float8_e4m3fn
+        assert torch.equal(out.view(torch.uint8), b.view(torch.uint8).t().contiguous())
 
 
 def test_transposed_copy_of_a_strided_byte_view() -> None:
     """A non-contiguous byte tensor (e.g. a column slice) takes a path that reads strides."""
     g = torch.Generator().manual_seed(2)
     big = torch.randint(0, 256, (1024, 1024), generator=g, dtype=torch.int32).to(torch.uint8)
-    for b in (big[:, :512], big[::2, :128]):
+    for b in (big[:, :512], big[::2, :128], big):
         assert torch.equal(transposed_copy(b), b.t().contiguous())
+        assert torch.equal(transposed_bytes(b), b.t().contiguous())
