@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from lptrain.precision import E4M3, E5M2, DelayedScaling, DelayedScalingState, quantize
 from lptrain.precision.formats import FLT_MAX
+from lptrain.precision.scaling import fp32_value
 
 INF = float("inf")
 
@@ -127,15 +130,41 @@ def test_quantize_api_requires_state() -> None:
         quantize(torch.ones(4), "delayed")
 
 
+def _reference_update(st: DelayedScalingState, margin: float, algo: str, reduced_amax: torch.Tensor | None) -> None:
+    """The update rule written branch by branch, one slot at a time, with host floats
+    (numerics.md 2.1): what the batched ``update_slots`` must reproduce bit for bit."""
+    hist = st.amax_history
+    last = hist[0].clone()
+    if reduced_amax is not None and float(reduced_amax) != 0.0:
+        last = reduced_amax.reshape(()).float().clone()
+    if float(last) == 0.0:
+        return
+    if hist.numel() == 1:
+        window = last
+        hist[0] = 0.0
+    else:
+        window = torch.maximum(hist[1:].amax(), last)
+        rolled = torch.roll(hist, -1)
+        rolled[0] = 0.0
+        rolled[-1] = last
+        hist.copy_(rolled)
+    a = float(window if algo == "max" else last)
+    if not math.isfinite(a) or a <= 0.0:
+        return
+    scaled_max = fp32_value(st.fp8_format.max * fp32_value(2.0 ** (-margin)))
+    s = fp32_value(scaled_max / a)
+    st.scale.fill_(FLT_MAX if math.isinf(s) else s)
+
+
 @pytest.mark.parametrize("length", [1, 2, 4, 16])
 @pytest.mark.parametrize("algo", ["max", "most_recent"])
 @pytest.mark.parametrize("margin", [0.0, 2.0])
 @pytest.mark.parametrize("reduce", [False, True])
 def test_batched_update_is_the_per_slot_rule_bit_for_bit(length: int, algo: str, margin: float, reduce: bool) -> None:
-    """``DelayedScaling.update`` updates all slots in one batch (``update_slots``); every
-    branch of the per-slot rule is hit: zero amax (no roll), NaN / inf in the history or as
+    """``DelayedScaling.update`` updates all slots in one batch (``update_slots``), equal to
+    the per-slot reference rule bit for bit; every branch of that rule is hit: zero amax (no roll), NaN / inf in the history or as
     the current amax, amaxes so small the scale overflows to FLT_MAX, mixed formats."""
-    from lptrain.precision.recipes import update_slots
+    from lptrain.precision.delayed_scaling import update_slots
 
     g = torch.Generator().manual_seed(length * 7 + int(margin))
     specials = torch.tensor([0.0, float("nan"), INF, 1e-38, 1e-45, 3.0, 448.0, 6e4])
@@ -163,7 +192,7 @@ def test_batched_update_is_the_per_slot_rule_bit_for_bit(length: int, algo: str,
         reduced[1] = float("nan")
     update_slots(batch, margin, algo, reduced)
     for i, st in enumerate(single):
-        st.update(margin, algo, None if reduced is None else reduced[i])
+        _reference_update(st, margin, algo, None if reduced is None else reduced[i])
     for a, b in zip(batch, single, strict=True):
         assert torch.equal(a.amax_history.view(torch.int32), b.amax_history.view(torch.int32))
         assert torch.equal(a.scale.view(torch.int32), b.scale.view(torch.int32))
