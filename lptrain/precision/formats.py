@@ -189,15 +189,14 @@ def fp8_to_float(
     ``scale_rows``): every value times it. Small E4M3 operands then gather from the scaled
     table (:func:`e4m3_scaled_table`: no operand-sized multiply); elsewhere it is a multiply.
     """
+    small = bits.device.type == "cpu" and bits.numel() * torch.get_num_threads() <= GATHER_DECODE_ELEMS
     if scale is not None:
         if scale_rows is not None:
             raise ValueError("fp8_to_float takes scale or scale_rows, not both")
-        if (fmt.torch_dtype == torch.float8_e4m3fn and bits.device.type == "cpu" and scale.device.type == "cpu"
-                and bits.numel() * torch.get_num_threads() <= GATHER_DECODE_ELEMS):
+        if small and fmt.torch_dtype == torch.float8_e4m3fn and scale.device.type == "cpu":
             return e4m3_bits_gather(bits, table=e4m3_scaled_table(scale))
         s = scale.reshape(())
         return fp8_to_float(bits, fmt, lambda o, r0, r1: o.mul_(s), align)
-    small = bits.device.type == "cpu" and bits.numel() * torch.get_num_threads() <= GATHER_DECODE_ELEMS
     if fmt.torch_dtype == torch.float8_e5m2 and small:
         out = e5m2_bits_to_float(bits)
         if scale_rows is not None:
@@ -461,55 +460,6 @@ def pack_fp4_col_words(codes: torch.Tensor, out: torch.Tensor, ws: Optional[Work
     q = torch.bitwise_left_shift(p[1::2], operand(8, p), out=scratch("pack2", (r // 4, k))).bitwise_or_(p[0::2])
     hi = torch.bitwise_left_shift(q[1::2], operand(16, q), out=scratch("pack3", (r // 8, k)))
     return torch.bitwise_or(hi, q[0::2], out=out)
-
-
-_TINY_TRANSPOSE = 1 << 13  # elements x threads up to which torch's byte transpose is fastest
-
-
-def _int16_transpose_fits(t: torch.Tensor) -> bool:
-    """Whether :func:`transposed_bytes` takes its int16 copy: a CPU byte tensor of a small
-    model's operand size (``_TINY_TRANSPOSE`` < elements x threads <= ``GATHER_DECODE_ELEMS``)
-    with at most 256 columns (K = 64-256), where it measured ~1.5-2x faster than torch's
-    byte transpose; outside that range it measured slower (fresh int16 pages, lost cache)."""
-    n = t.numel() * torch.get_num_threads()
-    return (t.device.type == "cpu" and t.element_size() == 1 and _TINY_TRANSPOSE < n <= GATHER_DECODE_ELEMS
-            and t.shape[1] <= 256)
-
-
-def transposed_bytes(t: torch.Tensor) -> torch.Tensor:
-    """``t.t()`` as a fresh contiguous tensor for a 2-D byte tensor (per-tensor FP8 data):
-    the strided read widened to int16 and narrowed back where :func:`_int16_transpose_fits`,
-    else torch's transpose. Same bytes either way."""
-    if _int16_transpose_fits(t):
-        w = torch.empty(t.shape[1], t.shape[0], dtype=torch.int16, device=t.device)
-        w.copy_(t.view(torch.uint8).t())
-        return w.to(torch.uint8).view(t.dtype)
-    return t.t().clone(memory_format=torch.contiguous_format)
-
-
-def transposed_copy(t: torch.Tensor) -> torch.Tensor:
-    """``t.t()`` as a fresh contiguous tensor (never a view of ``t``), same bits, for a 2-D
-    tensor.
-
-    Why: for the NVFP4 columnwise scales ([M/16, K] bytes: few rows, many columns) torch's CPU
-    transpose moves a 4-byte element several times faster than a byte, so bytes with a row
-    count divisible by 4 are first gathered four rows to an int32 word (row 4q+j in byte j,
-    little-endian): the transposed words are then the transposed bytes, in a quarter of the
-    elements (~1.2 -> ~0.55 ms at 4096^2). Not for square byte matrices (4096^2: 38 ms
-    against torch's 22), nor tiny ones (``_TINY_TRANSPOSE``: torch's fixed cost is lowest);
-    a small model's few-column ones take :func:`transposed_bytes`' int16 copy."""
-    r, c = t.shape
-    if _int16_transpose_fits(t):
-        return transposed_bytes(t)
-    if (t.device.type == "cpu" and t.element_size() == 1 and r % 4 == 0 and t.is_contiguous()
-            and t.numel() * torch.get_num_threads() > _TINY_TRANSPOSE):
-        b = t.view(r // 4, 4, c)
-        w = torch.empty(r // 4, c, dtype=torch.int32, device=t.device)
-        w.copy_(b[:, 3])
-        for j in (2, 1, 0):
-            w.bitwise_left_shift_(operand(8, w)).bitwise_or_(b[:, j])
-        return w.t().clone(memory_format=torch.contiguous_format).view(t.dtype)
-    return t.t().clone(memory_format=torch.contiguous_format)
 
 
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from .. import scaling as _scaling
-from ..formats import FLT_MAX, FP8Format, cast_to_fp8, fp8_to_float, transposed_bytes
+from ..byte_transpose import transposed_bytes
+from ..formats import FLT_MAX, FP8Format, cast_to_fp8, fp8_to_float
 from ._chunks import map_row_chunks
 from .base import FP8QuantizedTensor, FP8Quantizer, Orientation, Role
 

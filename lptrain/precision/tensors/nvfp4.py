@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 
 from .. import scaling as _scaling
+from ..byte_transpose import transposed_copy
 from ..formats import (
     GATHER_DECODE_ELEMS,
     draw_rbits,
@@ -26,7 +27,6 @@ from ..formats import (
     pack_fp4_i32,
     pack_fp4_rows,
     sr_e2m1_codes_i32,
-    transposed_copy,
 )
 from ..rht import rht_rows_from_chunks, rotate_group_rows_keep, rotated_scratch
 from ..scratch import Workspace, operand

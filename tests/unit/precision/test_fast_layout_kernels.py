@@ -1,4 +1,4 @@
-"""The transpose shortcut keeps every bit: ``formats.transposed_copy`` transposes large byte
+"""The transpose shortcut keeps every bit: ``byte_transpose.transposed_copy`` transposes large byte
 tensors four rows per int32 word, small ones with few columns through an int16 copy (tiny
 ones, other dtypes and odd row counts through torch's transpose); each case is compared
 with torch's plain transpose on random bit patterns, exactly (``torch.equal``).
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lptrain.precision.formats import transposed_bytes, transposed_copy
+from lptrain.precision.byte_transpose import transposed_bytes, transposed_copy
 
 
 def _random_words(shape: tuple[int, int], seed: int = 0) -> torch.Tensor:
