@@ -293,7 +293,7 @@ SITES: dict[str, ByRule | NotConfig] = {
         ByRule("PREC-CHOICES", ("precision.fp4_format=e3m0",), build=_recipe),
     "lptrain/precision/recipes.py::DelayedScaling.__post_init__::ValueError: amax_compute_algo must be {}, got {}":
         ByRule("PREC-CHOICES", (*E4M3, "precision.fp8_amax_compute_algo=mean"), build=_recipe),
-    "lptrain/precision/recipes.py::DelayedScalingState.__post_init__::ValueError: amax_history_len must be >= 1":
+    "lptrain/precision/delayed_scaling.py::DelayedScalingState.__post_init__::ValueError: amax_history_len must be >= 1":
         ByRule("RANGE-PRECISION", (*E4M3, "precision.fp8_amax_history_len=0"),
                build=lambda cfg: _recipe(cfg).make_state("input")),
     "lptrain/precision/recipes.py::BlockwiseScaling.__post_init__::ValueError: block scaling dims must be 1 or 2, got {}":
