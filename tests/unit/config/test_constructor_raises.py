@@ -29,7 +29,8 @@ SCANNED = [
     "lptrain/model", "lptrain/data/loader.py", "lptrain/data/blend.py",
     "lptrain/data/gpt_dataset.py", "lptrain/data/sampler.py", "lptrain/data/indexed.py",
     "lptrain/train/engine.py", "lptrain/optim", "lptrain/distributed",
-    "lptrain/precision/factory.py", "lptrain/precision/recipes.py", "lptrain/precision/layers.py",
+    "lptrain/precision/factory.py", "lptrain/precision/recipes.py", "lptrain/precision/delayed_scaling.py",
+    "lptrain/precision/layers.py",
     "lptrain/precision/te_adapter.py",
 ]
 ROOT_NAMES = {"__init__", "__post_init__", "add_param_group"}
