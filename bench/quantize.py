@@ -8,6 +8,9 @@
    to the columnwise copy of both roles. Target <= 8x for every recipe and role (aim 5x).
 2. quantized ``Linear`` fwd+bwd (2048x2048 weight, 4096 tokens, fp32, inside ``autocast``)
    as a ratio of fp32 ``nn.Linear`` fwd+bwd. Target <= 1.5x (NVFP4 with RHT and SR <= 2x).
+3. under the table, the NVFP4 rht+sr grad q+dq split into its quantize (with its SR draws
+   replayed alone, :mod:`sr_draws`) and its two dequantizes, each x clone: the parts that
+   stay whatever the kernels do (no target).
 
 Measurement (``bench/harness.py``): rounds in which every candidate is timed right after its
 own baseline, repeated until every median is known within ``--spread`` or ``--cap`` seconds
@@ -21,12 +24,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import statistics
+import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from harness import Ratio, add_args, report, rounds
 from rich.console import Console
+from sr_draws import record_draws, replay_draws
 
 from lptrain.precision import recipes as R
 from lptrain.precision.autocast import autocast
@@ -75,6 +81,42 @@ def linear_fwd_bwd(module: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor,
     return run
 
 
+def nvfp4_sr_split(x: torch.Tensor, n_rounds: int) -> str:
+    """One note line: the NVFP4 rht+sr grad q+dq cut into its parts, each the median over
+    ``n_rounds`` of its time over the clone timed right before it (as the figure is).
+
+    Why: the figure's target assumes the cost can be cut; two parts cannot be without
+    changing what is computed. The SR draws (:mod:`sr_draws`: the quantizer's own draws,
+    replayed) are serial on the CPU generator and fixed by the seed, and each dequantize
+    writes a fresh fp32 output as large as the clone's, so it pays the clone's page faults.
+    """
+    q = _quantizer(RECIPES["nvfp4 rht+sr"](), "grad")
+    sizes = record_draws(lambda: q.quantize(x))
+    gen = torch.Generator().manual_seed(0)
+    buf = replay_draws(sizes, gen)
+    t = q.quantize(x)
+    parts: dict[str, Callable[[], Any]] = {
+        "quantize": lambda: q.quantize(x),
+        "its SR draws alone": lambda: replay_draws(sizes, gen, buf),
+        "dequantize rowwise": lambda: t.dequantize("rowwise"),
+        "dequantize columnwise": lambda: t.dequantize("columnwise"),
+    }
+    ratios: dict[str, list[float]] = {k: [] for k in parts}
+    for _ in range(n_rounds):
+        for k, fn in parts.items():
+            t0 = time.perf_counter()
+            x.clone()
+            t1 = time.perf_counter()
+            fn()
+            ratios[k].append((time.perf_counter() - t1) / (t1 - t0))
+    med = {k: statistics.median(v) for k, v in ratios.items()}
+    return (f"nvfp4 rht+sr q+dq grad, split ({n_rounds} rounds, x clone): quantize {med['quantize']:.2f} "
+            f"(its SR draws alone {med['its SR draws alone']:.2f}: {len(sizes)} draws, "
+            f"{sum(sizes) / 2**20:.0f} MiB from the serial CPU generator), dequantize rowwise "
+            f"{med['dequantize rowwise']:.2f} + columnwise {med['dequantize columnwise']:.2f} (each "
+            "writes a fresh fp32 output of the clone's size)")
+
+
 def paired(cands: dict[str, Callable[[], None]], base: Callable[[], None]) -> dict[str, Callable[[], None]]:
     """Each candidate right after its own baseline call (series ``base:<name>``, ``<name>``)."""
     out: dict[str, Callable[[], None]] = {}
@@ -88,6 +130,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = leave as is)")
     ap.add_argument("--skip-linear", action="store_true")
+    ap.add_argument("--split-rounds", type=int, default=7,
+                    help="rounds of the NVFP4 rht+sr q+dq split printed under the table")
     add_args(ap, cap_s=60.0)
     args = ap.parse_args()
     if args.threads:
@@ -104,7 +148,8 @@ def main() -> None:
         paired(cands, lambda: x.clone()))
     figures = q.figures()
     notes = [f"q+dq: {q.n} rounds ({q.stop_reason()}); clone(4096x4096 fp32) "
-             f"{min(q.series['base:' + next(iter(cands))]) * 1e3:.1f} ms"]
+             f"{min(q.series['base:' + next(iter(cands))]) * 1e3:.1f} ms",
+             nvfp4_sr_split(x, args.split_rounds)]
     if not args.skip_linear:
         hidden, tokens = 2048, 4096
         xl, dyl = torch.randn(tokens, hidden), torch.randn(tokens, hidden)
