@@ -58,7 +58,10 @@ def _start_then_signal(out: Path, sig: int, after_lines: int) -> subprocess.Comp
     metrics = out / "metrics.jsonl"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.communicate()
+        if proc.poll() is not None:  # ended before the signal: show both streams' tails
+            stdout, stderr = proc.communicate()
+            pytest.fail(f"the run exited {proc.returncode} before it was signalled\n"
+                        f"stdout: ...{stdout[-1500:]}\nstderr: ...{stderr[-4000:]}")
         if metrics.exists() and len(metrics.read_text().splitlines()) >= after_lines:
             break
         time.sleep(0.1)
