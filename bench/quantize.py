@@ -37,6 +37,7 @@ from sr_draws import record_draws, replay_draws
 from lptrain.precision import recipes as R
 from lptrain.precision.autocast import autocast
 from lptrain.precision.layers import Linear
+from lptrain.precision.scratch import Workspace
 
 RECIPES: dict[str, Callable[[], Any]] = {
     "delayed": lambda: R.DelayedScaling(fp8_format="hybrid", amax_history_len=16),
@@ -92,12 +93,11 @@ def nvfp4_sr_split(x: torch.Tensor, n_rounds: int) -> str:
     """
     q = _quantizer(RECIPES["nvfp4 rht+sr"](), "grad")
     sizes = record_draws(lambda: q.quantize(x))
-    gen = torch.Generator().manual_seed(0)
-    buf = replay_draws(sizes, gen)
+    gen, ws = torch.Generator().manual_seed(0), Workspace()
     t = q.quantize(x)
     parts: dict[str, Callable[[], Any]] = {
         "quantize": lambda: q.quantize(x),
-        "its SR draws alone": lambda: replay_draws(sizes, gen, buf),
+        "its SR draws alone": lambda: replay_draws(sizes, gen, ws),
         "dequantize rowwise": lambda: t.dequantize("rowwise"),
         "dequantize columnwise": lambda: t.dequantize("columnwise"),
     }

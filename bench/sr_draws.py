@@ -9,8 +9,8 @@ it instead of estimating it:
 - :func:`record_draws` runs one quantization with the draw seam
   (``lptrain.precision.tensors.nvfp4.draw_rbits``) wrapped and returns the byte count of
   every draw, in order;
-- :func:`replay_draws` makes those draws again, into one reused buffer, with nothing around
-  them: the same ``random_`` calls on the same generator, so a generator in the
+- :func:`replay_draws` makes those draws again with nothing around them: the same
+  ``draw_rbits`` calls on the same generator, so a generator in the
   quantizer's starting state ends in the quantizer's final state (the tests check that,
   which is what makes the replay's time the draws' time).
 """
@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from lptrain.precision.formats import draw_rbits
+from lptrain.precision.scratch import Workspace
 from lptrain.precision.tensors import nvfp4
 
 
@@ -51,14 +53,12 @@ def record_draws(quantize: Callable[[], Any]) -> list[int]:
 
 
 def replay_draws(sizes: list[int], generator: torch.Generator,
-                 buffer: torch.Tensor | None = None) -> torch.Tensor:
-    """The draws of :func:`record_draws` again (``draw_rbits``'s calls: ``ceil(n / 8)``
-    full-range int64 words each) into ``buffer`` (int64, reused; made when None) and
-    returned; the bytes of the last draw are its first ``sizes[-1]`` bytes."""
-    words = [(n + 7) // 8 for n in sizes]
-    need = max(words, default=0)
-    if buffer is None or buffer.numel() < need:
-        buffer = torch.empty(max(need, 1), dtype=torch.int64)
-    for w in words:
-        buffer[:w].random_(-(2**63), None, generator=generator)
-    return buffer
+                 ws: Workspace | None = None) -> torch.Tensor:
+    """The draws of :func:`record_draws` again, through the quantizer's own
+    :func:`lptrain.precision.formats.draw_rbits` (into ``ws``'s reused slot, as the
+    quantizer's workspace does); returns the last draw's bytes."""
+    ws = ws if ws is not None else Workspace(generator.device)
+    out = torch.empty(0, dtype=torch.uint8)
+    for n in sizes:
+        out = draw_rbits(n, generator, generator.device, ws)
+    return out
