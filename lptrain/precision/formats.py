@@ -93,7 +93,7 @@ RowScale = Callable[[torch.Tensor, int, int], None]
 _DECODE_CHUNK = 1 << 18  # elements per pass: the int16 scratch and fp32 rows stay cache-resident
 _F16_TO_E4M3 = 256.0  # fp16 built from E4M3 bits is the E4M3 value times 2^-8 (bias 15 vs 7)
 # fp32 value of every E4M3 byte, by torch's own conversion (so NaN payloads are torch's)
-_E4M3_LUT = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+_E4M3_LUT = torch.arange(256, dtype=torch.int32, device="cpu").to(torch.uint8).view(torch.float8_e4m3fn).float()
 # Elements x threads up to which the table gather beats the int16 passes: the gather is one
 # serial op, the int16 decode ~12 threaded ones whose fixed cost (~5 us each) dominates below
 # a few 10^5 elements (a small model's operands); both give torch's bits.
@@ -235,7 +235,7 @@ def fp8_to_float(
 # ---------------------------------------------------------------------------------------------
 # E2M1 / FP4 (P6)
 
-_E2M1_LUT = torch.tensor(E2M1_GRID + tuple(-v for v in E2M1_GRID), dtype=torch.float32)
+_E2M1_LUT = torch.tensor(E2M1_GRID + tuple(-v for v in E2M1_GRID), dtype=torch.float32, device="cpu")
 
 
 # fp32 bit patterns used by the integer E2M1 kernels below.

@@ -21,8 +21,8 @@ RHT_SIZE = 16
 
 def hadamard16() -> torch.Tensor:
     """The 16x16 Sylvester Hadamard matrix (entries +-1), fp32."""
-    i = torch.arange(RHT_SIZE)
-    parity = torch.zeros(RHT_SIZE, RHT_SIZE, dtype=torch.int64)
+    i = torch.arange(RHT_SIZE, device="cpu")
+    parity = torch.zeros(RHT_SIZE, RHT_SIZE, dtype=torch.int64, device="cpu")
     anded = i[:, None] & i[None, :]
     for bit in range(4):
         parity ^= (anded >> bit) & 1
@@ -31,7 +31,7 @@ def hadamard16() -> torch.Tensor:
 
 def rht_matrix() -> torch.Tensor:
     """R = diag(s) H / 4 as fp32 (values +-0.25; identical when stored as bf16)."""
-    s = torch.tensor(RHT_SIGNS, dtype=torch.float32)
+    s = torch.tensor(RHT_SIGNS, dtype=torch.float32, device="cpu")
     return (s[:, None] * hadamard16()) * 0.25
 
 
@@ -102,7 +102,7 @@ def rotated_scratch(shape: tuple[int, int], device: torch.device) -> torch.Tenso
     buf = getattr(_SCRATCH, "buf", None)
     if buf is None or buf.numel() < m * k:
         with torch.inference_mode(False):
-            buf = torch.empty(m * k, dtype=torch.bfloat16)
+            buf = torch.empty(m * k, dtype=torch.bfloat16, device="cpu")
         _SCRATCH.buf = buf
     return buf[: m * k].view(m, k)
 

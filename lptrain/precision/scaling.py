@@ -202,7 +202,7 @@ def mxfp8_block_scales_i32(block_amax: torch.Tensor, fp8_max: float) -> tuple[to
     computation over several grids into parts convert each part to uint8 themselves)."""
     rcp = _RCP_CACHE.get(fp8_max)
     if rcp is None:  # fl32 of the fp64 1/max (TE's max_norm_rcp), a CPU scalar usable anywhere
-        rcp = _RCP_CACHE.setdefault(fp8_max, torch.tensor(1.0 / fp8_max, dtype=torch.float32))
+        rcp = _RCP_CACHE.setdefault(fp8_max, torch.tensor(1.0 / fp8_max, dtype=torch.float32, device="cpu"))
     bits = torch.mul(block_amax, rcp).view(torch.int32)
     fix = torch.sub(_SUBNORMAL_2_POW_M127, bits).bitwise_right_shift_(31).add_(1)
     code = bits.add_(_E8M0_CEIL).bitwise_right_shift_(23).sub_(fix).clamp_(0, E8M0_MAX_CODE)
@@ -240,7 +240,7 @@ def _e8m0_dequant_bits(code: torch.Tensor) -> torch.Tensor:
 
 
 # every code's dequant scale, made by the elementwise rule once
-_E8M0_DEQUANT_LUT = _e8m0_dequant_bits(torch.arange(256, dtype=torch.int32).to(torch.uint8))
+_E8M0_DEQUANT_LUT = _e8m0_dequant_bits(torch.arange(256, dtype=torch.int32, device="cpu").to(torch.uint8))
 
 
 def e8m0_to_dequant_scale(code: torch.Tensor) -> torch.Tensor:
@@ -262,8 +262,8 @@ def e8m0_to_dequant_scale(code: torch.Tensor) -> torch.Tensor:
 NVFP4_GLOBAL_NUM = 448.0 * 6.0  # 2688
 # fl32 constants as CPU 0-d tensors (usable with tensors on any device), made once: a fresh
 # torch.tensor per call is three dispatcher calls, on a small model more than the math
-_SIXTH = torch.tensor(1.0 / 6.0, dtype=torch.float32)
-_INV_GLOBAL_NUM = torch.tensor(1.0 / NVFP4_GLOBAL_NUM, dtype=torch.float32)
+_SIXTH = torch.tensor(1.0 / 6.0, dtype=torch.float32, device="cpu")
+_INV_GLOBAL_NUM = torch.tensor(1.0 / NVFP4_GLOBAL_NUM, dtype=torch.float32, device="cpu")
 
 
 def nvfp4_global_encode_scale(global_amax: torch.Tensor) -> torch.Tensor:

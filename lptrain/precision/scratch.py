@@ -31,7 +31,7 @@ def operand(value: float | int, like: torch.Tensor) -> torch.Tensor | float | in
     t = _CPU_OPERANDS.get(key)
     if t is None:
         with torch.inference_mode(False):  # usable by later normal-mode calls as well
-            t = _CPU_OPERANDS[key] = torch.tensor(value, dtype=like.dtype)
+            t = _CPU_OPERANDS[key] = torch.tensor(value, dtype=like.dtype, device="cpu")
     return t
 
 

@@ -176,8 +176,8 @@ def unpack_fp4_values(
 
 
 # the two E2M1 values of every packed byte (low nibble first), by the int decode itself
-_FP4_PAIR_LUT = torch.empty(256, 2)
-decode_fp4_chunks(torch.arange(256, dtype=torch.int32).to(torch.uint8), None, out=_FP4_PAIR_LUT)
+_FP4_PAIR_LUT = torch.empty(256, 2, device="cpu")
+decode_fp4_chunks(torch.arange(256, dtype=torch.int32, device="cpu").to(torch.uint8), None, out=_FP4_PAIR_LUT)
 
 
 def _global_amax(block_amaxes: torch.Tensor) -> torch.Tensor:

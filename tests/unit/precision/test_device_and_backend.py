@@ -282,3 +282,49 @@ def test_master_init_uses_te_high_precision_init_val() -> None:
         assert torch.equal(m, init.to(torch.bfloat16).float()) and m.dtype == torch.float32
         assert w.get_high_precision_init_val() is None  # released
         assert torch.equal(master_weight_init(w), w.dequantize().float())  # the fallback
+
+
+# Quantizes one operand per emulated recipe and role on the CPU and prints a digest of every
+# byte: run in a fresh interpreter whose first import of the precision package happens under
+# a caller's ``with torch.device("meta")`` (a meta-device model build, as the dry run and
+# the memory planner do), and in this process, where it did not.
+_QUANTIZE_DIGEST = r"""
+import hashlib, sys
+import torch
+if sys.argv[1] == "meta":
+    from lptrain.config.compose import compose
+    with torch.device("meta"):
+        from lptrain.model.build import build_model
+        build_model(compose("nvfp4_adamw_cpu.yaml"))
+from lptrain.precision import recipes as R
+digest = hashlib.sha256()
+x = torch.randn(64, 64, generator=torch.Generator().manual_seed(3))
+for make in (lambda: R.DelayedScaling(fp8_format="hybrid"), R.TensorwiseScaling, R.BlockwiseScaling,
+             R.MXFP8Scaling, R.NVFP4Scaling):
+    recipe = make()
+    for role in ("input", "weight", "grad"):
+        kw = {"state": recipe.make_state(role)} if recipe.name == "delayed" else {}
+        t = recipe.make_quantizer(role, True, True, **kw).quantize(x)
+        for o in ("rowwise", "columnwise"):
+            digest.update(t.dequantize(o).numpy().tobytes())
+print(digest.hexdigest())
+"""
+
+
+def test_a_first_import_under_a_meta_device_context_keeps_the_kernels_on_the_cpu() -> None:
+    """The emulation's constant tables and cached operands (E4M3/E2M1/E8M0 tables, NVFP4
+    scale factors, RHT matrix, scalar operands) are made once, at import or first use. Made
+    under a caller's ``torch.device("meta")`` they would be meta tensors for the rest of the
+    process: the import itself failed (``float()`` of a meta tensor), and a table that did
+    not fail would make every later CPU quantization raise. They are pinned to the CPU, so
+    quantizing after such an import gives this process's bytes exactly."""
+    import subprocess
+    import sys
+
+    def digest(mode: str) -> str:
+        run = subprocess.run([sys.executable, "-c", _QUANTIZE_DIGEST, mode], capture_output=True,
+                             text=True, timeout=120)
+        assert run.returncode == 0, run.stderr[-2000:]
+        return run.stdout.strip()
+
+    assert digest("meta") == digest("plain")
