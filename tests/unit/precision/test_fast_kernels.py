@@ -316,9 +316,16 @@ def _assert_same_values(got: torch.Tensor, want: torch.Tensor) -> None:
     assert torch.equal(got.view(torch.int32)[~nan], want.view(torch.int32)[~nan])  # -0 too
 
 
+@pytest.mark.parametrize("per_thread", [None, 1 << 12], ids=["default-chunks", "many-chunks"])
 @pytest.mark.parametrize("shape", [(16, 8), (3, 40), (300, 1024)])
-def test_fp4_int_unpack_matches_grid_reference(shape: tuple[int, int]) -> None:
+def test_fp4_int_unpack_matches_grid_reference(
+        monkeypatch: pytest.MonkeyPatch, shape: tuple[int, int], per_thread: int | None) -> None:
+    """(300, 1024) bytes decode in one chunk by default and in 75+ with 4096-element chunks
+    per thread (the decode's chunk follows the thread count, :func:`nvfp4.decode_chunk_elems`)."""
     from lptrain.precision.tensors.nvfp4 import unpack_fp4_values
+
+    if per_thread is not None:
+        monkeypatch.setattr(nvfp4_mod, "_DECODE_ELEMS_PER_THREAD", per_thread)
 
     g = torch.Generator().manual_seed(6)
     packed = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
@@ -389,3 +396,44 @@ def test_mxfp8_block_scales_equal_the_generic_e8m0_functions() -> None:
         want = scaling.e8m0_from_amax(v, fmt.max)
         assert torch.equal(codes, want)
         assert torch.equal(mult.view(torch.int32), scaling.e8m0_to_quant_multiplier(want).view(torch.int32))
+
+
+@pytest.mark.parametrize("options", [dict(rht=True, sr=True), dict(rht=False, sr=False), dict(use_2d=True)],
+                         ids=["rht+sr", "plain", "2d"])
+def test_nvfp4_bytes_do_not_depend_on_the_row_chunk_or_the_thread_count(
+        monkeypatch: pytest.MonkeyPatch, options: dict) -> None:
+    """The quantize passes run over row chunks whose size follows the intra-op thread count
+    (:func:`nvfp4.row_chunk_elems`); every field, and the generator's state after the SR
+    draws, must be the same whatever the chunk (one chunk for the whole tensor, partial last
+    chunks, chunks smaller than one 16-row group's worth are rounded up to it) and the thread
+    count (1 and 2). 544 x 512 with specials, a zero block group and a spread of magnitudes."""
+    from lptrain.precision.tensors.nvfp4 import NVFP4Quantizer
+
+    g = torch.Generator().manual_seed(11)
+    shape = (544, 512)
+    x = torch.randn(shape, generator=g) * torch.exp2(torch.randint(-20, 20, shape, generator=g).float())
+    x[32:48] = 0.0
+    x.view(-1)[:5] = torch.tensor([float("nan"), float("inf"), -0.0, 1e-40, float("-inf")])
+
+    def fields(per_thread: int, threads: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        monkeypatch.setattr(nvfp4_mod, "_ROW_CHUNK_ELEMS_PER_THREAD", per_thread)
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            gen = torch.Generator().manual_seed(5)
+            q = NVFP4Quantizer("grad", with_rht=options.get("rht", False),
+                               stochastic_rounding=options.get("sr", False), use_2d=options.get("use_2d", False),
+                               generator=gen)
+            t = q.quantize(x)
+        finally:
+            torch.set_num_threads(before)
+        return {k: v.view(torch.uint8).clone() for k, v in t.storage_views().items()}, gen.get_state()
+
+    want, want_state = fields(1 << 18, 1)
+    assert nvfp4_mod.row_chunk_elems() == (1 << 18) * min(torch.get_num_threads(), 8)
+    for per_thread, threads in [(1 << 13, 1), (3 * 512 * 16 + 512, 1), (1 << 18, 2), (1 << 20, 2), (1 << 12, 2)]:
+        got, state = fields(per_thread, threads)
+        assert got.keys() == want.keys()
+        for k in want:
+            assert torch.equal(got[k], want[k]), (per_thread, threads, k)
+        assert torch.equal(state, want_state), (per_thread, threads)
