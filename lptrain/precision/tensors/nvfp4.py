@@ -326,31 +326,30 @@ class NVFP4Quantizer(Quantizer):
         chunk = row_chunk_elems()
         scaler = _scaling.nvfp4_block_scaler(gamax)
         ws = Workspace.shared(xf.device)
-        # The outputs are allocated once and every chunk writes its slice: no per-chunk
+        # Every block's scale byte and encode factor at once (elementwise on the amaxes, so
+        # the same values as chunk by chunk, in ~8 ops per orientation instead of per chunk);
+        # the scale bytes are the returned buffer (dim=1) or the transpose's source (dim=0).
+        scales, enc_all = scaler(bamax)
+        # The packed output is allocated once and every chunk writes its slice: no per-chunk
         # results to concatenate; the same bytes land in the same places.
         if dim == 1:
             data = torch.empty(m, k // 2, dtype=torch.uint8, device=xf.device)
-            scales = torch.empty(m, k // NV_BLOCK, dtype=torch.uint8, device=xf.device)
             for r0, r1 in row_ranges(m, k, 1, chunk):
                 xv = xf[r0:r1].view(r1 - r0, k // NV_BLOCK, NV_BLOCK)
-                sbytes, enc = scaler(bamax[r0:r1])
-                scales[r0:r1].copy_(sbytes)
+                enc = enc_all[r0:r1]
                 codes = self._codes(xv, enc[:, :, None], ws, may_have_nan).view(r1 - r0, k)
                 pack_fp4_i32(codes, data[r0:r1], ws)
             return data, scales
-        # [M/8, K] int32 words (4 bytes each: rows 8q..8q+7, two per byte) and [M/16, K]
-        # scales are transposed into the returned buffers below, so they are workspace
-        # scratch (fresh ones would be page-faulted in on every call)
+        # [M/8, K] int32 words (4 bytes each: rows 8q..8q+7, two per byte) are transposed
+        # into the returned buffer below, so they are workspace scratch (a fresh one would be
+        # page-faulted in on every call)
         words = ws.get("col_words", (m // 8, k), torch.int32)
-        scales = ws.get("col_scales", (m // NV_BLOCK, k), torch.uint8)
         for r0, r1 in row_ranges(m, k, NV_BLOCK, chunk):
             c = xf[r0:r1]
             if rotated is not None:  # widened where _codes scales it
                 c = ws.get("y", c.shape, torch.float32).copy_(rotated[r0:r1])
             xv = c.view((r1 - r0) // NV_BLOCK, NV_BLOCK, k)
-            g0, g1 = r0 // NV_BLOCK, r1 // NV_BLOCK
-            sbytes, enc = scaler(bamax[g0:g1])
-            scales[g0:g1].copy_(sbytes)
+            enc = enc_all[r0 // NV_BLOCK : r1 // NV_BLOCK]
             codes = self._codes(xv, enc[:, None, :], ws, may_have_nan, rotated is not None).view(r1 - r0, k)
             pack_fp4_col_words(codes, words[r0 // 8 : r1 // 8], ws)
         # one whole-tensor transpose of int32 words, viewed as the [K, M/2] bytes after it:
