@@ -37,19 +37,25 @@ NV_BLOCK = 16
 
 # Row chunk of the quantize passes, per intra-op thread (elements): 1 MiB of fp32 per buffer
 # and thread, so each op's share of a chunk stays cache-sized while its fork/join and Python
-# dispatch are paid once per chunk, not once per thread's worth. At 1 thread 1 MiB chunks beat
-# 2 MiB ones (~5-10% per NVFP4 q+dq; much smaller ones pay the per-op overhead); at 2 threads
-# a fixed 1 MiB chunk made each op's halves too small to amortise the fork/join (4096^2 rht+sr
-# grad q+dq: 2 MiB chunks 8.1 / 7.7x a copy against 8.9 / 8.5x in interleaved A/B runs).
+# dispatch are paid once per chunk, not once per thread's worth. At 1 thread 1 MiB and 2 MiB
+# chunks measured within 5-10% of each other, which one ahead depending on the machine (much
+# smaller ones pay the per-op overhead); at 2 threads a fixed 1 MiB chunk made each op's halves
+# too small to amortise the fork/join (4096^2 rht+sr grad q+dq: 2 MiB chunks 8.1 / 7.7x a copy
+# against 8.9 / 8.5x in interleaved A/B runs).
 # Elementwise math, 16-row-aligned RHT groups and word-aligned SR draws, so the chunking never
 # changes a bit (tested over chunk sizes).
 _ROW_CHUNK_ELEMS_PER_THREAD = 1 << 18
 _MAX_CHUNK_THREADS = 8  # past this the per-thread shares are large enough by themselves
 
 
+def _chunk_threads() -> int:
+    """The intra-op thread count the chunks below are sized for (1 to _MAX_CHUNK_THREADS)."""
+    return min(max(torch.get_num_threads(), 1), _MAX_CHUNK_THREADS)
+
+
 def row_chunk_elems() -> int:
     """Elements per row chunk of the NVFP4 quantize passes for this process's intra-op threads."""
-    return _ROW_CHUNK_ELEMS_PER_THREAD * min(max(torch.get_num_threads(), 1), _MAX_CHUNK_THREADS)
+    return _ROW_CHUNK_ELEMS_PER_THREAD * _chunk_threads()
 
 
 # Decoded elements per pass and intra-op thread (2 MiB of fp32 output per thread, scaled while
@@ -61,7 +67,7 @@ _DECODE_ELEMS_PER_THREAD = 1 << 19
 
 def decode_chunk_elems() -> int:
     """Elements per pass of :func:`decode_fp4_chunks` for this process's intra-op threads."""
-    return _DECODE_ELEMS_PER_THREAD * min(max(torch.get_num_threads(), 1), _MAX_CHUNK_THREADS)
+    return _DECODE_ELEMS_PER_THREAD * _chunk_threads()
 
 
 _F16_TO_E2M1 = 16384.0  # fp16 built from an E2M1 code is the E2M1 value times 2^-14 (bias 15 vs 1)
