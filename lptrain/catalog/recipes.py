@@ -20,6 +20,7 @@ recipe is outside their allowed sets, so those paths refuse it until its support
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Literal, Optional
 
@@ -74,6 +75,13 @@ class RecipeSpec:
     # The scale divides by this tensor's own amax, so ``precision.amax_epsilon`` applies (on
     # TE through the recipe's QParams).
     current_amax: bool = False
+    # Where TE's native grouped-tensor GEMM path (the one it runs a single grouped expert
+    # weight on, 2.19+) takes this recipe: the compute capabilities (x10) and the cuBLASLt
+    # version it needs there beyond the path's own minimum; empty: not at all.
+    grouped_tensor_path: tuple[tuple[int, int, Optional[str]], ...] = ()
+    # Per-expert token padding on that path when larger than ``grouped_alignment`` (TE's
+    # grouped MXFP8 quantization needs each group's rows to be a multiple of 128).
+    grouped_tensor_alignment: Optional[int] = None
 
     @property
     def keys(self) -> FormatFamily:
@@ -92,6 +100,7 @@ RECIPES: tuple[RecipeSpec, ...] = (
     RecipeSpec(
         name="tensorwise", family="fp8", formats=_FP8, alignment=16, grouped_alignment=16,
         min_sm=89, min_te="2.2", te_recipe_class="Float8CurrentScaling",
+        grouped_tensor_path=((90, 99, "13.5"), (100, 110, None)),
         te_power_2_attr="use_power_2_scales", emulated_recipe_class="TensorwiseScaling",
         current_amax=True,
     ),
@@ -100,6 +109,7 @@ RECIPES: tuple[RecipeSpec, ...] = (
         # GEMMs). Its GEMMs need a CUDA 12.9+ build (TE's block-scaling check).
         name="blockwise", family="fp8", formats=_FP8, alignment=16, grouped_alignment=16,
         min_sm=90, min_te="2.3", min_te_from_sm=((100, "2.9"),), min_cuda="12.9",
+        grouped_tensor_path=((90, 99, "13.6"),),
         te_recipe_class="Float8BlockScaling", emulated_recipe_class="BlockwiseScaling",
         current_amax=True,
     ),
@@ -108,28 +118,78 @@ RECIPES: tuple[RecipeSpec, ...] = (
         # architectures").
         name="mxfp8", family="fp8", formats=_FP8, alignment=32, grouped_alignment=32,
         min_sm=100, unsupported_from_sm=120, min_te="2.2", te_recipe_class="MXFP8BlockScaling",
+        grouped_tensor_path=((100, 110, None),), grouped_tensor_alignment=128,
         emulated_recipe_class="MXFP8Scaling",
     ),
     RecipeSpec(
         name="nvfp4", family="fp4", formats=("e2m1",), alignment=32, grouped_alignment=128,
         min_sm=100, min_te="2.8", te_recipe_class="NVFP4BlockScaling",
+        grouped_tensor_path=((100, 110, None),),  # and only with the RHT on
         te_fields=("disable_rht", "disable_stochastic_rounding", "disable_2d_quantization"),
         emulated_recipe_class="NVFP4Scaling",
     ),
 )
 
-# Transformer Engine facts that are not per recipe, from TE's release history (checked against
-# its v2.0-v2.19 sources). TE_MIN_VERSION: the oldest TE lptrain's adapter is written for
-# (QParams, Float8CurrentScaling). The first release of each recipe class is its ``min_te``:
+# Transformer Engine facts that are not per recipe, from TE's release history: its release tags
+# v2.2-v2.18 and the release_v2.19 branch (2.19 has no tag yet), as recorded from the source in
+# tests/data/te_api.json (scripts/te_manifest.py), which the tests hold these numbers to.
+# TE_MIN_VERSION: the oldest TE lptrain's adapter is written for (QParams,
+# Float8CurrentScaling). The first release of each recipe class is its ``min_te``:
 # Float8CurrentScaling 2.2, Float8BlockScaling 2.3, NVFP4BlockScaling 2.8 (DelayedScaling and
 # MXFP8BlockScaling predate 2.2).
 TE_MIN_VERSION = "2.2"
 # GroupedLinear applies the recipe's amax_epsilon (QParams) from 2.3; Linear already in 2.2.
 GROUPED_AMAX_EPSILON_MIN_TE = "2.3"
-# GroupedLinear(single_grouped_weight=...) appears in 2.14; from 2.15 it is honoured only with
-# NVTE_GROUPED_LINEAR_SINGLE_PARAM=1 at construction, and from 2.19 only with
-# use_grouped_tensor=True (the TE adapter sets both).
-SINGLE_GROUPED_WEIGHT_MIN_TE = "2.14"
+# GroupedLinear(single_grouped_weight=...) appears in 2.14, but up to 2.18 its GEMMs run on
+# the grouped weight's members (``weight.quantized_tensors``), made with requires_grad=False:
+# the experts get no weight gradient, and TE reads ``main_grad`` from the members. From 2.19
+# (``use_grouped_tensor=True``, the native grouped-tensor path) the GEMMs take the grouped
+# parameter and its own ``main_grad``. From 2.15 the weight is also honoured only with
+# NVTE_GROUPED_LINEAR_SINGLE_PARAM=1 at construction (the TE adapter sets both).
+SINGLE_GROUPED_WEIGHT_MIN_TE = "2.19"
+# TE 2.19's native grouped-tensor path (``is_module_grouped_tensor_path_supported``): bf16 or
+# fp16 activations, compute capability 9.0 to 11.0, cuBLASLt 13.3+ (13.4+ on Hopper), and a
+# recipe whose ``grouped_tensor_path`` lists the GPU (delayed scaling: none). TE runs a
+# single grouped weight only on this path and raises otherwise.
+GROUPED_TENSOR_PATH_MIN_CUBLASLT = "13.3"
+GROUPED_TENSOR_PATH_MIN_CUBLASLT_HOPPER = "13.4"
+GROUPED_TENSOR_PATH_SMS = (90, 110)
+
+
+def _version(text: str) -> tuple[int, ...]:
+    """'13.3.0.dev0+x' -> (13, 3, 0)."""
+    out = []
+    for part in text.split("+")[0].split("."):
+        m = re.match(r"\d+", part)
+        if not m:
+            break
+        out.append(int(m.group(0)))
+    return tuple(out)
+
+
+def grouped_tensor_path_refusal(spec: Optional[RecipeSpec], sm: int, cublaslt: Optional[str],
+                                activation_dtype: str, nvfp4_rht: bool) -> Optional[str]:
+    """Why TE 2.19's native grouped-tensor path would not run ``spec`` (None: unquantized)
+    on compute capability ``sm`` with cuBLASLt ``cublaslt``, or None when it would."""
+    if activation_dtype not in ("bf16", "fp16"):
+        return f"needs bf16 or fp16 activations (params_dtype={activation_dtype})"
+    lo, hi = GROUPED_TENSOR_PATH_SMS
+    if not lo <= sm <= hi:
+        return f"runs on sm{lo}-sm{hi} only, not sm{sm}"
+    have = _version(cublaslt) if cublaslt else None
+    need = GROUPED_TENSOR_PATH_MIN_CUBLASLT_HOPPER if sm < 100 else GROUPED_TENSOR_PATH_MIN_CUBLASLT
+    if have is not None and have < _version(need):
+        return f"needs cuBLASLt >= {need} on sm{sm}"
+    if spec is None:
+        return None
+    for first, last, extra in spec.grouped_tensor_path:
+        if first <= sm <= last:
+            if extra and have is not None and have < _version(extra):
+                return f"runs {spec.name} on sm{sm} only with cuBLASLt >= {extra}"
+            if spec.name == "nvfp4" and not nvfp4_rht:
+                return "runs nvfp4 only with the random Hadamard transform (precision.nvfp4_rht=true)"
+            return None
+    return f"does not run the {spec.name} recipe on sm{sm}"
 
 
 def recipe(name: Optional[str]) -> Optional[RecipeSpec]:

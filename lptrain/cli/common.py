@@ -49,12 +49,17 @@ TARGET_HELP = (
     "default: this machine."
 )
 TE_HELP = "Transformer Engine version to assume (default: installed, or recent with --target)."
+CUDA_HELP = (
+    "CUDA (and cuBLAS) version to assume (default: torch's build, or 13.3 with --target); "
+    "TE's grouped-tensor path needs cuBLASLt 13.3+, blockwise FP8 CUDA 12.9+."
+)
 
 RecipeOpt = typer.Option(DEFAULT_RECIPE, "--recipe", "-r", help=RECIPE_HELP)
 OverridesArg = typer.Argument(None, help=OVERRIDES_HELP, show_default=False)
 DpOpt = typer.Option(None, "--dp", min=1, help=DP_HELP)
 TargetOpt = typer.Option(None, "--target", help=TARGET_HELP, case_sensitive=False)
 TeOpt = typer.Option(None, "--te-version", help=TE_HELP)
+CudaOpt = typer.Option(None, "--cuda-version", help=CUDA_HELP)
 
 
 def console(stderr: bool = False) -> Console:
@@ -73,11 +78,16 @@ def load_recipe(recipe: str, overrides: Optional[list[str]]) -> Composed:
     return load(recipe, overrides or [])
 
 
-def detect_world(dp: Optional[int], target: Optional[Target], te_version: Optional[str]) -> World:
-    """The world to check for: this machine unless ``--dp``/``--target``/``--te-version`` say."""
-    from lptrain.config.world import World
+def detect_world(dp: Optional[int], target: Optional[Target], te_version: Optional[str],
+                 cuda_version: Optional[str] = None) -> World:
+    """The world to check for: this machine unless ``--dp``/``--target``/``--te-version``/
+    ``--cuda-version`` say."""
+    from lptrain.config.world import World, check_version
 
-    return World.detect(dp=dp, target=target.value if target else None, te_version=te_version)
+    if cuda_version is not None:
+        cuda_version = check_version(cuda_version, key="--cuda-version")
+    return World.detect(dp=dp, target=target.value if target else None, te_version=te_version,
+                        cuda_version=cuda_version)
 
 
 def violations_table(violations: list[Violation], title: str) -> Table:

@@ -12,6 +12,7 @@ from typing import Optional
 import typer
 
 from lptrain.cli.common import (
+    CudaOpt,
     DpOpt,
     OverridesArg,
     RecipeOpt,
@@ -31,6 +32,7 @@ def validate_config(
     dp: Optional[int] = DpOpt,
     target: Optional[Target] = TargetOpt,
     te_version: Optional[str] = TeOpt,
+    cuda_version: Optional[str] = CudaOpt,
     as_json: bool = typer.Option(False, "--json", help="Print a machine-readable JSON report."),
 ) -> None:
     """Check a recipe (plus overrides) against every rule and report all violations.
@@ -40,7 +42,7 @@ def validate_config(
     from lptrain.config.check import check
 
     composed = load_recipe(recipe, overrides)
-    world = detect_world(dp, target, te_version)
+    world = detect_world(dp, target, te_version, cuda_version)
     violations = check(composed.cfg, world)
     raise typer.Exit(report_violations(violations, Path(recipe).name, world, as_json))
 
@@ -53,13 +55,14 @@ def show_config(
     dp: Optional[int] = DpOpt,
     target: Optional[Target] = TargetOpt,
     te_version: Optional[str] = TeOpt,
+    cuda_version: Optional[str] = CudaOpt,
 ) -> None:
     """Print the resolved config as YAML, after derived values are filled in."""
     from lptrain.config.derive import derive
     from lptrain.config.render import config_yaml
 
     composed = load_recipe(recipe, overrides)
-    cfg = derive(composed.cfg, detect_world(dp, target, te_version))
+    cfg = derive(composed.cfg, detect_world(dp, target, te_version, cuda_version))
     typer.echo(config_yaml(cfg, only_diff=diff, explain=explain), nl=False)
 
 

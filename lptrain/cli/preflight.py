@@ -226,5 +226,6 @@ def dry_run(cfg: LPTrainConfig, world: Optional[World] = None) -> DryRunReport:
     if virtual:
         from lptrain.testing.fake_gpu import fake_gpu_steps
 
-        report.fake_gpu_step = fake_gpu_steps(cfg, world.target, te_version=world.te_version).lines()
+        report.fake_gpu_step = fake_gpu_steps(cfg, world.target, te_version=world.te_version,
+                                              cuda_version=world.cuda_version).lines()
     return report

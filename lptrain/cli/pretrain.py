@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Optional
 import typer
 
 from lptrain.cli.common import (
+    CudaOpt,
     DpOpt,
     OverridesArg,
     RecipeOpt,
@@ -38,6 +39,7 @@ def pretrain(
     dp: Optional[int] = DpOpt,
     target: Optional[Target] = TargetOpt,
     te_version: Optional[str] = TeOpt,
+    cuda_version: Optional[str] = CudaOpt,
     dry_run: bool = typer.Option(
         False, "--dry-run",
         help="Validate, build the model on the meta device, open the data, then exit (writes nothing).",
@@ -66,7 +68,7 @@ def pretrain(
     composed = load_recipe(recipe, all_overrides)
     rank, env_world, _ = world_from_env()
     spawn = nproc_per_node > 1 and env_world == 1 and not dry_run
-    world = detect_world(dp or (nproc_per_node if spawn else None), target, te_version)
+    world = detect_world(dp or (nproc_per_node if spawn else None), target, te_version, cuda_version)
     violations = check(composed.cfg, world)
     if has_errors(violations):
         report_violations(violations, Path(recipe).name, world, as_json=False)
@@ -76,6 +78,8 @@ def pretrain(
         report_violations(violations, Path(recipe).name, world, as_json=False)
     if spawn:  # validated for the real world size; each rank runs this command again
         args = _rank_args(recipe, overrides, output_dir, target, te_version, overwrite)
+        if cuda_version is not None:
+            args += ["--cuda-version", cuda_version]
         raise typer.Exit(launch_local(nproc_per_node, args))
     cfg = derive(composed.cfg, world)
     if rank != 0:  # rank 0 owns the run folder; the others only train

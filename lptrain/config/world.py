@@ -16,13 +16,15 @@ from pathlib import Path
 from typing import Optional
 
 TARGETS: tuple[str, ...] = ("cpu", "sm89", "sm90", "sm100", "sm120")
-# When checking for a cluster (--target given), Transformer Engine is assumed present at
-# this version unless --te-version says otherwise: recent enough for every recipe and
-# feature lptrain uses (see the TE facts in lptrain.config.rules), and a CUDA build new
-# enough for blockwise FP8 (12.9).
+# When checking for a cluster (--target given), the newest stack lptrain is checked against
+# is assumed unless --te-version / --cuda-version say otherwise: Transformer Engine 2.19
+# (every recipe and feature lptrain uses; see the TE facts in lptrain.catalog.recipes) and
+# CUDA 13.3 with its cuBLAS, which TE 2.19's grouped-tensor GEMM path (single grouped expert
+# weights) needs; blockwise FP8 needs 12.9.
 ASSUMED_TE_VERSION = "2.19"
-ASSUMED_CUDA_VERSION = "12.9"
+ASSUMED_CUDA_VERSION = "13.3"
 _TE_DISTRIBUTIONS = ("transformer_engine", "transformer-engine", "transformer_engine_torch")
+_CUBLAS_DISTRIBUTIONS = ("nvidia-cublas", "nvidia-cublas-cu13", "nvidia-cublas-cu12")
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,14 @@ class World:
     cuda: bool = False
     # The CUDA version torch was built with ("12.9"); None when unknown or without CUDA.
     cuda_version: Optional[str] = None
+    # The cuBLAS(Lt) release TE links against, where known apart from CUDA (a pip
+    # ``nvidia-cublas`` wheel); None: the one shipped with ``cuda_version``.
+    cublas_version: Optional[str] = None
+
+    @property
+    def cublaslt_version(self) -> Optional[str]:
+        """The cuBLASLt version TE's GEMMs would see (cuBLAS ships with its CUDA toolkit)."""
+        return self.cublas_version or self.cuda_version
 
     @property
     def sm(self) -> int:
@@ -53,7 +63,8 @@ class World:
 
         A given GPU ``target`` means "checking for a cluster": CUDA is assumed present at
         ``cuda_version`` or :data:`ASSUMED_CUDA_VERSION`, and Transformer Engine at
-        ``te_version`` or :data:`ASSUMED_TE_VERSION`.
+        ``te_version`` or :data:`ASSUMED_TE_VERSION`. ``cuda_version`` also checks this
+        machine as if its CUDA (and cuBLAS) were that version.
         """
         if dp is None:
             dp = _env_int("WORLD_SIZE", 1)
@@ -71,7 +82,8 @@ class World:
         if env_target is None:
             return cls(dp=dp, target="cpu", te_version=installed, cuda=False)
         return cls(dp=dp, target=env_target, te_version=installed, cuda=True,
-                   cuda_version=cuda_version or _torch_cuda_version())
+                   cuda_version=cuda_version or _torch_cuda_version(),
+                   cublas_version=None if cuda_version else installed_cublas_version())
 
 
 def sm_number(target: str) -> int:
@@ -93,23 +105,32 @@ def parse_version(text: str) -> tuple[int, ...]:
 _VERSION_RE = re.compile(r"\d+(\.\d+)*([.-]?(a|b|rc|dev|post)\d*)*(\+[0-9A-Za-z.]+)?")  # PEP 440-ish
 
 
-def check_version(text: str) -> str:
+def check_version(text: str, key: str = "--te-version") -> str:
     """``text`` stripped, or :class:`ConfigError` when it is not a version (``--te-version
     banana`` would otherwise compare as the empty tuple, older than every real version)."""
     from lptrain.config.errors import ConfigError
 
     value = str(text).strip()
     if not _VERSION_RE.fullmatch(value):
-        raise ConfigError(
-            f"--te-version {text!r} is not a version number",
-            key="--te-version",
-            fix="give a Transformer Engine version such as 2.14 or 2.8.0",
-        )
+        what = "a CUDA version such as 13.3 or 12.9" if key == "--cuda-version" else (
+            "a Transformer Engine version such as 2.14 or 2.8.0")
+        raise ConfigError(f"{key} {text!r} is not a version number", key=key, fix=f"give {what}")
     return value
 
 
 def installed_te_version() -> Optional[str]:
     for dist in _TE_DISTRIBUTIONS:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def installed_cublas_version() -> Optional[str]:
+    """The version of a pip-installed cuBLAS wheel, if any (NVIDIA's containers install
+    cuBLAS with the toolkit instead: then None, and the CUDA version stands for it)."""
+    for dist in _CUBLAS_DISTRIBUTIONS:
         try:
             return importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:

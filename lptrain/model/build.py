@@ -1,12 +1,14 @@
 """``build_model(cfg)``: the model stage of a run (config + layer factory -> ``GPTModel``),
 placed on the run's device (``run.device``; ``auto`` = CUDA when available).
 
-Placement: on the emulated backend (CPU, or CUDA when TE is not used) the model is built
-under ``torch.device(device)``, so every parameter -- quantized primary weights included --
-is created where it lives; on the TE backend the TE layers are created on CUDA by TE and
-the rest (embedding, norms, router, RoPE tables) is moved with ``model.to(device)``, the
-way Megatron builds TE models. Initial values do not depend on the device: they are drawn
-on the CPU from per-parameter generators and copied in (``lptrain.model.init``).
+Placement: the model is built under ``torch.device(device)``, so every parameter -- quantized
+primary weights included, TE's layers (created on CUDA by TE) too -- is created where it
+lives and the model is never moved. ``model.to(device)`` would not do: from TE 2.19 TE's
+quantized tensors are traceable wrapper subclasses, which ``nn.Module._apply`` swaps for
+fresh parameters (``torch.utils.swap_tensors``), dropping each parameter's ``__dict__`` --
+the kept high-precision init value fp32 masters start from among it. Initial values do not
+depend on the device: they are drawn on the CPU from per-parameter generators and copied in
+(``lptrain.model.init``).
 """
 
 from __future__ import annotations
@@ -108,11 +110,13 @@ def build_model(
     a forward when EP > 1: the ``ep`` group of :func:`lptrain.distributed.groups.build_groups`).
 
     On the TE backend, layers built with fused wgrad accumulation
-    (``train.gradient_accumulation_fusion``) get an fp32 zero ``main_grad`` on each GEMM
-    weight, which TE reads unconditionally; their weight gradients then arrive there (with
-    ``grad_added_to_main_grad``), not in ``.grad``. The data-parallel engine replaces it with
-    a view into its grad buffer. Emulated layers fuse only into a ``main_grad`` someone
-    installed, so a model built here takes ordinary ``.grad`` gradients on the CPU.
+    (``train.gradient_accumulation_fusion``) read ``main_grad`` on each GEMM weight in their
+    backward; the data-parallel engine installs it, as a view into its grad buffer. Nothing
+    is allocated for it here: a zero fp32 ``main_grad`` per weight before the engine builds
+    its buffer would hold 8 bytes per parameter at start-up (64 GB at 8B parameters). A
+    backward outside the engine needs :func:`lptrain.precision.params.attach_main_grads`
+    first. Emulated layers fuse only into a ``main_grad`` someone installed, so a model built
+    here takes ordinary ``.grad`` gradients on the CPU.
     """
     if factory is None:
         factory = default_factory(cfg)
@@ -138,15 +142,7 @@ def build_model(
         expert_parallel_group=expert_parallel_group,
     )
     compute_dtype = compute_dtype_for(target, dtype)
-    if te_backend and target.type == "cuda":
+    with torch.device(target):
         model = GPTModel(ctx, compute_dtype=compute_dtype)
-        model.to(target)
-    else:
-        with torch.device(target):
-            model = GPTModel(ctx, compute_dtype=compute_dtype)
     tag_parameters(model)
-    if te_backend:
-        from lptrain.precision.params import attach_main_grads
-
-        attach_main_grads(model)
     return model

@@ -10,8 +10,9 @@
   its fp32 copies), ``mlp`` (the whole MLP or MoE block, GEMMs included).
 
 Every region goes through :func:`torch.utils.checkpoint.checkpoint` with
-``use_reentrant=False`` (torch's RNG state preserved) and the layer factory's
-``recompute_context_fn``: on the emulated backend the forward records, per quantized GEMM,
+``use_reentrant=False`` (torch's RNG state preserved), torch's early stop of the recompute
+only where the factory allows it (``recompute_early_stop``: not on Transformer Engine), and
+the layer factory's ``recompute_context_fn``: on the emulated backend the forward records, per quantized GEMM,
 the delayed-scaling scales and the quantized weights it used, and the recompute reuses them
 without recording amaxes (:mod:`lptrain.precision.autocast`), so a recomputed step is
 bitwise the step without recompute.
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 _REGIONS = [0]  # checkpointed regions entered by forwards since the last take_region_count()
 
@@ -77,4 +78,5 @@ def run_checkpointed(enabled: bool, factory: Any, fn: Callable[..., Any], *args:
     _REGIONS[0] += 1
     context_fn = getattr(factory, "recompute_context_fn", None)
     kw = {"context_fn": context_fn} if context_fn is not None else {}
-    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, **kw)
+    with set_checkpoint_early_stop(bool(getattr(factory, "recompute_early_stop", True))):
+        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, **kw)

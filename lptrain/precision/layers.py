@@ -381,6 +381,29 @@ class LayerFactory:
         """Per-expert token padding multiple for grouped GEMMs (1 when unquantized)."""
         return int(getattr(self.recipe, "grouped_alignment", 1)) if self.recipe is not None else 1
 
+    def grouped_alignment_for(self, single_grouped_weight: bool) -> int:
+        """Per-expert token padding for this run's grouped GEMMs. On Transformer Engine,
+        experts stored as one grouped weight run (2.19+) only on TE's native grouped-tensor
+        path, whose grouped MXFP8 quantization needs every group's rows to be a multiple of
+        128 (a device-side error otherwise), so they are padded to that. The emulated backend
+        keeps the recipe's block padding: zero rows change no value, but a different row
+        count may change the fp32 GEMM's blocking, and its single-grouped and discrete expert
+        layouts stay bitwise equal this way."""
+        align = self.grouped_alignment
+        if single_grouped_weight and self.backend == "te" and self.recipe is not None:
+            align = max(align, int(getattr(self.recipe, "grouped_tensor_alignment", None) or 1))
+        return align
+
+    @property
+    def recompute_early_stop(self) -> bool:
+        """Whether ``torch.utils.checkpoint`` may stop a recompute once the backward's tensors
+        are rebuilt (torch's default). Not on Transformer Engine: up to TE 2.11 a module's
+        ``prepare_forward`` puts its delayed-scaling state back after its ``yield`` with no
+        ``finally``, so the early-stop exception raised inside the region's last TE module
+        would leave the stashed (one step old) scale and amax history in it; TE's own
+        ``checkpoint`` never stops early either."""
+        return self.backend != "te"
+
     def is_bf16_layer(self, layer_number: int) -> bool:
         """Whether 1-based transformer layer ``layer_number`` runs without quantized GEMMs."""
         if self.recipe is None:

@@ -51,6 +51,7 @@ class Recipe(ABC):
     # delayed-scaling state (made by ``make_state``, passed to ``make_quantizer``).
     alignment: ClassVar[int]
     grouped_alignment: ClassVar[int]
+    grouped_tensor_alignment: ClassVar[Optional[int]]
     has_delayed_state: ClassVar[bool]
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -61,6 +62,7 @@ class Recipe(ABC):
                             f"named {cls.name!r}")
         cls.alignment = spec.alignment
         cls.grouped_alignment = spec.grouped_alignment
+        cls.grouped_tensor_alignment = spec.grouped_tensor_alignment
         cls.has_delayed_state = spec.amax_history
 
     fp8_format: Any = Format.HYBRID

@@ -13,12 +13,15 @@ is applied by assigning the attributes after construction.
 
 Which TE class a recipe uses, the fields it takes and the minimum TE releases are the recipe
 catalog's (``lptrain.catalog.recipes``), which the config rules read too. Version differences
-handled here (TE 2.2 to 2.19): ``Float8CurrentScaling.use_power_2_scales`` only
-exists from 2.8 (earlier releases keep the choice in the QParams); ``NVFP4BlockScaling``
-from 2.8; ``GroupedLinear(single_grouped_weight=True)`` from 2.14, honoured from 2.15 only
-with ``NVTE_GROUPED_LINEAR_SINGLE_PARAM=1`` at construction and from 2.19 only with
-``use_grouped_tensor=True`` (whose native path takes ``m_splits`` as a CUDA int64 tensor);
-``te.pytorch.autocast`` / ``quantized_model_init`` from 2.9 (``fp8_*`` spellings before).
+handled here (TE 2.2 to 2.19, as ``tests/data/te_api.json`` records them from TE's source):
+``Float8CurrentScaling.use_power_2_scales`` only exists from 2.8 (earlier releases keep the
+choice in the QParams); ``NVFP4BlockScaling`` from 2.8; ``GroupedLinear(single_grouped_weight=
+True)`` from 2.14, honoured from 2.15 only with ``NVTE_GROUPED_LINEAR_SINGLE_PARAM=1`` at
+construction and from 2.19 only with ``use_grouped_tensor=True`` (whose native path takes
+``m_splits`` as a CUDA int64 tensor; lptrain requires 2.19 for it:
+``lptrain.catalog.recipes.SINGLE_GROUPED_WEIGHT_MIN_TE``); ``te.pytorch.autocast`` /
+``quantized_model_init`` from 2.9 (``fp8_*`` spellings before). Every TE member called here
+is declared in :mod:`lptrain.precision.te_api`, with the releases it is needed on.
 """
 
 from __future__ import annotations
@@ -186,14 +189,17 @@ def _fp8_state_manager() -> Any:
 
 
 def te_recompute_contexts() -> tuple[Any, Any]:
-    """``torch.utils.checkpoint``'s ``context_fn`` pair for a region of TE layers: what
-    ``te.pytorch.checkpoint(use_reentrant=False)`` wraps around the same non-reentrant
-    torch checkpoint (TE 2.2-2.18): TE's own recompute-phase contexts
-    (``get_activation_recompute_contexts``: the forward stashes each delayed-scaling
-    module's amax history and scale, the recompute quantizes with them and joins no amax
-    reduction or scale update), and for the recompute TE's autocast with the FP8 state the
-    region was entered under (the backward runs outside the forward's autocast). Call it
-    where the checkpoint is taken, inside the forward."""
+    """``torch.utils.checkpoint``'s ``context_fn`` pair for a region of TE layers: the
+    contexts ``te.pytorch.checkpoint(use_reentrant=False)`` runs its region's forward and
+    recompute under -- TE's recompute-phase contexts (``get_activation_recompute_contexts``:
+    the forward stashes each delayed-scaling module's amax history and scale, the
+    recompute quantizes with them and joins no amax reduction or scale update), and for the
+    recompute TE's autocast with the FP8 state the region was entered under (the backward
+    runs outside the forward's autocast). TE's own non-reentrant checkpoint is not torch's
+    (it keeps its own checkpoint frame and saved-tensor hooks) and never stops the
+    recompute early; lptrain runs torch's with these contexts and with the early stop off
+    (``LayerFactory.recompute_early_stop``). Call it where the checkpoint is taken, inside
+    the forward."""
     import transformer_engine.pytorch.distributed as ted
 
     manager = _fp8_state_manager()
@@ -283,6 +289,18 @@ def _te_grouped_linear_cls() -> type:
     import transformer_engine.pytorch as te
 
     class TEGroupedLinear(te.GroupedLinear):
+        def make_grouped_weights(self, defer_init: bool = False) -> None:
+            """TE's, plus the members' kept high-precision init values stacked onto the
+            grouped parameter where TE drops them with the members (up to 2.18): the fp32
+            masters of a single grouped weight then start from the true init, as discrete
+            expert weights do, not from the quantized bytes."""
+            inits = [_kept_init(getattr(self, f"weight{i}", None)) for i in range(self.num_gemms)]
+            super().make_grouped_weights(defer_init=defer_init)
+            grouped = getattr(self, "weight", None)
+            if (not defer_init and grouped is not None and _kept_init(grouped) is None
+                    and all(v is not None for v in inits)):
+                keep_init(grouped, torch.stack(inits))
+
         def member_weight(self, i: int) -> torch.Tensor:
             """Expert ``i``'s weight: a per-member tensor viewing the single grouped weight
             (TE's ``GroupedTensor`` refuses ``weight[i]``), or the discrete ``weight<i>``."""
@@ -300,6 +318,30 @@ def _te_grouped_linear_cls() -> type:
             return super().forward(inp, m_splits, *args, **kw)
 
     return TEGroupedLinear
+
+
+def _kept_init(p: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The high-precision init value TE keeps on a parameter (``quantized_model_init(...,
+    preserve_high_precision_init_val=True)``), or None."""
+    get = getattr(p, "get_high_precision_init_val", None)
+    return get() if callable(get) else None
+
+
+def keep_init(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Attach ``value`` as ``param``'s kept init value, the way TE's modules do: the
+    ``_high_precision_init_val`` attribute and bound ``get_`` / ``clear_high_precision_init_val``."""
+    import types
+
+    def get(self: torch.Tensor) -> Optional[torch.Tensor]:
+        return getattr(self, "_high_precision_init_val", None)
+
+    def clear(self: torch.Tensor) -> None:
+        if hasattr(self, "_high_precision_init_val"):
+            del self._high_precision_init_val
+
+    param._high_precision_init_val = value  # type: ignore[attr-defined]
+    param.get_high_precision_init_val = types.MethodType(get, param)  # type: ignore[attr-defined]
+    param.clear_high_precision_init_val = types.MethodType(clear, param)  # type: ignore[attr-defined]
 
 
 def forget_te_classes() -> None:

@@ -17,11 +17,16 @@ current scaling                             (TE's ``replace_raw_data``); each ra
 (128x128, TE >= 2.5)                        and raw-data replacement support blockwise)
 everything else           bf16              staged from the fp32 master, every rank quantizes in
 (delayed ``Float8Tensor``,                  place with ``quantize_`` (MXFP8 through the reused
-MXFP8, NVFP4, grouped)                      grad buffer)
+MXFP8, NVFP4)                               grad buffer)
+``GroupedTensor``         bf16              the same through the grouped storage's own API:
+(single grouped weight,                     ``quantize(list_of_members)`` (the quantizer's
+2.19+)                                      ``update_quantized`` per member; TE's grouped tensor
+                                            has no ``quantize_``), members copied when unquantized
 ========================  ================  =====================================================
 
 Masters start from TE's high-precision init values (``get_high_precision_init_val()``, the
-CPU copy ``quantized_model_init(preserve_high_precision_init_val=True)`` keeps), which are
+CPU copy ``quantized_model_init(preserve_high_precision_init_val=True)`` keeps; a grouped
+weight gets its members' values stacked, see ``te_adapter``'s ``make_grouped_weights``), which are
 released once copied (``clear_high_precision_init_val()``): kept, they cost the model's size
 in host memory on every rank. A parameter is never reshaped or ``.data``-assigned (TE
 refuses the former for MXFP8/grouped/blockwise and requantizes into new storage on the
@@ -59,13 +64,19 @@ def _current_scaling(p: Any) -> bool:
     return cls is not None and isinstance(p._get_quantizer(), cls)
 
 
+# TE's ``replace_raw_data`` and master-weight cast take ``Float8BlockwiseQTensor`` from 2.4
+# (``_cast_master_weights_to_fp8_blockwise_scaling``); before, blockwise weights gather in bf16.
+BLOCKWISE_BYTES_MIN_TE = (2, 4)
+# ``post_all_gather_processing`` (rebuild the transpose / column-wise copy after a byte
+# gather) exists from 2.10; before, the cast's cache reset makes TE rebuild them on first use.
+POST_ALL_GATHER_MIN_TE = (2, 10)
+
+
 def _blockwise_bytes_supported() -> bool:
-    """TE's cast of master shards into blockwise bytes (and raw-data replacement) exist from
-    2.5; before, blockwise weights gather in bf16."""
     from lptrain.precision.te_adapter import te_version
 
     v = te_version()
-    return v is not None and v >= (2, 5)
+    return v is not None and v >= BLOCKWISE_BYTES_MIN_TE
 
 
 def _raw_attr(p: Any) -> Optional[str]:
@@ -90,6 +101,7 @@ def register() -> bool:
         _te("float8_blockwise_tensor", "Float8BlockwiseQTensor"), _te("nvfp4_tensor", "NVFP4Tensor"),
         _te("grouped_tensor", "GroupedTensor"),
     ) if c is not None]
+    grouped = _te("grouped_tensor", "GroupedTensor")
     for cls in classes:
         if S.is_quantized.dispatch(cls) is S.is_quantized.dispatch(torch.Tensor):
             S.is_quantized.register(cls, lambda p: True)
@@ -103,6 +115,9 @@ def register() -> bool:
             S.storage_bytes.register(cls, storage_bytes)
             S.release_storage.register(cls, release_storage)
             S.restore_storage.register(cls, restore_storage)
+            if cls is grouped:
+                S.high_precision_value.register(cls, grouped_high_precision_value)
+                S.load_from_staging.register(cls, grouped_load_from_staging)
     _registered = bool(classes)
     return _registered
 
@@ -116,6 +131,31 @@ def high_precision_value(p: Any) -> torch.Tensor:
     init = get() if callable(get) else None
     value = init if init is not None else p.dequantize()
     return value.detach().to(device=p.device, dtype=torch.float32)
+
+
+def grouped_high_precision_value(p: Any) -> torch.Tensor:
+    """A grouped weight's masters: the kept init value, else its members' values stacked
+    (TE's ``GroupedTensor`` has no ``dequantize`` of its own)."""
+    get = getattr(p, "get_high_precision_init_val", None)
+    init = get() if callable(get) else None
+    if init is None:
+        # a quantized member's dequantize(), a plain member's (unquantized grouped weight) fp32 copy
+        init = torch.stack([m.dequantize().float() for m in grouped_members(p)])
+    return init.detach().to(device=p.device, dtype=torch.float32)
+
+
+def grouped_load_from_staging(p: Any, staged: torch.Tensor) -> None:
+    """After a gather: write the staged values into a grouped weight's storage through TE's
+    grouped API, ``quantize(list_of_member_values)`` (each member requantized in place by
+    the quantizer's ``update_quantized``); an unquantized grouped weight's members are
+    views of its storage and take a copy."""
+    parts = list(staged.view(p.shape).unbind(0))
+    with torch.no_grad():
+        if getattr(p, "quantizer", None) is None:
+            for member, src in zip(grouped_members(p), parts, strict=True):
+                member.copy_(src)
+        else:
+            p.quantize(parts)
 
 
 def release_high_precision_init(p: Any) -> None:
@@ -140,7 +180,7 @@ def load_from_staging(p: Any, staged: torch.Tensor) -> None:
     """After a gather: rebuild what the byte cast dropped, or requantize in place."""
     if staged.dtype == torch.uint8 and _raw_attr(p) is not None:
         post = getattr(_utils(), "post_all_gather_processing", None)
-        if post is not None:
+        if post is not None:  # TE >= 2.10 (POST_ALL_GATHER_MIN_TE)
             post([p])
         return
     with torch.no_grad():

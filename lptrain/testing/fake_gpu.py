@@ -30,16 +30,20 @@ GPUS = {
 
 
 @contextlib.contextmanager
-def virtual_gpu(target: str = "sm90", *, te: bool = False, te_version: Optional[str] = None) -> Iterator[Any]:
-    """A virtual GPU of ``target`` (and the stand-in TE ``te_version`` when ``te``, unless
-    a real TE is importable); yields the :class:`~lptrain.testing.virtual_cuda.VirtualCuda`,
+def virtual_gpu(target: str = "sm90", *, te: bool = False, te_version: Optional[str] = None,
+                cuda_version: Optional[str] = None) -> Iterator[Any]:
+    """A virtual GPU of ``target`` with CUDA ``cuda_version`` (default: the version a GPU
+    target is checked for), and the stand-in TE ``te_version`` when ``te`` (unless a real
+    TE is importable); yields the :class:`~lptrain.testing.virtual_cuda.VirtualCuda`,
     whose ``te_backend`` attribute says which TE serves (``None``, ``"installed"`` or
     ``"stand-in X.Y"``)."""
+    from lptrain.config.world import ASSUMED_CUDA_VERSION
     from lptrain.testing import te_standin
     from lptrain.testing.virtual_cuda import VirtualCuda
 
     capability, name = GPUS[target]
-    with VirtualCuda(capability=capability, name=name) as vc, contextlib.ExitStack() as stack:
+    with VirtualCuda(capability=capability, name=name, cuda_version=cuda_version or ASSUMED_CUDA_VERSION) as vc, \
+            contextlib.ExitStack() as stack:
         vc.te_backend = None
         if te:
             from lptrain.precision.te_adapter import te_importable
@@ -107,7 +111,8 @@ def shrink(cfg: Any) -> tuple[Any, list[str]]:
     return out, changed
 
 
-def fake_gpu_steps(cfg: Any, target: str, *, steps: int = 2, te_version: Optional[str] = None) -> FakeStepReport:
+def fake_gpu_steps(cfg: Any, target: str, *, steps: int = 2, te_version: Optional[str] = None,
+                   cuda_version: Optional[str] = None) -> FakeStepReport:
     """Run ``steps`` training steps of ``cfg`` (shrunk: :func:`shrink`) on a virtual ``target``
     GPU, then an evaluation and the checkpoint state (not written). Raises
     :class:`~lptrain.testing.virtual_cuda.DeviceRuleError` where a GPU would fail."""
@@ -117,7 +122,7 @@ def fake_gpu_steps(cfg: Any, target: str, *, steps: int = 2, te_version: Optiona
 
     small, changed = shrink(cfg)
     te = small.precision.backend == "te"
-    with virtual_gpu(target, te=te, te_version=te_version) as vc:
+    with virtual_gpu(target, te=te, te_version=te_version, cuda_version=cuda_version) as vc:
         small = derive(small, World.detect())
         engine = TrainEngine(small)
         t = small.train

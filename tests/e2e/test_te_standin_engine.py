@@ -66,7 +66,7 @@ def _batches(engine: object, cache: Path) -> Iterator[list[dict[str, torch.Tenso
 
 
 def _te_params(engine: object) -> dict[str, torch.Tensor]:
-    return {n: p for n, p in engine.model.named_parameters() if isinstance(p, TE.QuantizedTensor)}  # type: ignore[attr-defined]
+    return {n: p for n, p in engine.model.named_parameters() if isinstance(p, (TE.QuantizedTensor, TE.GroupedTensor))}  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize(("target", "recipe"), [("sm90", TENSORWISE), ("sm100", MXFP8), ("sm100", NVFP4)],

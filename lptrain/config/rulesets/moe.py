@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from lptrain.config.rules import (
     INDEPENDENT_SCORE_FUNCTIONS,
     Rule,
@@ -11,9 +13,18 @@ from lptrain.config.rules import (
     is_mxfp8,
     sharded_optimizer,
 )
+from lptrain.config.rulesets.precision import te_grouped_path_refusal
 from lptrain.config.schema import LPTrainConfig
+from lptrain.config.world import World
 
 S = "MoE"
+
+
+def _te_sgw_path(c: LPTrainConfig, w: World) -> dict[str, Any]:
+    if c.precision.backend != "te":
+        return {}
+    why = te_grouped_path_refusal(c, w)
+    return {"why_not": why} if why else {}
 
 
 def _sgw_recipe_bad(c: LPTrainConfig) -> bool:
@@ -64,6 +75,23 @@ RULES = [
         why="grouped MXFP8 storage cannot be remapped (reported instead of "
             "PREC-MXFP8-PG-NEEDS-REUSE, with both keys)",
         section=S, supersedes=("PREC-MXFP8-PG-NEEDS-REUSE",),
+    ),
+    Rule(
+        id="MOE-SGW-TE-GROUPED-PATH", severity="error",
+        keys=("model.moe.single_grouped_weight", "precision.backend", "precision.fp8_recipe",
+              "precision.params_dtype"),
+        when=_te_sgw_path,
+        message="Transformer Engine {world.te_version} runs a single grouped expert weight only on "
+                "its native grouped-tensor GEMM path, which {why_not} (target {world.target}, "
+                "CUDA {world.cuda_version}); TE would raise at the first expert GEMM",
+        fix="set model.moe.single_grouped_weight=false (per-expert weights run on every TE), or "
+            "run where the path applies (cuBLASLt >= 13.3, >= 13.4 on Hopper; MXFP8/NVFP4 on "
+            "Blackwell; bf16 params); check another stack with --cuda-version",
+        condition="backend=te, single_grouped_weight, and TE 2.19's is_module_grouped_tensor_"
+                  "path_supported false for the target, cuBLASLt, recipe and activation dtype",
+        why="TE 2.19 forces use_grouped_tensor for single grouped weights: 'Single grouped "
+            "parameters require the native grouped-tensor path'",
+        section=S,
     ),
     Rule(
         id="MOE-TOPK", severity="error", keys=("model.moe.router_topk", "model.moe.num_experts"),

@@ -126,8 +126,25 @@ def _te_version_needs(c: LPTrainConfig, w: World) -> list[tuple[str, str, str]]:
         need("precision.amax_epsilon", "amax_epsilon in grouped expert GEMMs",
              GROUPED_AMAX_EPSILON_MIN_TE)
     if moe.single_grouped_weight:
-        need("model.moe.single_grouped_weight", "single_grouped_weight", SINGLE_GROUPED_WEIGHT_MIN_TE)
+        need("model.moe.single_grouped_weight",
+             "single_grouped_weight (up to 2.18 TE's GEMMs use the grouped weight's members, which "
+             "get no gradient; or set model.moe.single_grouped_weight=false)",
+             SINGLE_GROUPED_WEIGHT_MIN_TE)
     return needs
+
+
+def te_grouped_path_refusal(c: LPTrainConfig, w: World) -> str:
+    """Why TE's native grouped-tensor path -- the only one TE (2.19+) runs a single grouped
+    expert weight on -- would refuse this run in ``w`` (empty: it would run it)."""
+    moe = c.model.moe
+    if not (moe.num_experts > 0 and moe.single_grouped_weight and w.cuda):
+        return ""
+    if w.te_version is not None and parse_version(w.te_version) < parse_version(SINGLE_GROUPED_WEIGHT_MIN_TE):
+        return ""  # PREC-TE-VERSION says it
+    spec = quant_spec(c) if quant_recipe(c) is not None else None
+    why = catalog_recipes.grouped_tensor_path_refusal(
+        spec, w.sm, w.cublaslt_version, c.precision.params_dtype, c.precision.nvfp4_rht)
+    return why or ""
 
 
 def _te_rht_needs_bf16(c: LPTrainConfig, w: World) -> bool:
@@ -153,6 +170,9 @@ def te_refusals(c: LPTrainConfig, w: World) -> list[str]:
     if cuda:
         out.append(f"{cuda['recipe']} needs CUDA >= {cuda['need']}")
     out.extend(n[1] for n in _te_version_needs(c, w))
+    grouped = te_grouped_path_refusal(c, w)
+    if grouped:
+        out.append(f"TE's grouped-tensor path for single_grouped_weight {grouped}")
     if _te_rht_needs_bf16(c, w):
         out.append("NVFP4 RHT needs bf16 activations")
     return out
@@ -439,8 +459,9 @@ RULES = [
         condition=f"backend=te: minimum Transformer Engine versions: {_min_te_text()}",
         why="first TE releases with Float8CurrentScaling (2.2), Float8BlockScaling (2.3), "
             "NVFP4BlockScaling (2.8), blockwise on Blackwell (2.9), GroupedLinear QParams (2.3) "
-            "and single_grouped_weight (2.14; lptrain sets NVTE_GROUPED_LINEAR_SINGLE_PARAM for "
-            "2.15+ and use_grouped_tensor for 2.19+)",
+            "and a single grouped weight whose GEMMs take the grouped parameter and its "
+            "main_grad (2.19; 2.14-2.18 run them on members without gradients); lptrain sets "
+            "NVTE_GROUPED_LINEAR_SINGLE_PARAM (2.15+) and use_grouped_tensor (2.19+)",
         section=S,
     ),
     Rule(

@@ -44,7 +44,9 @@ class MoELayer(nn.Module):
         self.expert_offset = rank * self.num_local_experts
         self.expert_model_parallel_size = ep
         self.expert_parallel_group = ctx.expert_parallel_group
-        self.alignment = int(getattr(ctx.factory, "grouped_alignment", 1) or 1)
+        align_for = getattr(ctx.factory, "grouped_alignment_for", None)
+        self.alignment = int(align_for(moe.single_grouped_weight) if align_for is not None
+                             else getattr(ctx.factory, "grouped_alignment", 1) or 1)
         self.router = TopKRouter(
             ctx.cfg.hidden_size,
             moe,

@@ -28,10 +28,11 @@ from __future__ import annotations
 
 import contextlib
 import importlib.machinery
+import inspect
 import sys
 import types
 from collections.abc import Iterator
-from typing import Any, Optional
+from typing import Any
 
 from . import modules as M
 from . import recipe as R
@@ -39,7 +40,7 @@ from . import recompute as RC
 from . import tensors as T
 from . import utils as U
 
-VERSIONS = ("2.2", "2.3", "2.7", "2.8", "2.9", "2.13", "2.14", "2.15", "2.18", "2.19")
+VERSIONS = ("2.2", "2.3", "2.7", "2.8", "2.9", "2.11", "2.12", "2.13", "2.14", "2.15", "2.18", "2.19")
 LATEST = VERSIONS[-1]
 
 _TENSOR_MODULES = {
@@ -49,7 +50,9 @@ _TENSOR_MODULES = {
     "nvfp4_tensor": ("NVFP4Tensor", "NVFP4Quantizer"),
     "grouped_tensor": ("GroupedTensor",),
 }
-_FIRST = {"float8_blockwise_tensor": (2, 3), "nvfp4_tensor": (2, 8), "grouped_tensor": (2, 18)}
+# First release of each module (TE's tags; tests/data/te_api.json holds them to TE's source).
+_FIRST = {"float8_blockwise_tensor": (2, 3), "nvfp4_tensor": (2, 8), "grouped_tensor": (2, 14)}
+TRACEABLE_FROM = (2, 19)  # quantized tensors define __tensor_flatten__ (traceable wrapper subclasses)
 
 
 def _v(text: str) -> tuple[int, ...]:
@@ -62,46 +65,35 @@ def _module(name: str) -> types.ModuleType:
     return mod
 
 
+def _restrict_init(cls: type, v: tuple[int, ...], since: dict[str, tuple[int, ...]],
+                   attrs: dict[str, Any]) -> type:
+    """A per-release subclass of stand-in module ``cls`` whose constructor takes only the
+    keywords that release's TE takes (``since``: keyword -> first release), as
+    ``inspect.signature`` shows and as a call checks."""
+    sig = inspect.signature(cls.__init__)
+    params = [p for p in sig.parameters.values() if v >= since.get(p.name, (0,))]
+    allowed = {p.name for p in params}
+
+    def __init__(self: Any, *args: Any, **kw: Any) -> None:
+        bad = sorted(set(kw) - allowed)
+        if bad:
+            raise TypeError(f"{cls.__name__}.__init__() got an unexpected keyword argument {bad[0]!r}")
+        cls.__init__(self, *args, **kw)
+
+    __init__.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
+    return type(cls.__name__, (cls,), {"__init__": __init__, "_te_version": v, **attrs})
+
+
 def _linear_cls(v: tuple[int, ...]) -> type:
-    if v >= (2, 3):
-        return M.Linear
-
-    class Linear(M.Linear):  # ``name`` arrived in 2.3
-        def __init__(self, in_features: int, out_features: int, bias: bool = True,
-                     init_method: Any = None, params_dtype: Any = None,
-                     fuse_wgrad_accumulation: bool = False, device: Any = "cuda") -> None:
-            super().__init__(in_features, out_features, bias, init_method, params_dtype,
-                             fuse_wgrad_accumulation, device)
-
-    return Linear
+    return _restrict_init(M.Linear, v, {"name": (2, 3)}, {})
 
 
 def _grouped_cls(v: tuple[int, ...]) -> type:
-    gated = {"single_param_env_gated": v >= (2, 15), "needs_grouped_tensor": v >= (2, 19)}
-    if v >= (2, 19):
-        return type("GroupedLinear", (M.GroupedLinear,), gated)
-    if v >= (2, 14):
-
-        class GroupedLinear(M.GroupedLinear):
-            def __init__(self, num_gemms: int, in_features: int, out_features: int,
-                         bias: bool = True, init_method: Any = None, params_dtype: Any = None,
-                         fuse_wgrad_accumulation: bool = False, device: Any = "cuda",
-                         single_grouped_weight: bool = False, name: Optional[str] = None) -> None:
-                super().__init__(num_gemms, in_features, out_features, bias, init_method,
-                                 params_dtype, fuse_wgrad_accumulation, device,
-                                 single_grouped_weight, name)
-    else:
-
-        class GroupedLinear(M.GroupedLinear):  # type: ignore[no-redef]
-            def __init__(self, num_gemms: int, in_features: int, out_features: int,
-                         bias: bool = True, init_method: Any = None, params_dtype: Any = None,
-                         fuse_wgrad_accumulation: bool = False, device: Any = "cuda") -> None:
-                super().__init__(num_gemms, in_features, out_features, bias, init_method,
-                                 params_dtype, fuse_wgrad_accumulation, device)
-
-    for k, val in gated.items():
-        setattr(GroupedLinear, k, val)
-    return GroupedLinear
+    since = {"name": (2, 11), "single_grouped_weight": (2, 14), "use_grouped_tensor": (2, 19)}
+    attrs: dict[str, Any] = {"_env_gated": v >= (2, 15), "_gemm_on_param": v >= (2, 19)}
+    if v >= (2, 13):
+        attrs["make_grouped_weights"] = M.GroupedLinear._make_grouped_weights
+    return _restrict_init(M.GroupedLinear, v, since, attrs)
 
 
 def make(version: str) -> dict[str, types.ModuleType]:
@@ -125,20 +117,21 @@ def make(version: str) -> dict[str, types.ModuleType]:
             cls = getattr(T, n)
             cls.__module__ = mod.__name__
             setattr(mod, n, cls)
-            setattr(tensor, n, cls)
+            if v >= (2, 9):  # TE's tensor package re-exports its classes from 2.9
+                setattr(tensor, n, cls)
         setattr(tensor, short, mod)
         mods[mod.__name__] = mod
     utils = _module("transformer_engine.pytorch.tensor.utils")
     utils.replace_raw_data = U.make_replace_raw_data(v)
     utils.cast_master_weights_to_fp8 = U.make_cast(v)
-    if v >= (2, 13):
+    if v >= (2, 10):
         utils.post_all_gather_processing = U.post_all_gather_processing
     if v >= (2, 14):
-        utils.quantize_master_weights = utils.cast_master_weights_to_fp8
+        utils.quantize_master_weights = U.make_cast(v, name="quantize_master_weights")
     tensor.utils, tensor.QuantizedTensor, tensor.Quantizer = utils, T.QuantizedTensor, T.Quantizer
     mods[utils.__name__] = utils
     calls: list[tuple[str, dict[str, Any]]] = []
-    pt.Linear, pt.GroupedLinear, pt.calls = _linear_cls(v), _grouped_cls(v), calls
+    pt.Linear, pt.GroupedLinear, pt._lptrain_calls = _linear_cls(v), _grouped_cls(v), calls
     for name, fn in M.contexts(calls, new_api=v >= (2, 9)).items():
         setattr(pt, name, fn)
     RC.FP8GlobalStateManager.reset()
@@ -161,7 +154,7 @@ def make(version: str) -> dict[str, types.ModuleType]:
     for cls in (M.Linear, M.GroupedLinear):
         cls.__module__ = "transformer_engine.pytorch"
     pt.tensor, te.common, te.pytorch = tensor, common, pt
-    te.fake_version = v
+    te._lptrain_version = v
     return mods
 
 
@@ -172,15 +165,17 @@ def installed(version: str = LATEST) -> Iterator[dict[str, types.ModuleType]]:
 
     mods = make(version)
     saved = {k: sys.modules.get(k) for k in mods}
-    saved_refuse = T.Float8BlockwiseQTensor.refuses_inner_reshape
-    T.Float8BlockwiseQTensor.refuses_inner_reshape = _v(version) < (2, 14)
+    saved_refuse = T.Float8BlockwiseQTensor._refuses_inner_reshape
+    T.Float8BlockwiseQTensor._refuses_inner_reshape = _v(version) < (2, 14)
+    T.set_traceable(_v(version) >= TRACEABLE_FROM)
     sys.modules.update(mods)
     te_adapter.forget_te_classes()
     try:
         yield mods
     finally:
         te_adapter.forget_te_classes()
-        T.Float8BlockwiseQTensor.refuses_inner_reshape = saved_refuse
+        T.Float8BlockwiseQTensor._refuses_inner_reshape = saved_refuse
+        T.set_traceable(False)
         M._EMULATED.clear()
         for k, old in saved.items():
             if old is None:

@@ -74,24 +74,29 @@ class _AsEmulated(torch.autograd.Function):
 
 
 def _operand(w: torch.Tensor) -> torch.Tensor:
-    return _AsEmulated.apply(w) if isinstance(w, T.QuantizedTensor) else w
+    return _AsEmulated.apply(w) if isinstance(w, (T.QuantizedTensor, T.GroupedTensor)) else w
 
 
 class _TEModule(nn.Module):
     """What every stand-in TE module shares: quantizer state per recipe, primary weights,
-    ``fp8_meta`` and the extra state."""
+    ``fp8_meta`` and the extra state. ``_te_version`` is set on the per-release subclasses
+    ``lptrain.testing.te_standin.make`` builds."""
+
+    _te_version: tuple[int, ...] = (99, 0)
 
     def __init__(self, *, num_members: int, fuse_wgrad_accumulation: bool, name: Optional[str],
                  device: Any, record: dict[str, Any]) -> None:
         super().__init__()
-        self.kw = record  # constructor arguments, for the version tests
-        self.device_arg = device
+        self._lptrain_kw = record  # constructor arguments, for the version tests
+        self._lptrain_device = device
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
-        self.name = name
+        if name is not None or self._te_version >= (2, 3):  # TE sets ``name`` from 2.3
+            self.name = name
         self._members = num_members
         self._states: dict[int, _ops.QuantState] = {}
         self._hp_state: Optional[_ops.QuantState] = None
         self._pending_extra: Optional[dict[str, Any]] = None
+        self._lptrain_te_recipe: Any = None  # the TE recipe of the last FP8 forward
         self._recompute_meta: dict[int, dict[str, Any]] = {}  # per QuantState (see .recompute)
         self.primary_weights_in_fp8 = bool(_MODEL_INIT)
 
@@ -119,6 +124,8 @@ class _TEModule(nn.Module):
         """TE's ``prepare_forward`` for delayed scaling under activation recompute (see
         :mod:`.recompute`): the state this forward quantizes with."""
         st = self._forward_state()
+        if RC.FP8GlobalStateManager.is_fp8_enabled():  # TE's fp8_meta["recipe"], for the extra state
+            self._lptrain_te_recipe = RC.FP8GlobalStateManager.get_fp8_recipe()
         fwd = [ds for _, ds in st.slots(("input", "weight"))]
         if not fwd:  # no delayed-scaling state: nothing to stash or swap
             return st
@@ -138,6 +145,23 @@ class _TEModule(nn.Module):
             for meta in self._recompute_meta.values():
                 if "updated_fwd" in meta:
                     RC.FP8GlobalStateManager.restore_fp8_meta_tensors(meta)
+
+    @contextlib.contextmanager
+    def _forward_phase(self) -> Iterator[_ops.QuantState]:
+        """A forward between TE's ``prepare_forward`` and ``end_forward``: from 2.12 the
+        restore runs in a ``finally``; up to 2.11 ``prepare_forward`` is a generator context
+        manager that restores after its ``yield`` with no ``finally``, so an exception raised
+        inside the forward (torch's checkpoint early stop, in a recompute) skips it and the
+        module keeps the stashed forward state."""
+        st = self._prepare_forward()
+        if self._te_version >= (2, 12):
+            try:
+                yield st
+            finally:
+                self._end_forward()
+        else:
+            yield st
+            self._end_forward()
 
     def _primary(self, w: torch.Tensor, member_quantizer: Any) -> torch.Tensor:
         """Under ``quantized_model_init``: the quantized primary weight made from ``w``."""
@@ -165,17 +189,33 @@ class _TEModule(nn.Module):
     # ---- extra state (TE's checkpoint channel for scaling state) ------------------------------
 
     def get_extra_state(self) -> torch.Tensor:
-        states = [st for st in self._states.values() if any(m.states for m in st.members)]
-        if not states:
+        """TE's extra state: empty until the module has run FP8; then the pickled
+        ``{"recipe": <TE recipe>, "extra_fp8_variables": {...}}`` for *every* recipe, plus the
+        delayed-scaling scales and amax histories (``scale_fwd``, ``amax_history_fwd``,
+        ``scale_bwd``, ``amax_history_bwd``) for a delayed one -- a CPU uint8 tensor."""
+        recipe = self._lptrain_te_recipe
+        if recipe is None:
             return torch.empty(0, dtype=torch.uint8)
-        payload = {f"{i}.{role}": (ds.scale.detach().cpu(), ds.amax_history.detach().cpu())
-                   for st in states for i, m in enumerate(st.members) for role, ds in m.states.items()}
-        return torch.frombuffer(bytearray(pickle.dumps(payload)), dtype=torch.uint8)
+        state: dict[str, Any] = {"recipe": recipe,
+                                 "extra_fp8_variables": {"num_gemms": self._members}}
+        stateful = [st for st in self._states.values() if any(m.states for m in st.members)]
+        if recipe.delayed() and stateful:
+            for direction, roles in (("fwd", ("input", "weight")), ("bwd", ("grad",))):
+                slots = [m.states[r] for st in stateful for m in st.members for r in roles]
+                state[f"scale_{direction}"] = torch.stack([d.scale.detach().cpu().reshape(()) for d in slots])
+                state[f"amax_history_{direction}"] = torch.stack(
+                    [d.amax_history.detach().cpu() for d in slots], dim=1)
+        return torch.frombuffer(bytearray(pickle.dumps(state)), dtype=torch.uint8)
 
     def set_extra_state(self, state: Any) -> None:
+        """TE's: an empty tensor is nothing; else the recipe is taken as the module's, and a
+        delayed one's scales and histories are copied in (held until its state exists)."""
         if state is None or (isinstance(state, torch.Tensor) and state.numel() == 0):
             return
         payload = pickle.loads(state.detach().cpu().numpy().tobytes())
+        self._lptrain_te_recipe = payload["recipe"]
+        if "scale_fwd" not in payload:
+            return
         stateful = [st for st in self._states.values() if any(m.states for m in st.members)]
         if not stateful:
             self._pending_extra = payload
@@ -184,11 +224,11 @@ class _TEModule(nn.Module):
 
     @staticmethod
     def _load_scaling(st: _ops.QuantState, payload: dict[str, Any]) -> None:
-        for i, m in enumerate(st.members):
-            for role, ds in m.states.items():
-                scale, hist = payload[f"{i}.{role}"]
-                ds.scale.copy_(scale)
-                ds.amax_history.copy_(hist)
+        for direction, roles in (("fwd", ("input", "weight")), ("bwd", ("grad",))):
+            slots = [m.states[r] for m in st.members for r in roles if r in m.states]
+            for k, ds in enumerate(slots):
+                ds.scale.copy_(payload[f"scale_{direction}"][k].reshape(ds.scale.shape))
+                ds.amax_history.copy_(payload[f"amax_history_{direction}"][:, k])
 
 
 class _Meta:
@@ -236,23 +276,76 @@ class Linear(_TEModule):
             self.weight = self._primary(w, self._state(_emulated(_MODEL_INIT[-1][0])).members[0].weight)
         else:
             self.weight = nn.Parameter(w)
-        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=w.device)) if bias else None
+        self.register_parameter(
+            "bias", nn.Parameter(torch.zeros(out_features, dtype=dtype, device=w.device)) if bias else None)
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
-        st = self._prepare_forward()
-        y = _ops.quantized_grouped_linear(
-            inp.reshape(-1, inp.shape[-1]), [inp.numel() // inp.shape[-1]], [_operand(self.weight)],
-            st, single=False, out_features=self.out_features, fuse_wgrad=self.fuse_wgrad_accumulation,
-        ).reshape(*inp.shape[:-1], self.out_features).to(inp.dtype)
-        self._end_forward()
+        with self._forward_phase() as st:
+            y = _ops.quantized_grouped_linear(
+                inp.reshape(-1, inp.shape[-1]), [inp.numel() // inp.shape[-1]], [_operand(self.weight)],
+                st, single=False, out_features=self.out_features,
+                fuse_wgrad=self.fuse_wgrad_accumulation,
+            ).reshape(*inp.shape[:-1], self.out_features).to(inp.dtype)
         return y + self.bias.to(y.dtype) if self.bias is not None else y
 
 
-class GroupedLinear(_TEModule):
-    """``te.pytorch.GroupedLinear`` (per release: see ``make``)."""
+# TE's ``is_module_grouped_tensor_path_supported`` (2.19): the cuBLASLt minimum per GPU
+# generation and which recipes the native grouped-tensor path runs.
+_GROUPED_PATH_MIN_CUBLASLT = {"any": 130300, "hopper": 130400}
 
-    single_param_env_gated = False  # 2.15+: NVTE_GROUPED_LINEAR_SINGLE_PARAM must be set
-    needs_grouped_tensor = False  # 2.19+: single weights need use_grouped_tensor=True
+
+def cublaslt_version() -> int:
+    """The cuBLASLt version TE would read (``tex.get_cublasLt_version()``, e.g. 130300): the
+    virtual GPU's CUDA version, else torch's, as cuBLAS ships with the toolkit."""
+    from lptrain.testing.virtual_cuda import active
+
+    vc = active()
+    text = vc.cuda_version if vc is not None else (torch.version.cuda or "0.0")
+    major, minor = (int(x) for x in ([*text.split("."), "0"])[:2])
+    return major * 10_000 + minor * 100
+
+
+def grouped_tensor_path_supported(recipe: Any, dtype: torch.dtype) -> bool:
+    """TE 2.19's ``is_module_grouped_tensor_path_supported(recipe, dtype)``."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return False
+    cap = torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)
+    if not (9, 0) <= cap <= (11, 0):
+        return False
+    lt = cublaslt_version()
+    if lt < _GROUPED_PATH_MIN_CUBLASLT["any"] or (cap < (10, 0) and lt < _GROUPED_PATH_MIN_CUBLASLT["hopper"]):
+        return False
+    if recipe is None:
+        return True
+    kind = type(recipe).__name__
+    if kind == "Float8CurrentScaling":
+        return cap >= (10, 0) or lt >= 130500
+    if kind == "Float8BlockScaling":
+        return cap < (10, 0) and lt >= 130600
+    if kind == "MXFP8BlockScaling":
+        return cap >= (10, 0)
+    if kind == "NVFP4BlockScaling":
+        return cap >= (10, 0) and not recipe.disable_rht
+    return False  # delayed scaling: no grouped quantization kernels
+
+
+class GroupedLinear(_TEModule):
+    """``te.pytorch.GroupedLinear``, per release (see ``lptrain.testing.te_standin.make``).
+
+    A single grouped weight (2.14+) is made by :meth:`make_grouped_weights`, called from the
+    constructor as TE's ``reset_parameters`` does: one ``GroupedTensor`` parameter ``weight``,
+    the members ``weight<i>`` set to ``None``; delayed scaling (and, before 2.19, current
+    scaling) keeps per-member weights. The members' kept init values move to the grouped
+    parameter only from 2.19 (before, they are dropped with the members). Its GEMMs run on
+    the grouped parameter from 2.19 (which then needs TE's native grouped-tensor path:
+    ``use_grouped_tensor=True``, a CUDA ``m_splits``, cuBLASLt 13.3+ -- 13.4+ on Hopper -- a
+    recipe that path runs, and MXFP8 groups of a multiple of 128 rows), and on
+    ``weight.quantized_tensors`` -- members made with ``requires_grad=False``, whose
+    ``main_grad`` TE reads -- from 2.14 to 2.18.
+    """
+
+    _env_gated = False  # 2.15+: NVTE_GROUPED_LINEAR_SINGLE_PARAM must be set
+    _gemm_on_param = False  # 2.19+: GEMMs on the grouped parameter (native grouped path)
 
     def __init__(self, num_gemms: int, in_features: int, out_features: int, bias: bool = True,
                  init_method: Any = None, params_dtype: Any = None,
@@ -266,18 +359,20 @@ class GroupedLinear(_TEModule):
                          name=name, device=device,
                          record={"init_method": init_method, "params_dtype": params_dtype,
                                  "fuse_wgrad_accumulation": fuse_wgrad_accumulation, "name": name})
-        if (self.single_param_env_gated and single_grouped_weight
+        if (self._env_gated and single_grouped_weight
                 and int(os.environ.get("NVTE_GROUPED_LINEAR_SINGLE_PARAM", "0") or 0) <= 0):
             warnings.warn("NVTE_GROUPED_LINEAR_SINGLE_PARAM is not set; falling back", UserWarning,
                           stacklevel=3)
             single_grouped_weight = False
         self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
-        self.single_grouped_weight = single_grouped_weight
-        self.use_grouped_tensor = bool(use_grouped_tensor or False)
+        if self._te_version >= (2, 14):
+            self.single_grouped_weight = single_grouped_weight
+        if self._te_version >= (2, 19):
+            self.use_grouped_tensor = bool(use_grouped_tensor or False)
         dtype = params_dtype or torch.float32
         dev = _device(device)
         emu_recipe = _emulated(_MODEL_INIT[-1][0]) if _MODEL_INIT else None
-        members = []
+        self._lptrain_model_init_recipe = _MODEL_INIT[-1][0] if _MODEL_INIT else None
         for i in range(num_gemms):
             w = torch.empty(out_features, in_features, dtype=dtype, device=dev)
             if init_method is not None:
@@ -285,45 +380,88 @@ class GroupedLinear(_TEModule):
             else:
                 nn.init.zeros_(w)
             if emu_recipe is not None:
-                members.append(self._primary(w, self._state(emu_recipe).members[i].weight))
+                p = self._primary(w, self._state(emu_recipe).members[i].weight)
             else:
-                members.append(nn.Parameter(w))
+                p = nn.Parameter(w)
+            self.register_parameter(f"weight{i}", p)
         if single_grouped_weight:
-            self.weight = self._grouped(members, emu_recipe)
-        else:
-            for i, p in enumerate(members):
-                self.register_parameter(f"weight{i}", p)
+            self.make_grouped_weights()  # (2.14+ only: see ``make``)
 
-    @staticmethod
-    def _grouped(members: list[torch.Tensor], emu_recipe: Any) -> nn.Parameter:
-        """TE's ``make_grouped_weights``: one GroupedTensor parameter; the members' kept
-        init values move to it, stacked."""
+    def _make_grouped_weights(self, defer_init: bool = False) -> None:
+        """TE's ``make_grouped_weights`` (see the class doc; the public name from 2.13)."""
+        if defer_init:
+            return
+        recipe = self._lptrain_model_init_recipe
+        kind = type(recipe).__name__ if recipe is not None else None
+        if kind == "DelayedScaling" or (kind == "Float8CurrentScaling" and self._te_version < (2, 19)):
+            return
         from lptrain.precision.tensors import GroupedQuantizedTensor
 
-        if emu_recipe is None:
-            return nn.Parameter(T.GroupedTensor(torch.stack([m.detach() for m in members]), None))  # type: ignore[arg-type]
-        emu = GroupedQuantizedTensor.from_members([m._emu for m in members])
-        param = nn.Parameter(T.GroupedTensor(emu, members[0]._quantizer))
+        members = [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
+        if recipe is None:
+            grouped = T.GroupedTensor(torch.stack([m.detach() for m in members]).contiguous(), None)
+        else:
+            grouped = T.GroupedTensor(GroupedQuantizedTensor.from_members([m._emu for m in members]),
+                                      members[0]._quantizer)
+        param = nn.Parameter(grouped)
         inits = [getattr(m, "_high_precision_init_val", None) for m in members]
-        if all(v is not None for v in inits):
+        if self._te_version >= (2, 19) and all(v is not None for v in inits):
             attach_high_precision_init_val(param, torch.stack(inits))  # type: ignore[arg-type]
-        return param
+        self.register_parameter("weight", param)
+        for i in range(self.num_gemms):
+            self.register_parameter(f"weight{i}", None)
+
+    def _gemm_weights(self) -> tuple[list[torch.Tensor], bool]:
+        """The GEMM operands and whether they are one grouped operand (see the class doc)."""
+        grouped = getattr(self, "weight", None)
+        if grouped is None:
+            return [_operand(getattr(self, f"weight{i}")) for i in range(self.num_gemms)], False
+        if self._gemm_on_param:
+            return [_operand(grouped)], True
+        return [_operand(m) for m in grouped.quantized_tensors], False
 
     def forward(self, inp: torch.Tensor, m_splits: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if self.single_grouped_weight and self.needs_grouped_tensor and not self.use_grouped_tensor:
+        single = getattr(self, "weight", None) is not None
+        grouped_path = getattr(self, "use_grouped_tensor", False)
+        if single and self._gemm_on_param and not grouped_path:
             raise RuntimeError("single_grouped_weight and single_grouped_bias require use_grouped_tensor=True")
-        if self.use_grouped_tensor and not isinstance(m_splits, torch.Tensor):
-            raise ValueError("The native grouped_tensor path requires CUDA m_splits")
-        self.last_m_splits = m_splits
+        if grouped_path:
+            self._check_grouped_tensor_path(single, m_splits, inp.dtype)
         splits = m_splits.tolist() if isinstance(m_splits, torch.Tensor) else list(m_splits)
-        weights = ([_operand(self.weight)] if self.single_grouped_weight
-                   else [_operand(getattr(self, f"weight{i}")) for i in range(self.num_gemms)])
-        y = _ops.quantized_grouped_linear(
-            inp, splits, weights, self._prepare_forward(), single=self.single_grouped_weight,
-            out_features=self.out_features, fuse_wgrad=self.fuse_wgrad_accumulation,
-        ).to(inp.dtype)
-        self._end_forward()
+        self._lptrain_last_m_splits = m_splits
+        weights, one = self._gemm_weights()
+        with self._forward_phase() as st:
+            y = _ops.quantized_grouped_linear(
+                inp, splits, weights, st, single=one, out_features=self.out_features,
+                fuse_wgrad=self.fuse_wgrad_accumulation,
+            ).to(inp.dtype)
         return y
+
+    def _check_grouped_tensor_path(self, single: bool, m_splits: Any, dtype: torch.dtype) -> None:
+        """TE 2.19's checks on the native grouped-tensor path (``use_grouped_tensor=True``),
+        with the activation dtype as TE passes it. Off a (virtual) GPU -- the version tests
+        build modules on the CPU -- there is no device to check, and only the ``m_splits``
+        type is."""
+        if not torch.cuda.is_available():
+            if not isinstance(m_splits, torch.Tensor):
+                raise ValueError("The native grouped_tensor path requires CUDA m_splits. Pass a "
+                                 "CUDA int64 tensor, or set use_grouped_tensor=False.")
+            return
+        te_recipe = RC.FP8GlobalStateManager.get_fp8_recipe() if RC.FP8GlobalStateManager.is_fp8_enabled() else None
+        supported = grouped_tensor_path_supported(te_recipe, dtype)
+        if single and not supported:
+            raise RuntimeError(
+                "Single grouped parameters require the native grouped-tensor path, but the active "
+                "device, cuBLASLt version, quantization recipe, or GroupedLinear feature "
+                "configuration does not support it. Disable single_grouped_weight and "
+                "single_grouped_bias to allow the split-quantize fallback.")
+        if not supported:
+            return
+        if not isinstance(m_splits, torch.Tensor):
+            raise ValueError("The native grouped_tensor path requires CUDA m_splits. Pass a CUDA "
+                             "int64 tensor, or set use_grouped_tensor=False.")
+        if type(te_recipe).__name__ == "MXFP8BlockScaling" and any(int(m) % 128 for m in m_splits.tolist()):
+            raise RuntimeError("First dimension of each tensor in a group must be divisible by 128.")
 
 
 # ---- contexts ------------------------------------------------------------------------------
@@ -337,7 +475,7 @@ def _emulated(te_recipe: Any) -> Any:
     hit = _EMULATED.get(id(te_recipe))
     if hit is not None and hit[0] is te_recipe:
         return hit[1]
-    emu = te_recipe.to_emulated()
+    emu = te_recipe._to_emulated()
     _EMULATED[id(te_recipe)] = (te_recipe, emu)
     return emu
 
@@ -345,10 +483,10 @@ def _emulated(te_recipe: Any) -> Any:
 @contextlib.contextmanager
 def _autocast(enabled: bool, recipe: Any, group: Any, calls: list, name: str) -> Iterator[None]:
     calls.append((name, {"enabled": enabled, "recipe": recipe, "group": group}))
-    stack = RC.FP8GlobalStateManager.autocast_stack
+    stack = RC.FP8GlobalStateManager._autocast_stack
     stack.append((enabled, recipe))  # what FP8GlobalStateManager.is_fp8_enabled() reads
     try:
-        if recipe is None or not hasattr(recipe, "to_emulated"):
+        if recipe is None or not hasattr(recipe, "_to_emulated"):
             with _ac.autocast(enabled=False) if not enabled else contextlib.nullcontext():
                 yield
             return
@@ -361,7 +499,7 @@ def _autocast(enabled: bool, recipe: Any, group: Any, calls: list, name: str) ->
 @contextlib.contextmanager
 def _model_init(enabled: bool, recipe: Any, preserve: bool, calls: list, name: str) -> Iterator[None]:
     calls.append((name, {"recipe": recipe, "preserve": preserve}))
-    if not enabled or recipe is None or not hasattr(recipe, "to_emulated"):
+    if not enabled or recipe is None or not hasattr(recipe, "_to_emulated"):
         yield
         return
     _MODEL_INIT.append((recipe, preserve))

@@ -7,7 +7,7 @@ QParams are class attributes that constructor arguments do not set (pydantic: on
 fields are settable), so lptrain must assign them after construction.
 
 Each recipe knows the lptrain emulated recipe that computes what it would
-(:meth:`to_emulated`); the stand-in modules run their GEMMs through it.
+(:meth:`_to_emulated`); the stand-in modules run their GEMMs through it.
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ class QParams:
 
 
 class _Recipe:
-    FIELDS: tuple[str, ...] = ()
+    _TE_FIELDS: tuple[str, ...] = ()
 
     def __init__(self, **kw: Any) -> None:
         for k, val in kw.items():
-            if k not in self.FIELDS:
+            if k not in self._TE_FIELDS:
                 raise TypeError(f"{type(self).__name__} got unexpected keyword {k!r}")
             setattr(self, k, val)
 
@@ -45,12 +45,12 @@ class _Recipe:
         fmt = getattr(self, "fp8_format", Format.HYBRID)
         return fmt.value if isinstance(fmt, Format) else str(fmt)
 
-    def to_emulated(self) -> Any:
+    def _to_emulated(self) -> Any:
         raise NotImplementedError
 
 
 class DelayedScaling(_Recipe):
-    FIELDS = ("margin", "fp8_format", "amax_history_len", "amax_compute_algo", "reduce_amax")
+    _TE_FIELDS = ("margin", "fp8_format", "amax_history_len", "amax_compute_algo", "reduce_amax")
     margin = 0
     amax_history_len = 1024
     amax_compute_algo = "max"
@@ -59,7 +59,7 @@ class DelayedScaling(_Recipe):
     def delayed(self) -> bool:
         return True
 
-    def to_emulated(self) -> Any:
+    def _to_emulated(self) -> Any:
         from lptrain.precision.recipes import DelayedScaling as Emu
 
         return Emu(fp8_format=self._format(), margin=self.margin, amax_history_len=self.amax_history_len,
@@ -67,19 +67,19 @@ class DelayedScaling(_Recipe):
 
 
 class MXFP8BlockScaling(_Recipe):
-    FIELDS = ("fp8_format", "margin")
+    _TE_FIELDS = ("fp8_format", "margin")
 
-    def to_emulated(self) -> Any:
+    def _to_emulated(self) -> Any:
         from lptrain.precision.recipes import MXFP8Scaling
 
         return MXFP8Scaling(fp8_format=self._format())
 
 
 class Float8CurrentScaling(_Recipe):
-    FIELDS = ("fp8_format",)
+    _TE_FIELDS = ("fp8_format",)
     fp8_quant_fwd_inp = fp8_quant_fwd_weight = fp8_quant_bwd_grad = QParams()
 
-    def to_emulated(self) -> Any:
+    def _to_emulated(self) -> Any:
         from lptrain.precision.recipes import TensorwiseScaling
 
         q = self.fp8_quant_fwd_inp
@@ -88,22 +88,22 @@ class Float8CurrentScaling(_Recipe):
 
 
 class Float8BlockScaling(_Recipe):
-    FIELDS = ("fp8_format",)
+    _TE_FIELDS = ("fp8_format",)
     fp8_quant_fwd_inp = fp8_quant_fwd_weight = fp8_quant_bwd_grad = QParams(power_2_scale=True)
 
-    def to_emulated(self) -> Any:
+    def _to_emulated(self) -> Any:
         from lptrain.precision.recipes import BlockwiseScaling
 
         return BlockwiseScaling(fp8_format=self._format(), amax_epsilon=self.fp8_quant_fwd_inp.amax_epsilon)
 
 
 class NVFP4BlockScaling(_Recipe):
-    FIELDS = ("disable_rht", "disable_stochastic_rounding", "disable_2d_quantization")
+    _TE_FIELDS = ("disable_rht", "disable_stochastic_rounding", "disable_2d_quantization")
     disable_rht = False
     disable_stochastic_rounding = False
     disable_2d_quantization = False
 
-    def to_emulated(self) -> Any:
+    def _to_emulated(self) -> Any:
         return _nvfp4_on_cuda_rng(self)
 
 

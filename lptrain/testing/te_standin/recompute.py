@@ -50,11 +50,6 @@ _ACTIVATION_RECOMPUTE_PHASE = False
 POSITION_KEY = "global_fp8_buffer_pos_fwd_recompute"  # TE's fp8_meta key
 
 
-class _QuantizationState:
-    def __init__(self) -> None:
-        self.fp8_tensors_recompute_buffer: list[deque] = []
-
-
 class FP8GlobalStateManager:
     """The FP8 state queries and the three recompute helpers of TE's manager.
 
@@ -63,21 +58,23 @@ class FP8GlobalStateManager:
     buffer-position key once the module has stashed.
     """
 
-    quantization_state = _QuantizationState()
-    autocast_stack: ClassVar[list[tuple[bool, Any]]] = []  # (enabled, TE recipe), innermost last
+    # TE's recompute buffer (a FIFO per module) and autocast state, kept private here: the
+    # stand-in's public surface is a subset of TE's at every release.
+    _recompute_buffer: ClassVar[list[deque]] = []
+    _autocast_stack: ClassVar[list[tuple[bool, Any]]] = []  # (enabled, TE recipe), innermost last
 
     @classmethod
     def reset(cls) -> None:
-        cls.quantization_state = _QuantizationState()
-        cls.autocast_stack = []
+        cls._recompute_buffer = []
+        cls._autocast_stack = []
 
     @classmethod
     def is_fp8_enabled(cls) -> bool:
-        return bool(cls.autocast_stack) and cls.autocast_stack[-1][0] and cls.autocast_stack[-1][1] is not None
+        return bool(cls._autocast_stack) and cls._autocast_stack[-1][0] and cls._autocast_stack[-1][1] is not None
 
     @classmethod
     def get_fp8_recipe(cls) -> Any:
-        return cls.autocast_stack[-1][1] if cls.autocast_stack else None
+        return cls._autocast_stack[-1][1] if cls._autocast_stack else None
 
     @classmethod
     def copy_forward_fp8_meta_tensors_for_recompute(cls, fp8_meta: dict[str, Any]) -> None:
@@ -86,7 +83,7 @@ class FP8GlobalStateManager:
         if not states:
             return
         to_copy = [(s.amax_history.clone(), s.scale.clone()) for s in states]
-        buf = cls.quantization_state.fp8_tensors_recompute_buffer
+        buf = cls._recompute_buffer
         if POSITION_KEY not in fp8_meta:
             buf.append(deque())
             fp8_meta[POSITION_KEY] = len(buf) - 1
@@ -94,15 +91,20 @@ class FP8GlobalStateManager:
 
     @classmethod
     def get_old_fp8_meta_tensors_for_recompute(cls, fp8_meta: dict[str, Any]) -> Any:
-        """Quantize the recompute with the stashed state (oldest first): returns the twin
-        state holding it (see the module doc)."""
+        """Quantize the recompute with the stashed state (oldest first). As TE, the stashed
+        amax histories and scales are copied into the module's own tensors (its updated ones
+        kept in ``fp8_meta["updated_fwd"]`` for :meth:`restore_fp8_meta_tensors`); the
+        quantization itself runs on the twin state holding the same values (see the module
+        doc), which is returned."""
         states, twin = fp8_meta["scaling_fwd"], fp8_meta["twin"]
         if not states:
             return twin
         fp8_meta["updated_fwd"] = [(s.amax_history.clone(), s.scale.clone()) for s in states]
-        stashed = cls.quantization_state.fp8_tensors_recompute_buffer[fp8_meta[POSITION_KEY]].popleft()
-        for (_, ts), (hist, scale) in zip(twin.slots(("input", "weight")), stashed, strict=True):
-            ts.amax_history, ts.scale = hist, scale
+        stashed = cls._recompute_buffer[fp8_meta[POSITION_KEY]].popleft()
+        for s, (_, ts), (hist, scale) in zip(states, twin.slots(("input", "weight")), stashed, strict=True):
+            s.amax_history.copy_(hist)
+            s.scale.copy_(scale)
+            ts.amax_history, ts.scale = hist.clone(), scale.clone()
         return twin
 
     @staticmethod
@@ -179,7 +181,10 @@ def make_checkpoint(autocast: Callable[..., Any]) -> Callable[..., Any]:
 
             return forward(), recompute()
 
-        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False,
-                                                 context_fn=context_fn, **kwargs)
+        # TE's non-reentrant checkpoint is its own (saved-tensor hooks on a checkpoint frame)
+        # and recomputes the whole function: no early stop, unlike torch's default.
+        with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+            return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False,
+                                                     context_fn=context_fn, **kwargs)
 
     return checkpoint

@@ -43,12 +43,15 @@ _SHAPE_OPS = {
 
 
 class Quantizer:
-    """TE's ``Quantizer`` base: ``quantize``, ``update_quantized``, usage flags, ``copy``."""
+    """TE's ``Quantizer`` base: ``quantize``, ``update_quantized``, usage flags, ``copy``.
 
-    tensor_cls: ClassVar[type[QuantizedTensor]]
+    The lptrain emulated quantizer doing the math is kept under a private name: the stand-in's
+    public surface is a subset of TE's at every release (``tests/data/te_api.json``)."""
+
+    _tensor_cls: ClassVar[type[QuantizedTensor]]
 
     def __init__(self, emu: Any) -> None:
-        self.emu = emu  # the lptrain emulated quantizer doing the math
+        self._emu_quantizer = emu
         self.rowwise_usage = emu.rowwise
         self.columnwise_usage = emu.columnwise
         self.internal = False
@@ -58,54 +61,55 @@ class Quantizer:
             self.rowwise_usage = rowwise
         if columnwise is not None:
             self.columnwise_usage = columnwise
-        self.emu = self.emu.with_usage(self.rowwise_usage, self.columnwise_usage)
+        self._emu_quantizer = self._emu_quantizer.with_usage(self.rowwise_usage, self.columnwise_usage)
 
-    def copy(self) -> Quantizer:
+    def _copy(self) -> Quantizer:
         out = type(self).__new__(type(self))
         out.__dict__.update(self.__dict__)
         return out
 
     def quantize(self, tensor: torch.Tensor) -> QuantizedTensor:
-        return self.tensor_cls(self.emu.quantize(tensor.detach()), self)
+        return self._tensor_cls(self._emu_quantizer.quantize(tensor.detach()), self)
 
     def __call__(self, tensor: torch.Tensor) -> QuantizedTensor:
         return self.quantize(tensor)
 
-    def update_quantized(self, src: torch.Tensor, dst: QuantizedTensor) -> QuantizedTensor:
+    def update_quantized(self, src: torch.Tensor, dst: QuantizedTensor,
+                         *, noop_flag: Optional[torch.Tensor] = None) -> QuantizedTensor:
         dst.quantize_(src)
         return dst
-
-    @property
-    def dtype(self) -> Any:
-        return getattr(self.emu, "fp8_format", None)
 
 
 class Float8Quantizer(Quantizer):
     """Delayed scaling (the scale comes from the recipe's amax history)."""
 
+    copy = Quantizer._copy
+
 
 class Float8CurrentScalingQuantizer(Quantizer):
     """Per-tensor current scaling."""
 
+    copy = Quantizer._copy
+
     @property
     def force_pow_2_scales(self) -> bool:
-        return bool(self.emu.power_2_scale)
+        return bool(self._emu_quantizer.power_2_scale)
 
     @property
     def amax_epsilon(self) -> float:
-        return float(self.emu.amax_epsilon)
+        return float(self._emu_quantizer.amax_epsilon)
 
 
 class MXFP8Quantizer(Quantizer):
-    pass
+    copy = Quantizer._copy
 
 
 class Float8BlockQuantizer(Quantizer):
-    pass
+    copy = Quantizer._copy
 
 
 class NVFP4Quantizer(Quantizer):
-    pass
+    copy = Quantizer._copy
 
 
 def _field(name: str, emu_name: str) -> property:
@@ -149,11 +153,6 @@ class QuantizedTensor(torch.Tensor):
     def _get_quantizer(self) -> Quantizer:
         return self._quantizer
 
-    def update_usage(self, rowwise_usage: Optional[bool] = None, columnwise_usage: Optional[bool] = None) -> None:
-        row = self._emu.has_orientation("rowwise") if rowwise_usage is None else rowwise_usage
-        col = self._emu.has_orientation("columnwise") if columnwise_usage is None else columnwise_usage
-        self._emu.update_usage(rowwise=row, columnwise=col)
-
     def _like(self, emu: Any) -> QuantizedTensor:
         out = type(self)(emu, self._quantizer)
         return out
@@ -165,7 +164,7 @@ class QuantizedTensor(torch.Tensor):
     def _set_data(self, tensor: torch.Tensor) -> None:
         if isinstance(tensor, type(self)):
             self._emu = tensor._emu
-            self._quantizer = tensor._quantizer.copy()
+            self._quantizer = tensor._quantizer._copy()
             return
         self._emu = self._quantizer.quantize(tensor.detach().to(self.device))._emu
 
@@ -232,8 +231,18 @@ def _inner_dim_changes(tensor: torch.Tensor, shape: Sequence[Any]) -> tuple[list
     return dims, not dims or dims[-1] != tensor.shape[-1]
 
 
+def _update_usage(self: QuantizedTensor, rowwise_usage: Optional[bool] = None,
+                  columnwise_usage: Optional[bool] = None) -> None:
+    """TE's ``update_usage`` (on the storage classes, not on ``QuantizedTensor``)."""
+    row = self._emu.has_orientation("rowwise") if rowwise_usage is None else rowwise_usage
+    col = self._emu.has_orientation("columnwise") if columnwise_usage is None else columnwise_usage
+    self._emu.update_usage(rowwise=row, columnwise=col)
+
+
 class Float8Tensor(QuantizedTensor):
     """TE's per-tensor FP8 tensor (delayed and current scaling)."""
+
+    update_usage = _update_usage
 
     _data = _field("_data", "rowwise_data")
     _transpose = _field("_transpose", "columnwise_data")
@@ -267,6 +276,7 @@ class _BlockScaled(QuantizedTensor):
     _columnwise_data = _field("_columnwise_data", "columnwise_data")
     _rowwise_scale_inv = _field("_rowwise_scale_inv", "rowwise_scale_inv")
     _columnwise_scale_inv = _field("_columnwise_scale_inv", "columnwise_scale_inv")
+    update_usage = _update_usage
 
 
 class MXFP8Tensor(_BlockScaled):
@@ -295,7 +305,7 @@ class MXFP8Tensor(_BlockScaled):
 class Float8BlockwiseQTensor(_BlockScaled):
     """TE's 128x128 (weights) / 1x128 blockwise FP8 tensor."""
 
-    refuses_inner_reshape: ClassVar[bool] = True  # TE <= 2.13; 2.14+ warns (set per version)
+    _refuses_inner_reshape: ClassVar[bool] = True  # TE <= 2.13; 2.14+ warns (set per version)
 
     @property
     def _is_2D_scaled(self) -> bool:
@@ -307,7 +317,7 @@ class Float8BlockwiseQTensor(_BlockScaled):
     def reshape(self, *shape: Any) -> torch.Tensor:  # type: ignore[override]
         dims, inner = _inner_dim_changes(self, shape)
         changed = inner or (len(dims) < 2 or dims[-2] != self.shape[-2])
-        if changed and self.refuses_inner_reshape:
+        if changed and self._refuses_inner_reshape:
             raise RuntimeError(
                 "Float8BlockwiseQTensor does not support reshaping inner dimensions "
                 f"(attempted to reshape dims={tuple(self.shape)} to {tuple(dims)})"
@@ -328,24 +338,53 @@ class NVFP4Tensor(_BlockScaled):
     _amax_columnwise = _field("_amax_columnwise", "amax_columnwise")
 
 
-class GroupedTensor(QuantizedTensor):
-    """TE's grouped tensor (single grouped expert weights, 2.19+): one flat storage per
-    field; ``quantized_tensors`` are per-member tensors viewing it. ``_emu`` is an lptrain
+class GroupedTensor(torch.Tensor):
+    """TE's ``GroupedTensor`` (``GroupedTensorStorage`` + ``torch.Tensor``, 2.14+): the members'
+    bytes in one flat storage per field; ``quantized_tensors`` (a list made once) are per-member
+    tensors viewing it, created with ``requires_grad=False``. Not a ``QuantizedTensor``: no
+    ``quantize_``, no ``dequantize`` of its own (``torch.Tensor.dequantize`` runs through the
+    dispatch on the stacked dequantized members and returns fp32); writes go through the
+    storage's ``quantize(list_of_tensors)`` (the quantizer's ``update_quantized`` per member).
+    Shape ops are refused except ``view(-1)`` (the flat row-wise bytes). ``_emu`` is an lptrain
     ``GroupedQuantizedTensor``, or a plain ``[N, out, in]`` tensor when unquantized."""
 
-    @property
-    def num_tensors(self) -> int:
-        return int(self.shape[0])
+    _emu: Any
+    quantizer: Optional[Quantizer]
+    quantized_tensors: list[torch.Tensor]
 
-    @property
-    def quantized_tensors(self) -> list[torch.Tensor]:
-        emu = self._emu
-        if isinstance(emu, torch.Tensor) and not hasattr(emu, "members"):
-            return list(emu.unbind(0))
-        return [member_cls(m)(m, self._quantizer) for m in emu.members()]
+    @staticmethod
+    def __new__(cls, emu: Any, quantizer: Optional[Quantizer], requires_grad: bool = False,
+                members: Optional[list[torch.Tensor]] = None) -> GroupedTensor:
+        self = torch.Tensor._make_wrapper_subclass(
+            cls, tuple(emu.shape), dtype=emu.dtype, device=emu.device, requires_grad=requires_grad)
+        self._emu = emu
+        self.quantizer = quantizer
+        self.num_tensors = int(emu.shape[0])
+        self.quantized_tensors = members if members is not None else self.split_into_quantized_tensors()
+        return self
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
 
     def split_into_quantized_tensors(self) -> list[torch.Tensor]:
-        return self.quantized_tensors
+        """Per-member tensors viewing this storage (no copy), ``requires_grad=False``."""
+        emu = self._emu
+        if not hasattr(emu, "members"):
+            return list(emu.detach().unbind(0))
+        return [member_cls(m)(m, self.quantizer) for m in emu.members()]
+
+    def quantize(self, tensors: Sequence[torch.Tensor],
+                 noop_flag: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
+        """Quantize ``tensors`` (one per member) into this storage, in place."""
+        members = self.split_into_quantized_tensors()
+        for src, dst in zip(tensors, members, strict=True):
+            if self.quantizer is None:
+                dst.copy_(src)
+            else:
+                self.quantizer.update_quantized(src, dst, noop_flag=noop_flag)
+        return members
+
+    def get_dtype(self) -> torch.dtype:
+        return self.dtype
 
     def _flat(self, *names: str) -> Optional[torch.Tensor]:
         fields = getattr(self._emu, "_fields", None)
@@ -360,39 +399,66 @@ class GroupedTensor(QuantizedTensor):
     amax = property(lambda self: self._flat("amax_rowwise"))
     columnwise_amax = property(lambda self: self._flat("amax_columnwise"))
 
-    def dequantize(self, *, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    def _stacked(self) -> torch.Tensor:
         emu = self._emu
-        values = emu.dequantize() if hasattr(emu, "_fields") else emu
-        return values.to(dtype or self.dtype)
-
-    def quantize_(self, tensor: torch.Tensor, *, noop_flag: Optional[torch.Tensor] = None) -> GroupedTensor:
-        src = tensor.dequantize() if isinstance(tensor, QuantizedTensor) else tensor
-        src = src.detach().reshape(self.shape)
-        if hasattr(self._emu, "_fields"):
-            self._emu.requantize_from(list(src.unbind(0)))
-        else:
-            self._emu.copy_(src)
-        return self
-
-    def _like(self, emu: Any) -> QuantizedTensor:
-        return GroupedTensor(emu, self._quantizer)
-
-    def _set_data(self, tensor: torch.Tensor) -> None:
-        if not isinstance(tensor, GroupedTensor):
-            raise RuntimeError("GroupedTensor .data can only be set from another GroupedTensor")
-        self._emu, self._quantizer = tensor._emu, tensor._quantizer
-
-    data = property(QuantizedTensor._get_data, _set_data)  # type: ignore[assignment]
+        return emu.dequantize() if hasattr(emu, "_fields") else emu
 
     @classmethod
-    def _refuse(cls, func: Any, args: tuple) -> None:
-        raise RuntimeError(f"{cls.__name__} forbids shape-manipulation op: {func} ")
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in (aten.detach.default, aten.alias.default):
+            src = args[0]
+            return GroupedTensor(src._emu, src.quantizer, members=src.quantized_tensors)
+        if func in (aten.view.default, aten._unsafe_view.default):
+            src, shape = args[0], tuple(args[1])
+            if shape in ((-1,), (src.numel(),)) and src.rowwise_data is not None:
+                return src.rowwise_data.view(-1)
+            raise RuntimeError(f"{cls.__name__} only supports view(-1) for distributed optimizer flattening")
+        if func in _SHAPE_OPS:
+            raise RuntimeError(f"{cls.__name__} forbids shape-manipulation op: {func} ")
 
-    def reshape(self, *shape: Any) -> torch.Tensor:  # type: ignore[override]
-        raise RuntimeError(f"GroupedTensor forbids shape-manipulation op: {aten.reshape.default} ")
+        def unwrap(t: Any) -> Any:
+            if isinstance(t, GroupedTensor):
+                return t._stacked()
+            if isinstance(t, (list, tuple)):
+                return type(t)(unwrap(x) for x in t)
+            return t
 
-    def view(self, *shape: Any) -> torch.Tensor:  # type: ignore[override]
-        raise RuntimeError(f"GroupedTensor forbids shape-manipulation op: {aten.view.default} ")
+        new_args = [unwrap(a) for a in args]
+        out = func(*new_args, **{k: unwrap(v) for k, v in kwargs.items()})
+        if func._schema.is_mutable:
+            for a, na, info in zip(args, new_args, func._schema.arguments, strict=False):
+                if isinstance(a, GroupedTensor) and info.alias_info is not None and info.alias_info.is_write:
+                    a.quantize(list(na.unbind(0)))
+            return None
+        return out
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+        return f"GroupedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, stand-in)"
+
+
+def tensor_flatten(self: torch.Tensor) -> tuple[list[str], dict[str, Any]]:
+    """``__tensor_flatten__`` (TE 2.19+): quantized tensors become *traceable* wrapper
+    subclasses, which ``nn.Module._apply`` (``.to()``, ``.cuda()``, ...) swaps for a fresh
+    ``Parameter`` with ``torch.utils.swap_tensors`` -- so the parameter's ``__dict__``
+    (``_high_precision_init_val`` and the bound get/clear methods with it) is lost."""
+    return [], {"emu": self._emu, "quantizer": getattr(self, "_quantizer", None)}
+
+
+def tensor_unflatten(cls: type, inner: dict[str, Any], ctx: dict[str, Any], size: Any, stride: Any) -> Any:
+    return cls(ctx["emu"], ctx["quantizer"])
+
+
+def set_traceable(enabled: bool) -> None:
+    """Give the stand-in tensor classes TE 2.19's ``__tensor_flatten__`` (or take it away)."""
+    for cls in (QuantizedTensor, GroupedTensor):
+        if enabled:
+            cls.__tensor_flatten__ = tensor_flatten  # type: ignore[attr-defined]
+            cls.__tensor_unflatten__ = classmethod(tensor_unflatten)  # type: ignore[attr-defined]
+        else:
+            for name in ("__tensor_flatten__", "__tensor_unflatten__"):
+                if name in vars(cls):
+                    delattr(cls, name)
 
 
 def member_cls(emu: Any) -> type[QuantizedTensor]:
@@ -429,8 +495,8 @@ def wrap(emu: Any, quantizer: Quantizer) -> QuantizedTensor:
     return member_cls(emu)(emu, quantizer)
 
 
-Float8Quantizer.tensor_cls = Float8Tensor
-Float8CurrentScalingQuantizer.tensor_cls = Float8Tensor
-MXFP8Quantizer.tensor_cls = MXFP8Tensor
-Float8BlockQuantizer.tensor_cls = Float8BlockwiseQTensor
-NVFP4Quantizer.tensor_cls = NVFP4Tensor
+Float8Quantizer._tensor_cls = Float8Tensor
+Float8CurrentScalingQuantizer._tensor_cls = Float8Tensor
+MXFP8Quantizer._tensor_cls = MXFP8Tensor
+Float8BlockQuantizer._tensor_cls = Float8BlockwiseQTensor
+NVFP4Quantizer._tensor_cls = NVFP4Tensor

@@ -1,22 +1,25 @@
 """Stand-in ``transformer_engine.pytorch.tensor.utils``: TE's ZeRO helpers for FP8 weights.
 
 * ``replace_raw_data(tensor, new_raw_data)`` (2.2+; ``Float8Tensor``, and
-  ``Float8BlockwiseQTensor`` from 2.5): copy the row-wise bytes into ``new_raw_data`` and make
+  ``Float8BlockwiseQTensor`` from 2.4): copy the row-wise bytes into ``new_raw_data`` and make
   it the tensor's storage (``_data`` / ``_rowwise_data``); MXFP8 raises ``NotImplementedError``.
 * ``cast_master_weights_to_fp8(model_weights, master_weights, start_offsets, group)``
-  (current scaling 2.2+, blockwise 2.5+): each rank holds a flat shard (or None) of each
+  (current scaling 2.2+, blockwise 2.4+; ``fsdp_shard_model_weights`` 2.3+,
+  ``manual_post_all_gather_processing`` 2.10+): each rank holds a flat shard (or None) of each
   weight's master starting at ``start_offset``; the partial amaxes (per tensor, or per
   128x128 tile) are MAX-reduced over ``group`` in one collective, the scales set from them on
   every rank, and each rank casts its shard into the weight's row-wise bytes. The transpose
   (Float8) is reset and the column-wise copy (blockwise) dropped, to be rebuilt after the
   all-gather. ``quantize_master_weights`` (2.14+) is the same entry point under its new name.
-* ``post_all_gather_processing(weights)`` (2.13+): rebuild what the cast dropped.
+* ``post_all_gather_processing(weights)`` (2.10+): rebuild what the cast dropped (before
+  2.10 the cast's cache reset makes the first use rebuild it).
 
 The math is lptrain's emulated shard quantization (bit-faithful to TE's kernels by design).
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -25,12 +28,14 @@ import torch.distributed as dist
 
 from . import tensors as T
 
+BLOCKWISE_BYTES_FROM = (2, 4)  # replace_raw_data / the master cast take blockwise tensors
+
 
 def make_replace_raw_data(v: tuple[int, ...]) -> Any:
     def replace_raw_data(tensor: Any, new_raw_data: torch.Tensor) -> None:
         if isinstance(tensor, T.Float8Tensor):
             attr = "_data"
-        elif isinstance(tensor, T.Float8BlockwiseQTensor) and v >= (2, 5):
+        elif isinstance(tensor, T.Float8BlockwiseQTensor) and v >= BLOCKWISE_BYTES_FROM:
             attr = "_rowwise_data"
         elif isinstance(tensor, T.MXFP8Tensor):
             raise NotImplementedError("replace_raw_data for MXFP8Tensor is not supported yet")
@@ -45,7 +50,9 @@ def make_replace_raw_data(v: tuple[int, ...]) -> Any:
     return replace_raw_data
 
 
-def make_cast(v: tuple[int, ...]) -> Any:
+def make_cast(v: tuple[int, ...], name: str = "cast_master_weights_to_fp8") -> Any:
+    """TE's master-weight cast of release ``v`` (its keyword arguments as that release's)."""
+
     def cast_master_weights_to_fp8(model_weights: Sequence[Any], master_weights: Sequence[Optional[torch.Tensor]],
                                    start_offsets: Sequence[int], group: Any,
                                    fsdp_shard_model_weights: Any = None,
@@ -56,7 +63,7 @@ def make_cast(v: tuple[int, ...]) -> Any:
                 w.clear_high_precision_init_val()
             q = w._get_quantizer()
             ok = isinstance(q, T.Float8CurrentScalingQuantizer) or (
-                isinstance(q, T.Float8BlockQuantizer) and v >= (2, 5))
+                isinstance(q, T.Float8BlockQuantizer) and v >= BLOCKWISE_BYTES_FROM)
             if not ok:
                 raise ValueError(f"cast_master_weights_to_fp8 for {type(q)} is not supported by this stand-in")
         xs = [None if m is None else m.to(w.dtype).reshape(-1) for w, m, _ in entries]
@@ -79,6 +86,11 @@ def make_cast(v: tuple[int, ...]) -> Any:
             if q is not None:
                 raw.reshape(-1)[lo:hi].copy_(q.reshape(-1))
 
+    sig = inspect.signature(cast_master_weights_to_fp8)
+    since = {"fsdp_shard_model_weights": (2, 3), "manual_post_all_gather_processing": (2, 10)}
+    cast_master_weights_to_fp8.__signature__ = sig.replace(  # type: ignore[attr-defined]
+        parameters=[p for p in sig.parameters.values() if v >= since.get(p.name, (0,))])
+    cast_master_weights_to_fp8.__name__ = name
     return cast_master_weights_to_fp8
 
 

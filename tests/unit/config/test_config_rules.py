@@ -30,6 +30,7 @@ SM100_OLD_TE = World(dp=1, target="sm100", te_version="2.2", cuda=True)
 SM100 = World(dp=1, target="sm100", te_version="2.19", cuda=True, cuda_version="12.9")
 SM120 = World(dp=1, target="sm120", te_version="2.19", cuda=True, cuda_version="12.9")
 SM90_CUDA128 = World(dp=1, target="sm90", te_version="2.19", cuda=True, cuda_version="12.8")
+SM100_CUDA133 = World(dp=1, target="sm100", te_version="2.19", cuda=True, cuda_version="13.3")
 TE = "precision.backend=te"
 FP4 = "precision.fp4_format=e2m1"
 
@@ -158,6 +159,9 @@ CASES: list[tuple[str, list[str], tuple[str, ...], list[str], World]] = [
      ("model.moe.single_grouped_weight", "ddp.reuse_grad_buf_for_mxfp8_param_ag",
       "precision.fp8_recipe"),
      [MOE, GROUPED, SGW, E4M3, MXFP8, FP8PG, DISTOPT, REUSE], CPU),
+    ("MOE-SGW-TE-GROUPED-PATH", [TE, MOE, GROUPED, SGW, E4M3, MXFP8, "precision.params_dtype=fp32"],
+     ("model.moe.single_grouped_weight", "precision.backend"),
+     [TE, MOE, GROUPED, SGW, E4M3, MXFP8, "precision.params_dtype=bf16"], SM100_CUDA133),
     ("MOE-TOPK", [MOE, "model.moe.router_topk=5"], ("model.moe.router_topk",),
      [MOE, "model.moe.router_topk=4"], CPU),
     ("LAUNCH-EP-DIVIDES-WORLD", [MOE, "model.moe.expert_model_parallel_size=4"],
@@ -393,10 +397,36 @@ def test_muon_hparams_each_key(override: str, key: str) -> None:
 
 
 def test_te_version_for_single_grouped_weight() -> None:
-    world = World(dp=1, target="sm100", te_version="2.13", cuda=True)
+    world = World(dp=1, target="sm100", te_version="2.18", cuda=True, cuda_version="13.3")
     found = violations(["precision.backend=te", MOE, GROUPED, SGW], world)
     assert [v.rule for v in found] == ["PREC-TE-VERSION"]
-    assert "model.moe.single_grouped_weight" in found[0].keys and "2.14" in found[0].fix
+    assert "model.moe.single_grouped_weight" in found[0].keys and "2.19" in found[0].fix
+    assert "single_grouped_weight=false" in found[0].message
+
+
+@pytest.mark.parametrize(("target", "cuda", "extra", "refused"), [
+    ("sm100", "13.3", [], False),
+    ("sm100", "13.2", [], True),  # cuBLASLt 13.3+
+    ("sm90", "13.3", ["precision.fp8_format=null"], True),  # bf16 on Hopper: 13.4+
+    ("sm90", "13.4", ["precision.fp8_format=null"], False),
+    ("sm100", "13.3", ["precision.fp8_format=null", FP4, "precision.fp4_param_gather=true",
+                       DISTOPT, "precision.nvfp4_rht=false"], True),  # NVFP4 only with RHT
+    ("sm100", "13.3", ["precision.fp8_format=null", FP4, "precision.fp4_param_gather=true",
+                       DISTOPT], False),
+])
+def test_single_grouped_weight_needs_tes_grouped_tensor_path(target: str, cuda: str, extra: list[str],
+                                                             refused: bool) -> None:
+    """Finding 4: TE 2.19 runs a single grouped weight only on its grouped-tensor path (and
+    raises otherwise); the rule refuses exactly where TE's is_module_grouped_tensor_path_
+    supported would say no, naming the TE and CUDA versions."""
+    world = World(dp=1, target=target, te_version="2.19", cuda=True, cuda_version=cuda)
+    found = [v for v in violations([TE, MOE, GROUPED, SGW, E4M3, MXFP8, "precision.params_dtype=bf16",
+                                    *extra], world) if v.severity == "error"]
+    rules = [v.rule for v in found]
+    assert ("MOE-SGW-TE-GROUPED-PATH" in rules) == refused, rules
+    if refused:
+        v = next(v for v in found if v.rule == "MOE-SGW-TE-GROUPED-PATH")
+        assert "2.19" in v.message and cuda in v.message and "single_grouped_weight=false" in v.fix
 
 
 def test_backend_available_names_missing_te() -> None:

@@ -70,11 +70,37 @@ def test_rules_accept_a_recipe_exactly_when_that_te_builds_it(recipe: str, versi
     assert (refused == []) == _builds(overrides, version), (recipe, version, refused)
 
 
+def _trains_experts(version: str) -> bool:
+    """Whether a single grouped expert weight built against stand-in TE ``version`` gets a
+    weight gradient from a backward (TE 2.14-2.18 run its GEMMs on the members, made with
+    ``requires_grad=False``: the grouped parameter never gets one)."""
+    with _fake_te.installed(version):
+        try:
+            m = te_adapter.te_grouped_linear(4, 64, 32, single_grouped_weight=True)
+        except te_adapter.BackendUnavailableError:
+            return False
+        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(0)).requires_grad_()
+        m(x, [2, 2, 2, 2]).sum().backward()
+    grad = m.weight.grad
+    return grad is not None and bool(grad.abs().sum() > 0)
+
+
 @pytest.mark.parametrize("version", _fake_te.VERSIONS)
-def test_rules_accept_single_grouped_weight_exactly_when_that_te_honours_it(version: str) -> None:
-    refused = _te_rules(SGW, _world("sm100", version))
-    assert (refused == []) == _builds(SGW, version), (version, refused)
-    assert (refused == []) == (parse_version(version) >= (2, 14))
+def test_rules_accept_single_grouped_weight_exactly_when_that_te_trains_it(version: str) -> None:
+    refused = _te_rules(SGW, _world("sm100", version, cuda="13.3"))
+    assert (refused == []) == _trains_experts(version), (version, refused)
+    assert (refused == []) == (parse_version(version) >= (2, 19))
+
+
+def test_single_grouped_weight_gate_regression(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Finding 3: with the gate lptrain had (2.14), TE 2.18 is accepted and its experts train
+    on nothing. The gate at 2.19 is what keeps the predicate above true."""
+    from lptrain.config.rulesets import precision as rules_precision
+
+    assert not _trains_experts("2.18")
+    assert _te_rules(SGW, _world("sm100", "2.18", cuda="13.3")) == ["PREC-TE-VERSION"]
+    monkeypatch.setattr(rules_precision, "SINGLE_GROUPED_WEIGHT_MIN_TE", "2.14")
+    assert _te_rules(SGW, _world("sm100", "2.18", cuda="13.3")) == []  # accepted, trains nothing
 
 
 def test_catalog_minima_are_tes_release_history() -> None:
@@ -168,8 +194,8 @@ def test_te_2_19_single_weight_gets_grouped_tensor_path_and_tensor_splits() -> N
         m = te_adapter.te_grouped_linear(4, 64, 32, single_grouped_weight=True)
         assert m.use_grouped_tensor and m.single_grouped_weight
         m(torch.zeros(8, 64), [1, 3, 0, 4])
-    assert isinstance(m.last_m_splits, torch.Tensor) and m.last_m_splits.dtype == torch.int64
-    assert m.last_m_splits.tolist() == [1, 3, 0, 4]
+    assert isinstance(m._lptrain_last_m_splits, torch.Tensor) and m._lptrain_last_m_splits.dtype == torch.int64
+    assert m._lptrain_last_m_splits.tolist() == [1, 3, 0, 4]
 
 
 @pytest.mark.parametrize(("version", "new_api"), [("2.8", False), ("2.9", True)])
@@ -178,7 +204,7 @@ def test_autocast_and_model_init_spellings(version: str, new_api: bool) -> None:
         r, group = object(), object()
         with te_adapter.te_autocast(r, True, group), te_adapter.te_model_init(r):
             pass
-        calls = mods["transformer_engine.pytorch"].calls
+        calls = mods["transformer_engine.pytorch"]._lptrain_calls
     names = [c[0] for c in calls]
     assert names == (["autocast", "quantized_model_init"] if new_api else ["fp8_autocast", "fp8_model_init"])
     assert calls[0][1] == {"enabled": True, "recipe": r, "group": group}

@@ -237,6 +237,9 @@ class _AlignedFactory:
         self._f = LayerFactory()
         self.grouped_alignment = alignment
 
+    def grouped_alignment_for(self, single_grouped_weight: bool) -> int:
+        return self.grouped_alignment
+
     def __getattr__(self, name):
         return getattr(self._f, name)
 

@@ -103,7 +103,7 @@ TE_CASES = {
 
 
 @contextlib.contextmanager
-def _te_on_virtual_gpu(target: str) -> Iterator[None]:
+def _te_on_virtual_gpu(target: str, te_version: str | None = None) -> Iterator[None]:
     """The stand-in TE on a virtual GPU. torch's checkpoint compares every recomputed
     tensor's metadata with the forward's; inside the forward's pack hook the virtual GPU's
     tensors read as CPU tensors (and as CUDA ones in the recompute), so here the check
@@ -114,7 +114,7 @@ def _te_on_virtual_gpu(target: str) -> Iterator[None]:
     default = checks["default"]
     checks["default"] = lambda t: {"shape": t.shape, "dtype": t.dtype}
     try:
-        with virtual_gpu(target, te=True):
+        with virtual_gpu(target, te=True, te_version=te_version):
             yield
     finally:
         checks["default"] = default
@@ -136,3 +136,25 @@ def test_te_recompute_phase_keeps_recompute_bitwise_invisible(case: str) -> None
     assert d is None, f"TE {case}: recompute changed training: {d}"
     if case == "delayed":
         assert first_difference(ref["masters"], broken["masters"]) is not None
+
+
+@pytest.mark.parametrize("te_version", ["2.11", "2.12"])
+def test_te_recompute_never_stops_early(te_version: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Finding 6: up to TE 2.11 a module's ``prepare_forward`` restores its delayed-scaling
+    state after its ``yield`` with no ``finally``; torch's checkpoint early stop raises inside
+    the region's last TE module during the recompute, so that module kept the stashed (one
+    step old) scale and amax history. lptrain runs TE regions with the early stop off, as
+    TE's own checkpoint does: bitwise the run without recompute on 2.11 and 2.12. With the
+    early stop back on (the fix monkeypatched away), 2.11 diverges and 2.12 (the restore in a
+    ``finally``) does not."""
+    from lptrain.precision.layers import LayerFactory
+
+    target, recipe = TE_CASES["delayed"]
+    with _te_on_virtual_gpu(target, te_version):
+        ref = _run(recipe, steps=2)
+        got = _run([*recipe, *FULL], steps=2)
+        monkeypatch.setattr(LayerFactory, "recompute_early_stop", property(lambda self: True))
+        early = _run([*recipe, *FULL], steps=2)
+    assert first_difference(ref, got) is None
+    diverged = first_difference(ref["masters"], early["masters"]) is not None
+    assert diverged == (te_version == "2.11"), first_difference(ref, early)
