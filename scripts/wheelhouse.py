@@ -120,6 +120,15 @@ def wheel_name(filename: str) -> str:
     return canonical(filename.split("-", 1)[0])
 
 
+def _check_replaceable(path: Path, what: str) -> None:
+    """``path`` is replaced wholesale: only when it is absent, empty or one this script wrote
+    (a mistyped ``GPU_DEPS=$HOME`` must not be emptied)."""
+    if path.exists() and not (path / MANIFEST).is_file() and (
+            not path.is_dir() or any(path.iterdir())):
+        raise WheelhouseError(f"{path} exists and is not {what} this script wrote (no {MANIFEST}): "
+                              "remove it or choose another folder", 2)
+
+
 def download(dest: Path, python_version: str | None, platform: str | None,
              pip_args: list[str]) -> dict:
     """Fill ``dest`` with the wheels (into ``dest.partial``, swapped in once complete)."""
@@ -129,6 +138,7 @@ def download(dest: Path, python_version: str | None, platform: str | None,
             raise WheelhouseError(f"PYTHON_VERSION={python_version}: give the node's Python as "
                                   "X.Y, e.g. 3.12", 2)
         python_version = f"{m.group(1)}.{m.group(2)}"  # a docker image's PYTHON_VERSION is X.Y.Z
+    _check_replaceable(dest, "a wheelhouse")
     reqs = requirements()
     partial = dest.with_name(dest.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
@@ -203,6 +213,7 @@ def install(wheelhouse: Path, target: Path) -> Path:
         raise WheelhouseError(f"{wheelhouse} holds wheels for Python {manifest['python_version']} "
                               f"and this is Python {here} ({sys.executable}): build it with "
                               f"`make wheelhouse PYTHON_VERSION={here} PLATFORM=...`", 2)
+    _check_replaceable(target, "an install")
     stamp = target / MANIFEST
     if stamp.is_file() and stamp.read_text() == (wheelhouse / MANIFEST).read_text():
         print(f"{target}: already installed from this wheelhouse")

@@ -90,11 +90,12 @@ def test_download_refuses_a_wheelhouse_that_would_shadow_the_nodes_torch(
     dest = tmp_path / "wh"
     dest.mkdir()
     (dest / "previous.whl").write_bytes(b"")
+    (dest / W.MANIFEST).write_text("{}")
     monkeypatch.setattr(W.subprocess, "run", _fake_pip(["pip-26.0-py3-none-any.whl", wheel], []))
     assert W.main(["download", "--dest", str(dest)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and wheel in err[0] and "shadow" in err[0], err
-    assert [p.name for p in dest.iterdir()] == ["previous.whl"]  # the old wheelhouse is kept
+    assert sorted(p.name for p in dest.iterdir()) == [W.MANIFEST, "previous.whl"]  # kept
     assert not (tmp_path / "wh.partial").exists()
 
 
@@ -126,3 +127,21 @@ def test_gpu_check_without_torch_says_which_python_in_one_line() -> None:
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.count("\n") == 1 and "cannot import torch" in proc.stderr
+
+
+def test_a_folder_this_script_did_not_write_is_never_replaced(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # `GPU_DEPS=$HOME` or `--dest .` by mistake: refused before pip runs, nothing deleted.
+    mine = tmp_path / "home"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    calls: list[list[str]] = []
+    monkeypatch.setattr(W.subprocess, "run", _fake_pip(["pip-26.0-py3-none-any.whl"], calls))
+    assert W.main(["download", "--dest", str(mine)]) == 2
+    wheelhouse = tmp_path / "wh"
+    assert W.main(["download", "--dest", str(wheelhouse)]) == 0  # its own output: replaceable
+    assert W.main(["download", "--dest", str(wheelhouse)]) == 0
+    assert W.main(["install", "--wheelhouse", str(wheelhouse), "--target", str(mine)]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln]
+    assert len(err) == 2 and all(f"{mine} exists and is not" in ln for ln in err), err
+    assert len(calls) == 2 and [p.name for p in mine.iterdir()] == ["notes.txt"]
