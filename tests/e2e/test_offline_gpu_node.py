@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -128,7 +129,7 @@ class Node:
 
 
 @pytest.fixture(scope="module")
-def node(tmp_path_factory: pytest.TempPathFactory) -> Node:
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     base = tmp_path_factory.mktemp("offline_node")
     index = base / "index"
     index.mkdir()
@@ -160,7 +161,8 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Node:
     # PIP_FIND_LINKS names the full index: the install must ignore it (wheelhouse only).
     install = _run([python, SCRIPT, "install", "--wheelhouse", wheelhouse, "--target",
                     base / "deps"], _offline_env(PIP_FIND_LINKS=str(index)))
-    return Node(python, site, index, wheelhouse, base / "deps", json.loads(seen.stdout), install)
+    yield Node(python, site, index, wheelhouse, base / "deps", json.loads(seen.stdout), install)
+    shutil.rmtree(base, ignore_errors=True)  # 1.2 GB of wheels and installs: not kept for pytest's last 3 runs
 
 
 def test_before_the_install_the_node_sees_torch_and_nothing_else(node: Node) -> None:
