@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.lptrain-installed
 
-.PHONY: install run test lint bench gpu-check clean
+.PHONY: install run test lint bench gpu-check wheelhouse clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -40,8 +40,31 @@ bench: install
 # On a machine with a CUDA GPU and a CUDA torch (>= 2.11) already installed: no venv (its CPU
 # torch would shadow the GPU build), lptrain from this checkout. With OUT set (an environment
 # variable or OUT=dir) the results are written to $(OUT)/gpu_check.json. See scripts/gpu_check.py.
+# Offline node: WHEELHOUSE=dir (from `make wheelhouse`) first installs the other dependencies
+# from it alone into GPU_DEPS (never into site-packages: the node's torch stays the one used),
+# then runs with PYTHONPATH=checkout:GPU_DEPS. A PYTHONPATH the node sets (a module system's
+# torch) is kept, after those two.
+WHEELHOUSE ?=
+GPU_DEPS ?= .gpu-deps
+
 gpu-check:
-	PYTHONPATH=$(CURDIR) $(PY) scripts/gpu_check.py $(if $(OUT),--out $(OUT))
+ifneq ($(WHEELHOUSE),)
+	$(PY) scripts/wheelhouse.py install --wheelhouse $(WHEELHOUSE) --target $(GPU_DEPS)
+endif
+	PYTHONPATH=$(CURDIR)$(if $(WHEELHOUSE),:$(abspath $(GPU_DEPS)))$${PYTHONPATH:+:$$PYTHONPATH} \
+	  $(PY) scripts/gpu_check.py $(if $(OUT),--out $(OUT))
+
+# Where the network is, for a GPU node without it: every wheel lptrain and `make gpu-check` need
+# except torch (and the nvidia-*/triton wheels a CUDA torch brings), into wheelhouse/, for the
+# node's Python and platform (default: this machine's), e.g.
+#   make wheelhouse PYTHON_VERSION=3.12 PLATFORM=manylinux_2_28_x86_64
+# (PLATFORM: the node's glibc, `ldd --version`; older manylinux wheels are accepted too).
+PYTHON_VERSION ?=
+PLATFORM ?=
+
+wheelhouse:
+	$(PY) scripts/wheelhouse.py download --dest wheelhouse \
+	  $(if $(PYTHON_VERSION),--python-version $(PYTHON_VERSION)) $(if $(PLATFORM),--platform $(PLATFORM))
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache $(GPU_DEPS)

@@ -14,7 +14,9 @@ With TE installed (NVIDIA's container, the project's Dockerfile) it adds the TE 
 (``pytest -m te``) and each quantized ``*_cpu`` recipe on ``precision.backend=te``.
 
 Prints one line per check (PASS/FAIL) and writes ``gpu_check.json`` under ``--out``; exits 1
-when a check fails. ``--virtual`` runs steps 2-4 on lptrain's virtual GPU (a CPU machine),
+when a check fails, 2 when this python cannot import torch. On a node without network,
+``make gpu-check WHEELHOUSE=dir`` first installs the other dependencies from a wheelhouse
+(scripts/wheelhouse.py). ``--virtual`` runs steps 2-4 on lptrain's virtual GPU (a CPU machine),
 which is how the CPU suite keeps this script working.
 """
 
@@ -48,7 +50,13 @@ def main() -> int:
     ap.add_argument("--recipes", nargs="*", default=None, help="only these *_cpu recipes")
     args = ap.parse_args()
 
-    import torch
+    try:
+        import torch
+    except ImportError as e:  # the wrong python (PY=...), or a venv hiding the node's torch
+        print(f"error: {sys.executable} cannot import torch ({e}): run the GPU check with the "
+              "python that has the node's CUDA torch (make gpu-check PY=/path/to/python)",
+              file=sys.stderr)
+        return 2
 
     from lptrain.precision.te_adapter import te_importable
     from lptrain.testing import gpu_check as G

@@ -15,7 +15,8 @@ from lptrain.config.compose import repo_root
 ROOT = repo_root()
 DOCS = ROOT / "docs"
 _SKIP_DIRS = {".git", ".venv", "__pycache__", ".pytest_cache", ".ruff_cache", ".hypothesis",
-              "runs", "outputs", "build", "dist", ".cache", "wandb"}
+              "runs", "outputs", "build", "dist", ".cache", "wandb",
+              "wheelhouse", "wheelhouse.partial", ".gpu-deps", ".gpu-deps.partial"}
 _LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 # Split so this file does not match itself.
 _OUTSIDE = ("/" + "work/", "../" + "shared", "shared/" + "reference", "shared/" + "seeds")
