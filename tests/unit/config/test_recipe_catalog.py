@@ -110,3 +110,27 @@ def test_every_entry_names_the_classes_that_run_it() -> None:
         assert (cls.alignment, cls.grouped_alignment) == (spec.alignment, spec.grouped_alignment)
         assert cls.has_delayed_state == spec.amax_history
         assert hasattr(te_recipes, spec.te_recipe_class), spec.te_recipe_class
+
+
+def test_precision_fragments_state_the_catalogs_te_minimum() -> None:
+    """A fragment's header ("sm100, TE >= 2.8") names its recipe's catalog ``min_te`` (the
+    nvfp4 fragment said 2.7; NVFP4BlockScaling first appears in TE 2.8)."""
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    from lptrain.catalog.recipes import recipe
+
+    root = Path(__file__).parents[3] / "configs" / "precision"
+    checked = 0
+    for path in sorted(root.glob("*.yaml")):
+        text = path.read_text()
+        m = re.search(r"TE >= (\d+\.\d+)", text.splitlines()[0])
+        if m is None:
+            continue
+        body = yaml.safe_load(text)
+        name = body.get("fp8_recipe") or body.get("fp4_recipe")
+        assert recipe(name).min_te == m.group(1), (path.name, name)
+        checked += 1
+    assert checked >= 3
