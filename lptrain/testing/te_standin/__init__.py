@@ -10,15 +10,22 @@ with ``data_ptr() == 0``, ``.data`` assignment that requantizes into new storage
 refused per class, ``GroupedTensor`` refusing ``select``, high-precision init values kept on
 the CPU, scaling state only in ``_extra_state``, stochastic rounding on the CUDA generator.
 
-Per release (read from TE's tagged sources 2.2-2.19): the recipe classes (:mod:`.recipe`);
-``Linear(name=...)`` 2.3+; ``GroupedLinear(single_grouped_weight=...)`` 2.14+, honoured from
-2.15 only with ``NVTE_GROUPED_LINEAR_SINGLE_PARAM`` > 0 at construction and from 2.19 only
-with ``use_grouped_tensor=True`` (whose native path rejects host ``m_splits``);
-``autocast`` / ``quantized_model_init`` 2.9+ (``fp8_*`` spellings always);
-``Float8BlockwiseQTensor`` refusing inner-dimension reshapes up to 2.13;
-``replace_raw_data`` / ``cast_master_weights_to_fp8`` as in :mod:`.utils`;
-``post_all_gather_processing`` 2.13+, ``quantize_master_weights`` 2.14+; ``GroupedTensor``
-2.18+; ``checkpoint`` and the delayed-scaling recompute phase (all, :mod:`.recompute`).
+Per release (as ``tests/data/te_api.json`` records TE's tagged sources 2.2-2.19, which the
+tests hold the stand-in to: no public member TE lacks at the release, and each switch below
+where TE's source switches): the recipe classes (:mod:`.recipe`); ``Linear(name=...)`` 2.3+;
+``GroupedLinear(name=...)`` 2.11+; ``GroupedLinear(single_grouped_weight=...)`` 2.14+,
+honoured from 2.15 only with ``NVTE_GROUPED_LINEAR_SINGLE_PARAM`` > 0 at construction, its
+GEMMs on the grouped weight's members (no weight gradient) up to 2.18 and on the grouped
+parameter from 2.19, only with ``use_grouped_tensor=True`` and TE's grouped-tensor path checks
+(cuBLASLt, GPU, recipe, 128-row MXFP8 groups, CUDA ``m_splits``); the members' kept init
+values moved to the grouped parameter from 2.19 (dropped before); ``autocast`` /
+``quantized_model_init`` 2.9+ (``fp8_*`` spellings always); ``Float8BlockwiseQTensor``
+refusing inner-dimension reshapes up to 2.13; ``replace_raw_data`` /
+``cast_master_weights_to_fp8`` as in :mod:`.utils` (blockwise 2.4+);
+``post_all_gather_processing`` 2.10+, ``quantize_master_weights`` 2.14+; ``GroupedTensor``
+2.14+; quantized tensors traceable (``__tensor_flatten__``) from 2.19; ``checkpoint`` (no
+early stop) and the delayed-scaling recompute phase, whose restore runs in a ``finally``
+only from 2.12 (:mod:`.recompute`); extra state pickling the recipe of every FP8 module.
 
 Used by the tests and by ``lptrain pretrain --dry-run`` on a GPU target where TE is not
 installed; never imported by ``import lptrain``.

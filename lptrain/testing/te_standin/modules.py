@@ -10,16 +10,20 @@ with is kept:
   stand-ins of :mod:`.tensors`), with the bf16 init value kept on the CPU and bound
   ``get_high_precision_init_val`` / ``clear_high_precision_init_val`` methods;
 * a single grouped weight (2.14+) is a ``GroupedTensor`` parameter named ``weight`` (members
-  ``weight0..N-1`` are gone) that refuses ``select``;
+  ``weight0..N-1`` are gone) that refuses ``select``; see :class:`GroupedLinear` for what
+  changes per release;
 * fused wgrad accumulation adds into ``weight.main_grad`` and sets
   ``grad_added_to_main_grad`` when the attribute exists;
 * delayed-scaling state (scales and amax histories) lives in the module and is saved only
-  through ``get_extra_state()`` (a CPU ``uint8`` tensor of pickled state, as TE's), i.e.
-  under the ``_extra_state`` key of ``state_dict()``; the module exposes ``fp8_meta``;
+  through ``get_extra_state()`` (a CPU ``uint8`` tensor of pickled state with the recipe,
+  for every module that ran FP8, as TE's), i.e. under the ``_extra_state`` key of
+  ``state_dict()``; the module exposes ``fp8_meta``;
 * NVFP4 stochastic rounding draws from the CUDA default generator (TE's kernels use its
   Philox state), not from a per-quantizer one;
 * under activation recompute (``checkpoint``), a module stashes its forward delayed-scaling
-  state and its recompute quantizes with it, outside the scale update (:mod:`.recompute`).
+  state and its recompute quantizes with it, outside the scale update, restoring its own
+  state afterwards -- in a ``finally`` only from 2.12 (:mod:`.recompute`);
+* fused wgrad reads ``weight.main_grad`` in the backward (the engine installs it).
 """
 
 from __future__ import annotations

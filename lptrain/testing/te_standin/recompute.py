@@ -28,10 +28,10 @@ forward region's exit: delayed scaling then drifts from the run without recomput
 One difference in mechanics, not in effect: the stand-in's GEMMs are lptrain's emulated
 ops, which register the delayed-scaling state they quantize with for the enclosing
 region's update (TE's modules join its global amax buffer in ``prepare_forward``
-instead). So the recompute phase quantizes with a *twin* state holding the stashed values,
-which the recompute region's exit updates and nobody reads, rather than copying the
-stashed values into the module's own tensors and back; the module's state is untouched
-either way. (TE's ``is_first_fp8_module`` hand-over only concerns the recomputed graph's
+instead). So, while the stashed values are copied into the module's own tensors and back
+as in TE (a skipped restore leaves them there, as it does in TE up to 2.11), the recompute
+quantizes with a *twin* state holding the same values, which the recompute region's exit
+updates and nobody reads. (TE's ``is_first_fp8_module`` hand-over only concerns the recomputed graph's
 backward bookkeeping, which a non-reentrant checkpoint discards.)
 """
 
