@@ -156,9 +156,10 @@ GROUPED_TENSOR_PATH_MIN_CUBLASLT_HOPPER = "13.4"
 GROUPED_TENSOR_PATH_SMS = (90, 110)
 
 
-def _version(text: str) -> tuple[int, ...]:
-    """'13.3.0.dev0+x' -> (13, 3, 0)."""
-    out = []
+def parse_version(text: str) -> tuple[int, ...]:
+    """'2.14.0.dev0+abc' -> (2, 14, 0); non-numeric tails are ignored (the one version parser:
+    ``lptrain.config.world`` uses it too)."""
+    out: list[int] = []
     for part in text.split("+")[0].split("."):
         m = re.match(r"\d+", part)
         if not m:
@@ -176,15 +177,15 @@ def grouped_tensor_path_refusal(spec: Optional[RecipeSpec], sm: int, cublaslt: O
     lo, hi = GROUPED_TENSOR_PATH_SMS
     if not lo <= sm <= hi:
         return f"runs on sm{lo}-sm{hi} only, not sm{sm}"
-    have = _version(cublaslt) if cublaslt else None
+    have = parse_version(cublaslt) if cublaslt else None
     need = GROUPED_TENSOR_PATH_MIN_CUBLASLT_HOPPER if sm < 100 else GROUPED_TENSOR_PATH_MIN_CUBLASLT
-    if have is not None and have < _version(need):
+    if have is not None and have < parse_version(need):
         return f"needs cuBLASLt >= {need} on sm{sm}"
     if spec is None:
         return None
     for first, last, extra in spec.grouped_tensor_path:
         if first <= sm <= last:
-            if extra and have is not None and have < _version(extra):
+            if extra and have is not None and have < parse_version(extra):
                 return f"runs {spec.name} on sm{sm} only with cuBLASLt >= {extra}"
             if spec.name == "nvfp4" and not nvfp4_rht:
                 return "runs nvfp4 only with the random Hadamard transform (precision.nvfp4_rht=true)"

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from lptrain.catalog.recipes import parse_version  # noqa: F401  (re-exported: the rules' version parser)
+
 TARGETS: tuple[str, ...] = ("cpu", "sm89", "sm90", "sm100", "sm120")
 # When checking for a cluster (--target given), the newest stack lptrain is checked against
 # is assumed unless --te-version / --cuda-version say otherwise: Transformer Engine 2.19
@@ -89,17 +91,6 @@ class World:
 def sm_number(target: str) -> int:
     m = re.fullmatch(r"sm_?(\d+)", target)
     return int(m.group(1)) if m else 0
-
-
-def parse_version(text: str) -> tuple[int, ...]:
-    """'2.14.0.dev0+abc' -> (2, 14, 0); non-numeric tails are ignored."""
-    out: list[int] = []
-    for part in text.split("+")[0].split("."):
-        m = re.match(r"\d+", part)
-        if not m:
-            break
-        out.append(int(m.group(0)))
-    return tuple(out)
 
 
 _VERSION_RE = re.compile(r"\d+(\.\d+)*([.-]?(a|b|rc|dev|post)\d*)*(\+[0-9A-Za-z.]+)?")  # PEP 440-ish
