@@ -78,6 +78,8 @@ def pretrain(cfg: LPTrainConfig, output_dir: str | Path, *, overwrite: bool = Fa
         log = RunLog(engine.is_main, cfg)
         for note in plan.notes:
             log.line(f"warning: skipping checkpoint {note}")
+        if plan.restart:
+            log.line(plan.restart)
         loaders = _open_data(cfg, engine)
         train_state = _restore(cfg, engine, plan, loaders, hf_arch, log)
         resolved = config_yaml(cfg)
