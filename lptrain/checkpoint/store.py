@@ -74,7 +74,7 @@ from lptrain.checkpoint.integrity import (
     file_entry,
     write_bytes_hashed,
 )
-from lptrain.checkpoint.lease import LEASE, remove_unless_read
+from lptrain.checkpoint.lease import LEASE, reading, remove_unless_read
 from lptrain.checkpoint.save_errors import (
     CheckpointSaveError,
     agree,
@@ -271,7 +271,6 @@ def prune(root: Path, keep_latest: int) -> list[Path]:
     return removed
 
 
-
 # ------------------------------------------------------------------------------------ load
 
 
@@ -283,7 +282,9 @@ def load_checkpoint(folder: str | Path, rank: int, world_size: int) -> tuple[dic
     rank do not map across sizes; the engine re-seeds them). ``verified`` is False for a
     checkpoint without checksums (written before lptrain recorded them). Any failure --
     a checksum mismatch, DCP's ``CheckpointException`` (a ``BaseException``), a torn pickle --
-    is one :class:`CheckpointError` naming the file and what failed.
+    is one :class:`CheckpointError` naming the file and what failed. The folder is read under
+    a reader lease (:mod:`lptrain.checkpoint.lease`): a run still saving into it does not
+    prune it meanwhile.
     """
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.api import CheckpointException
@@ -291,25 +292,25 @@ def load_checkpoint(folder: str | Path, rank: int, world_size: int) -> tuple[dic
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     folder = Path(folder)
-    why = validate(folder)
-    if why is not None:
-        raise CheckpointError(f"checkpoint {folder} is {why}")
-    problem, verified = verify(folder)
-    if problem is not None:
-        raise CheckpointError(f"checkpoint {folder}: {problem}")
-    train_state = read_train_state(folder)
-    state: dict[str, Any] = {}
-    try:
-        # Every rank reads the full replicated state on its own: no collective, no template.
-        _load_state_dict(state, storage_reader=FileSystemReader(str(folder / "global")),
-                         planner=_EmptyStateDictLoadPlanner(), no_dist=True)
-    except (Exception, CheckpointException) as e:
-        raise CheckpointError(f"checkpoint {folder}/global could not be read ({describe(e)})") from None
-    local = None
-    local_file = folder / "local" / f"rank_{rank:05d}.pt"
-    if train_state.get("world_size") == world_size and local_file.is_file():
+    with reading(folder) as why:  # pinned: a live run's pruner leaves it until this returns
+        if why is not None:
+            raise CheckpointError(f"checkpoint {folder} is {why}")
+        problem, verified = verify(folder)
+        if problem is not None:
+            raise CheckpointError(f"checkpoint {folder}: {problem}")
+        train_state = read_train_state(folder)
+        state: dict[str, Any] = {}
         try:
-            local = torch.load(local_file, map_location="cpu", weights_only=False)
-        except Exception as e:
-            raise CheckpointError(f"checkpoint {local_file} could not be read ({describe(e)})") from None
-    return {"global": decode_keys(state), "local": local, "verified": verified}, train_state
+            # Every rank reads the full replicated state on its own: no collective, no template.
+            _load_state_dict(state, storage_reader=FileSystemReader(str(folder / "global")),
+                             planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+        except (Exception, CheckpointException) as e:
+            raise CheckpointError(f"checkpoint {folder}/global could not be read ({describe(e)})") from None
+        local = None
+        local_file = folder / "local" / f"rank_{rank:05d}.pt"
+        if train_state.get("world_size") == world_size and local_file.is_file():
+            try:
+                local = torch.load(local_file, map_location="cpu", weights_only=False)
+            except Exception as e:
+                raise CheckpointError(f"checkpoint {local_file} could not be read ({describe(e)})") from None
+        return {"global": decode_keys(state), "local": local, "verified": verified}, train_state
