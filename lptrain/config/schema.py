@@ -277,7 +277,11 @@ class DataConfig:
     source: str = opt("builtin:python-stdlib", "Dataset: builtin:python-stdlib or an index prefix.")
     paths: list[str] = opt_factory(list, "Index prefixes of prepared datasets for a blend.")
     weights: list[float] = opt_factory(list, "Blend weights, one per path (empty = by size).")
-    cache_dir: str = opt("~/.cache/lptrain", "Where built-in datasets are prepared and reused.")
+    cache_dir: str = opt(
+        "~/.cache/lptrain",
+        "Where built-in datasets are prepared and reused; left at this default: $LPTRAIN_CACHE_DIR, "
+        "else $XDG_CACHE_HOME/lptrain, else ~/.cache/lptrain.",
+    )
     builtin_max_mb: float = opt(32.0, "Cap on a built-in corpus: its first N MB in sorted file order.")
     tokenizer: str = opt("byte", "Tokenizer: byte or a path to a tokenizers JSON file.")
     split_valid_fraction: float = opt(0.02, "Fraction of documents held out for validation.")
