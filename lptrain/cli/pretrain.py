@@ -56,8 +56,9 @@ def pretrain(
     Refuses to start (exit 1, same report as validate-config) when any rule fails; exit 2 when
     the recipe, data or run folder cannot be used, 3 when the run starts and fails.
     """
-    from lptrain.config.check import check, has_errors
+    from lptrain.config.check import has_errors
     from lptrain.config.derive import derive
+    from lptrain.config.layers import check_composed
     from lptrain.launch.local import launch_local, world_from_env
 
     all_overrides = list(overrides or [])
@@ -67,7 +68,7 @@ def pretrain(
     rank, env_world, _ = world_from_env()
     spawn = nproc_per_node > 1 and env_world == 1 and not dry_run
     world = detect_world(dp or (nproc_per_node if spawn else None), target, te_version)
-    violations = check(composed.cfg, world)
+    violations = check_composed(composed, world)
     if has_errors(violations):
         report_violations(violations, Path(recipe).name, world, as_json=False)
         console().print("[red]refusing to start: fix the errors above[/red]")

@@ -63,7 +63,10 @@ class Gate:
     def when(self, cfg: LPTrainConfig, world: World) -> dict[str, Any]:
         if not self.idle(cfg, world):
             return {}
-        bad = self.set_keys(cfg)
+        return self.report(cfg, self.set_keys(cfg))
+
+    def report(self, cfg: LPTrainConfig, bad: Sequence[str]) -> dict[str, Any]:
+        """The rule's fields for the set keys ``bad`` ({} when there are none)."""
         if not bad:
             return {}
         shown = ", ".join(f"{k}={show_value(get_key(cfg, k))}" for k in bad)
@@ -367,6 +370,7 @@ GATES: tuple[Gate, ...] = (
 
 RULES = [g.rule() for g in GATES]
 INERT_RULE_IDS = frozenset(g.rule_id for g in GATES)
+GATES_BY_ID = {g.rule_id: g for g in GATES}
 
 
 @dataclass(frozen=True)
