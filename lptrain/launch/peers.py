@@ -106,6 +106,20 @@ def _published_exit(local_rank: int) -> Optional[int]:
         time.sleep(0.05)
 
 
+def peer_failed_first() -> bool:
+    """Whether the launcher has recorded a failure of another local rank: a SIGTERM now is the
+    launcher stopping this rank because of it, not a preemption (nothing to say about it)."""
+    name = os.environ.get(PEER_EXITS_ENV)
+    if not name:
+        return False
+    try:
+        exits = json.loads(Path(name).read_text())
+    except (OSError, ValueError):
+        return False
+    me = os.environ.get("LOCAL_RANK", "0")
+    return any(rank != me and code != 0 for rank, code in exits.items())
+
+
 def _exit_code_text(exitcode: int) -> str:
     """A launcher's exit code (negative: killed by that signal) as ``exit X, signal S``."""
     if exitcode < 0:

@@ -55,7 +55,10 @@ if TYPE_CHECKING:
 
 class TrainingDivergedError(RunFailedError):
     """A loss or gradient went NaN/Inf; the message names the step, the rank and the tensor
-    (exit status 3, like any run that started and failed)."""
+    (exit status 3, like any run that started and failed). Every rank raises it from the same
+    gathered losses, so rank 0 alone prints it."""
+
+    every_rank = True
 
 
 @dataclass
