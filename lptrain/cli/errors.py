@@ -12,6 +12,8 @@ Every command (including those added by ``register(app)`` hooks) runs inside
   launcher stops a rank after another rank failed (that rank's line says what happened);
 * a collective that failed because a peer rank died is one line ``rank N lost peer M``, exit 3
   (also when it arrives inside a ``BaseException`` such as torch's ``CheckpointException``);
+  one that waited past ``dist.distributed_timeout_minutes`` is one line too, exit 3 -- none
+  when the launcher's watchdog has already named the hung rank;
 * anything else is a bug: its traceback, then one line asking for a bug report, exit 70 --
   a ``BaseException`` that is neither a signal nor an exit (torch's ``CheckpointException``)
   included.
@@ -98,11 +100,18 @@ def _print_traceback(exc: BaseException) -> None:
 
 
 def _lost_peer(exc: BaseException) -> LPTrainError | None:
-    """The one-line error when ``exc`` is a collective that failed because a peer rank
-    died (:mod:`lptrain.launch.peers`), else None."""
-    from lptrain.launch.peers import lost_peer_error
+    """The one-line error when ``exc`` is a collective that failed because a peer rank died
+    or did not answer within the timeout (:mod:`lptrain.launch.peers`), else None."""
+    from lptrain.launch.peers import collective_timeout_error, lost_peer_error
 
-    return lost_peer_error(exc)
+    return lost_peer_error(exc) or collective_timeout_error(exc)
+
+
+def _watchdog_spoke() -> bool:
+    """This node's launcher named a hung rank and is stopping the job: its line is the job's."""
+    from lptrain.distributed.progress import watchdog_fired
+
+    return watchdog_fired()
 
 
 def _other_rank() -> bool:
@@ -171,10 +180,11 @@ class LPTrainGroup(TyperGroup):
             raise
         except BaseException as exc:
             lost = _lost_peer(exc)
-            if lost is not None:  # a peer rank died: not a bug here, one line and exit 3
+            if lost is not None:  # a peer rank died or hung: not a bug here, one line and exit 3
                 if debug_enabled(ctx):
                     _print_traceback(exc)
-                _echo_err(f"error: {lost}")
+                if not _watchdog_spoke():
+                    _echo_err(f"error: {lost}")
                 raise typer.Exit(lost.exit_code) from None
             _print_traceback(exc)
             summary = " ".join(f"{type(exc).__name__}: {exc}".split())

@@ -65,8 +65,12 @@ def pretrain(
     all_overrides = list(overrides or [])
     if output_dir is not None:
         all_overrides.append(f"run.output_dir={output_dir}")
-    composed = load_recipe(recipe, all_overrides)
     rank, env_world, _ = world_from_env()
+    if env_world > 1:  # a rank: it stops with its launcher (even one killed with SIGKILL)
+        from lptrain.distributed.orphans import die_with_launcher
+
+        die_with_launcher()
+    composed = load_recipe(recipe, all_overrides)
     spawn = nproc_per_node > 1 and env_world == 1 and not dry_run
     world = detect_world(dp or (nproc_per_node if spawn else None), target, te_version)
     violations = check_composed(composed, world)

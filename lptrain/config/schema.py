@@ -212,6 +212,18 @@ class DDPConfig:
 
 
 @dataclass
+class DistConfig:
+    """Process groups, as Megatron-Bridge's ``dist`` section (Megatron-LM's distributed args)."""
+
+    distributed_timeout_minutes: float = opt(
+        10.0,
+        "Minutes a collective may wait for its peers (the process-group timeout, Megatron's "
+        "--distributed-timeout-minutes) and a rank may make no progress before the launcher's "
+        "watchdog names it and stops the job (exit 3).",
+    )
+
+
+@dataclass
 class MuonConfig:
     """Muon hyperparameters (for 2-D hidden matrices)."""
 
@@ -358,6 +370,7 @@ class LPTrainConfig:
     model: ModelConfig = opt_factory(ModelConfig, "Model shape.")
     precision: PrecisionConfig = opt_factory(PrecisionConfig, "Precision and quantization recipe.")
     ddp: DDPConfig = opt_factory(DDPConfig, "Data-parallel engine.")
+    dist: DistConfig = opt_factory(DistConfig, "Process groups: collective timeout, hung-rank watchdog.")
     optimizer: OptimizerConfig = opt_factory(OptimizerConfig, "Optimizer and LR schedule.")
     data: DataConfig = opt_factory(DataConfig, "Training data.")
     train: TrainConfig = opt_factory(TrainConfig, "Training loop.")

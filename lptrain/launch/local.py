@@ -33,6 +33,7 @@ from lptrain.errors import (
 from lptrain.launch.exit_status import SIGNAL_STATUSES, describe, normalized, signal_stop_status
 from lptrain.launch.peers import publish_peer_exits
 from lptrain.launch.torchrun import quiet_agent_logs
+from lptrain.launch.watchdog import HANG_FIX, watching
 
 __all__ = ["launch_local", "world_from_env"]
 
@@ -77,13 +78,16 @@ def launch_local(nproc: int, args: Sequence[str]) -> int:
     quiet_agent_logs()
 
     try:
-        with publish_peer_exits():  # a survivor names how its lost peer ended
+        # the watchdog names a rank without progress; a survivor names how its lost peer ended
+        with watching(nproc) as dog, publish_peer_exits():
             elastic_launch(config, sys.executable)("-m", "lptrain", *args)
     except SignalException as e:
         # SIGTERM/SIGINT to the launcher: the agent forwarded it to the ranks (which save a
         # checkpoint and stop) and stopped them; exit as the ranks do (130 SIGINT, else 143).
         raise SystemExit(EXIT_SIGINT if e.sigval == signal.SIGINT else EXIT_SIGTERM) from None
     except ChildFailedError as e:
+        if dog.fired:  # it killed the ranks: its line is the one to say
+            raise RunFailedError(dog.message or "", fix=HANG_FIX) from None
         status = signal_stop_status(f.exitcode for f in e.failures.values())
         if status is not None:  # every failed rank stopped on SIGTERM/SIGINT, checkpoint saved
             raise SystemExit(status) from None

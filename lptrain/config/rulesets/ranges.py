@@ -84,6 +84,7 @@ TRAIN_RANGES: tuple[Spec, ...] = (
     ("train.eval_iters", _count()),
     ("train.seed", _seed()),
     ("checkpoint.keep_latest", ((lambda v: 2 <= v <= MAX_SIZE), f"in [2, {MAX_SIZE}] (the newest may be half-written)")),
+    ("dist.distributed_timeout_minutes", _positive()),
 )
 DATA_RANGES: tuple[Spec, ...] = (
     ("data.split_valid_fraction", _fraction()),
@@ -205,7 +206,7 @@ RULES = [
         id="RANGE-TRAIN", severity="error", keys=_keys(TRAIN_RANGES),
         when=lambda c, w: out_of_range(c, TRAIN_RANGES),
         message="training loop value out of range: {detail}",
-        fix="use values in the stated ranges (batch sizes >= 1, seeds >= 0)",
+        fix="use values in the stated ranges (batch sizes >= 1, seeds >= 0, a positive timeout)",
         condition=_condition(TRAIN_RANGES),
         why="a zero batch divides by zero; a negative seed is rejected by the random generators",
         section=S,
