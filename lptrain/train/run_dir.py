@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lptrain.checkpoint.atomic import write_atomically
+from lptrain.checkpoint.atomic import remove_stale_temps, write_atomically
 from lptrain.checkpoint.compat import check_resume_compatible
 from lptrain.checkpoint.store import LATEST, find_checkpoints, read_train_state, step_dirs, validate
 from lptrain.errors import OutputDirError
@@ -157,8 +157,19 @@ def _start_run(plan: RunPlan, cfg: Any, resumed_iteration: int, config_yaml: str
         for p in step_dirs(cfg.checkpoint.save):
             if validate(p) is not None:
                 shutil.rmtree(p, ignore_errors=True)
+    _remove_killed_writers_temps(out, cfg.checkpoint.save)
     trim_metrics(out / "metrics.jsonl", resumed_iteration)
     write_resolved_config(out, config_yaml)
+
+
+def _remove_killed_writers_temps(out: Path, save: str | None) -> None:
+    """Temp files of atomic writes whose writer was killed (``.resolved_config.yaml.tmp1234``),
+    in the run folder and the checkpoint folders."""
+    folders = [out]
+    if save:
+        folders += [Path(save), *step_dirs(save)]
+    for folder in folders:
+        remove_stale_temps(folder)
 
 
 def write_resolved_config(out: Path, config_yaml: str) -> Path:
