@@ -80,6 +80,9 @@ def test_host_side_hang_is_named_and_every_rank_killed(dog: Watchdog) -> None:
 def test_stopped_rank_first_and_nothing_before_training(dog: Watchdog) -> None:
     starting, stopped = _rank(dog, 0, 0, inside=False), _rank(dog, 1, 5, inside=True)
     os.kill(stopped.pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while _state(stopped.pid) != "T" and time.monotonic() < deadline:  # delivered
+        time.sleep(0.01)
     try:
         t0 = time.monotonic()
         dog.check(t0)
@@ -163,11 +166,15 @@ time.sleep(120)
 """
 
 
-def _running(pid: int) -> bool:
+def _state(pid: int) -> str | None:
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:
-        return False
+        return None
+
+
+def _running(pid: int) -> bool:
+    return _state(pid) not in (None, "Z")
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
