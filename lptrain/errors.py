@@ -45,6 +45,9 @@ class LPTrainError(Exception):
     """
 
     exit_code: ClassVar[int] = EXIT_INPUT
+    # Raised alike on every rank after the ranks agreed on it (a failed save, a NaN step): in a
+    # multi-rank run only rank 0 prints it (lptrain.cli.errors), so the job says it once.
+    every_rank: ClassVar[bool] = False
 
     def __init__(
         self,

@@ -1,8 +1,23 @@
-"""Shared test setup: deterministic CPU defaults and the `gpu` / `te` markers' skip rules."""
+"""Shared test setup: deterministic CPU defaults, the `gpu` / `te` markers' skip rules, and one
+session-wide data cache."""
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+
+# The suite never writes into the user's cache (``$LPTRAIN_CACHE_DIR``, ``$XDG_CACHE_HOME`` or
+# ``~/.cache/lptrain``): every built-in corpus a test prepares goes into one temporary cache for
+# the whole session. The process that loads this file first (pytest, or xdist's controller)
+# creates it; xdist workers and the CLI runs tests start inherit it through the environment.
+# Built-in datasets are content-addressed and prepared under a lock, so sharing is safe.
+_SESSION_CACHE = "LPTRAIN_TEST_SESSION_CACHE"
+_CACHE_OWNER = "LPTRAIN_TEST_SESSION_CACHE_OWNER"
+if not os.environ.get(_SESSION_CACHE):
+    os.environ[_SESSION_CACHE] = tempfile.mkdtemp(prefix="lptrain-test-cache-")
+    os.environ[_CACHE_OWNER] = str(os.getpid())
+os.environ["LPTRAIN_CACHE_DIR"] = os.environ[_SESSION_CACHE]
 
 # Under pytest-xdist (``make test`` runs two workers on the 2-core CI machine) each worker gets
 # an equal share of the cores, and so do the CLI runs it starts as subprocesses: two workers
@@ -42,3 +57,9 @@ def _cpu_defaults() -> None:
     # Subnormal fp32 scales (2^-127) must survive: never flush denormals.
     torch.set_flush_denormal(False)
     torch.set_num_threads(_THREADS)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The process that created the session cache removes it at the end."""
+    if os.environ.get(_CACHE_OWNER) == str(os.getpid()):
+        shutil.rmtree(os.environ[_SESSION_CACHE], ignore_errors=True)

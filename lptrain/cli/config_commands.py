@@ -39,11 +39,11 @@ def validate_config(
 
     Exit status: 0 valid (warnings allowed), 1 errors, 2 unreadable input.
     """
-    from lptrain.config.check import check
+    from lptrain.config.layers import check_composed
 
     composed = load_recipe(recipe, overrides)
     world = detect_world(dp, target, te_version, cuda_version)
-    violations = check(composed.cfg, world)
+    violations = check_composed(composed, world)
     raise typer.Exit(report_violations(violations, Path(recipe).name, world, as_json))
 
 

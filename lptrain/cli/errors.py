@@ -6,10 +6,14 @@ Every command (including those added by ``register(app)`` hooks) runs inside
 * an :class:`~lptrain.errors.LPTrainError` prints ``error: <one line>`` on stderr and exits
   with its ``exit_code`` (2 unreadable input, 3 a run that failed, ...); one that lists
   several independent problems (``lines``: each incompatible key of a resume) prints one
-  ``error:`` line per problem;
-* Ctrl-C exits 130, SIGTERM 143, each with one line;
+  ``error:`` line per problem; one that every rank of a multi-rank run raises alike
+  (``every_rank``: a failed save, a NaN step) is printed by rank 0 only;
+* Ctrl-C exits 130, SIGTERM 143, each with one line -- none for the SIGTERM with which a
+  launcher stops a rank after another rank failed (that rank's line says what happened);
 * a collective that failed because a peer rank died is one line ``rank N lost peer M``, exit 3
   (also when it arrives inside a ``BaseException`` such as torch's ``CheckpointException``);
+  one that waited past ``dist.distributed_timeout_minutes`` is one line too, exit 3 -- none
+  when the launcher's watchdog has already named the hung rank;
 * anything else is a bug: its traceback, then one line asking for a bug report, exit 70 --
   a ``BaseException`` that is neither a signal nor an exit (torch's ``CheckpointException``)
   included.
@@ -25,6 +29,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Iterator
 from typing import Any
@@ -95,11 +100,42 @@ def _print_traceback(exc: BaseException) -> None:
 
 
 def _lost_peer(exc: BaseException) -> LPTrainError | None:
-    """The one-line error when ``exc`` is a collective that failed because a peer rank
-    died (:mod:`lptrain.launch.peers`), else None."""
-    from lptrain.launch.peers import lost_peer_error
+    """The one-line error when ``exc`` is a collective that failed because a peer rank died
+    or did not answer within the timeout (:mod:`lptrain.launch.peers`), else None."""
+    from lptrain.launch.peers import collective_timeout_error, lost_peer_error
 
-    return lost_peer_error(exc)
+    return lost_peer_error(exc) or collective_timeout_error(exc)
+
+
+def _watchdog_spoke() -> bool:
+    """This node's launcher named a hung rank and is stopping the job: its line is the job's."""
+    from lptrain.distributed.progress import watchdog_fired
+
+    return watchdog_fired()
+
+
+def _other_rank() -> bool:
+    """A rank other than 0 of a multi-rank run."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and int(os.environ.get("RANK", "0")) != 0
+
+
+def _stopped_for_a_peer() -> bool:
+    from lptrain.launch.peers import peer_failed_first
+
+    return peer_failed_first()
+
+
+def _leave_with_the_job(status: int, limit_s: float = 60.0) -> None:
+    """This rank's copy of an error every rank raised alike (``every_rank``): rank 0 prints it
+    and exits, then the launcher ends this rank, silently (SIGTERM's default action). Exiting
+    at once instead would let the launcher end rank 0 before it printed the error; after
+    ``limit_s`` without a launcher (a world started by hand) this rank exits ``status``."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+    raise typer.Exit(status)
 
 
 class LPTrainGroup(TyperGroup):
@@ -122,6 +158,8 @@ class LPTrainGroup(TyperGroup):
         except (typer.Exit, typer.Abort, typer.TyperException):  # exits and usage errors
             raise
         except LPTrainError as exc:
+            if exc.every_rank and _other_rank():  # rank 0 says it, once for the job
+                _leave_with_the_job(exc.exit_code)
             if debug_enabled(ctx):
                 _print_traceback(exc)
             for line in getattr(exc, "lines", None) or [str(exc)]:
@@ -130,7 +168,8 @@ class LPTrainGroup(TyperGroup):
         except TerminatedError as exc:
             if debug_enabled(ctx):
                 _print_traceback(exc)
-            _echo_err("error: terminated (SIGTERM)")
+            if not _stopped_for_a_peer():  # the launcher's teardown after another rank failed
+                _echo_err("error: terminated (SIGTERM)")
             raise typer.Exit(EXIT_SIGTERM) from None
         except KeyboardInterrupt as exc:
             if debug_enabled(ctx):
@@ -141,10 +180,11 @@ class LPTrainGroup(TyperGroup):
             raise
         except BaseException as exc:
             lost = _lost_peer(exc)
-            if lost is not None:  # a peer rank died: not a bug here, one line and exit 3
+            if lost is not None:  # a peer rank died or hung: not a bug here, one line and exit 3
                 if debug_enabled(ctx):
                     _print_traceback(exc)
-                _echo_err(f"error: {lost}")
+                if not _watchdog_spoke():
+                    _echo_err(f"error: {lost}")
                 raise typer.Exit(lost.exit_code) from None
             _print_traceback(exc)
             summary = " ".join(f"{type(exc).__name__}: {exc}".split())

@@ -108,15 +108,16 @@ def estimate_memory_cmd(
     (whether it fits is the last line, or "fits" in --json), 1 rule violations for that
     world, 2 unreadable input.
     """
-    from lptrain.config.check import check, has_errors
+    from lptrain.config.check import has_errors
     from lptrain.config.derive import derive
+    from lptrain.config.layers import check_composed
     from lptrain.config.world import World
     from lptrain.memory.plan import estimate_memory
 
     composed = load_recipe(recipe, overrides)
     tgt = target.value if target else (composed.meta.target or "cpu")
     world = World.detect(dp=dp, target=tgt)
-    violations = check(composed.cfg, world)
+    violations = check_composed(composed, world)
     if has_errors(violations):
         report_violations(violations, Path(recipe).name, world, as_json=False)
         typer.echo("not estimated: fix the errors above for this world", err=True)

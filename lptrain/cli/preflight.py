@@ -104,12 +104,19 @@ def check_paths(cfg: LPTrainConfig, out: Path, room_is_error: bool = True) -> li
     size = checkpoint_bytes(cfg)
     if not size:
         return []
-    free = shutil.disk_usage(_existing_ancestor(Path(os.path.abspath(folder)))).free
+    anchor = _existing_ancestor(Path(os.path.abspath(folder)))
+    usage = shutil.disk_usage(anchor)
+    free = usage.free
     if free < size:
+        virtual = usage.total == 0  # /proc, /sys: "0.0 MiB free" said nothing useful
+        room = (f"{anchor} is on a filesystem without storage (a virtual one such as /proc or "
+                "/sys)" if virtual else f"{free / 2**20:.1f} MiB free")
         err = OutputDirError(
-            f"checkpoint folder {folder}: {free / 2**20:.1f} MiB free, a checkpoint needs about "
+            f"checkpoint folder {folder}: {room}, a checkpoint needs about "
             f"{size / 2**20:.1f} MiB (memory planner: fp32 masters and optimizer state)",
-            key=CHECKPOINT_KEY, fix="free space there or point checkpoint.save at a larger filesystem")
+            key=CHECKPOINT_KEY,
+            fix="point checkpoint.save at a folder on a disk" if virtual
+            else "free space there or point checkpoint.save at a larger filesystem")
         if room_is_error:
             raise err
         return [f"warning: {err} (on this machine; the run's machine may have room)"]

@@ -1,8 +1,9 @@
 """``lptrain pretrain``: validate, then train (or ``--dry-run``, or start N local ranks).
 
 The rules run before torch is imported; a refused config never touches the run folder. With
-``--nproc-per-node N`` outside an existing world this command validates for N ranks and then
-starts N copies of itself (torch's elastic launcher), each of which joins the world and trains.
+``--nproc-per-node N`` outside an existing world this command validates for N ranks, judges
+the run folder as rank 0 would (paths, lock, resume), and then starts N copies of itself
+(torch's elastic launcher), each of which joins the world and trains.
 """
 
 from __future__ import annotations
@@ -58,30 +59,36 @@ def pretrain(
     Refuses to start (exit 1, same report as validate-config) when any rule fails; exit 2 when
     the recipe, data or run folder cannot be used, 3 when the run starts and fails.
     """
-    from lptrain.config.check import check, has_errors
+    from lptrain.config.check import has_errors
     from lptrain.config.derive import derive
+    from lptrain.config.layers import check_composed
     from lptrain.launch.local import launch_local, world_from_env
 
     all_overrides = list(overrides or [])
     if output_dir is not None:
         all_overrides.append(f"run.output_dir={output_dir}")
-    composed = load_recipe(recipe, all_overrides)
     rank, env_world, _ = world_from_env()
+    if env_world > 1:  # a rank: it stops with its launcher (even one killed with SIGKILL)
+        from lptrain.distributed.orphans import die_with_launcher
+
+        die_with_launcher()
+    composed = load_recipe(recipe, all_overrides)
     spawn = nproc_per_node > 1 and env_world == 1 and not dry_run
     world = detect_world(dp or (nproc_per_node if spawn else None), target, te_version, cuda_version)
-    violations = check(composed.cfg, world)
+    violations = check_composed(composed, world)
     if has_errors(violations):
         report_violations(violations, Path(recipe).name, world, as_json=False)
         console().print("[red]refusing to start: fix the errors above[/red]")
         raise typer.Exit(1)
     if violations and rank == 0:
         report_violations(violations, Path(recipe).name, world, as_json=False)
+    cfg = derive(composed.cfg, world)
     if spawn:  # validated for the real world size; each rank runs this command again
+        _judge_before_spawn(cfg, overwrite)
         args = _rank_args(recipe, overrides, output_dir, target, te_version, overwrite)
         if cuda_version is not None:
             args += ["--cuda-version", cuda_version]
         raise typer.Exit(launch_local(nproc_per_node, args))
-    cfg = derive(composed.cfg, world)
     if rank != 0:  # rank 0 owns the run folder; the others only train
         _train(cfg, overwrite)
         return
@@ -109,6 +116,22 @@ def pretrain(
         if not (out / RESOLVED_CONFIG).exists():  # a resumed run's file changes only at start
             typer.echo(f"wrote {write_resolved_config(out, config_yaml(cfg))}")
         _train(cfg, overwrite)
+
+
+def _judge_before_spawn(cfg: LPTrainConfig, overwrite: bool) -> None:
+    """What rank 0 would refuse before writing anything -- a folder that cannot be written or
+    has no room, one another run holds, a finished run, a resume the config cannot load -- is
+    refused here, once, before N ranks start (each used to print it or be stopped for it)."""
+    from lptrain.cli import preflight
+    from lptrain.train.run_dir import plan_run
+    from lptrain.train.run_lock import locked_by, refusal
+
+    out = Path(cfg.run.output_dir)
+    preflight.check_paths(cfg, out)  # its warnings are rank 0's to print
+    holder = locked_by(out)
+    if holder is not None:
+        raise refusal(out, holder)
+    plan_run(cfg, out, overwrite)
 
 
 def _rank_args(recipe: str, overrides: Optional[list[str]], output_dir: Optional[str],

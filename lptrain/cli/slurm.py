@@ -163,13 +163,14 @@ def _run_folder(composed: Composed) -> Path:
 def _refuse_invalid(composed: Composed, recipe: str, world_size: int, target: str) -> None:
     """The validate-config report for this world on stderr (stdout is the script); exit 1
     when any rule fails."""
-    from lptrain.config.check import check, has_errors
+    from lptrain.config.check import has_errors
+    from lptrain.config.layers import check_composed
     from lptrain.config.world import World
 
     # No tensor/pipeline/context parallelism: every rank is a data-parallel rank, and
     # expert parallelism splits the experts inside that data-parallel group.
     world = World.detect(dp=world_size, target=target)
-    violations = check(composed.cfg, world) + launch_violations(composed.cfg, world_size)
+    violations = check_composed(composed, world) + launch_violations(composed.cfg, world_size)
     if violations:
         with contextlib.redirect_stdout(sys.stderr):
             report_violations(violations, Path(recipe).name, world, as_json=False)

@@ -77,6 +77,9 @@ class Composed:
     meta: RecipeMeta
     recipe_path: Optional[Path]
     sources: list[str] = field(default_factory=list)
+    # The layers in merge order (fragments, recipe values, overrides): which one set a key
+    # (lptrain.config.layers).
+    layers: list[_Layer] = field(default_factory=list, repr=False)
 
 
 @dataclass
@@ -415,6 +418,13 @@ def load(
     layers.append(cli_layer)
     meta.update(cli_meta)
 
+    cfg = merge_layers(layers)
+    return Composed(cfg, RecipeMeta(**meta), recipe_path, [layer.source for layer in layers], layers)
+
+
+def merge_layers(layers: Sequence[_Layer]) -> LPTrainConfig:
+    """The typed config of ``layers`` merged in order over the schema defaults (each layer
+    checked against the schema first); :class:`ConfigError` on any unreadable value."""
     merged = copy.deepcopy(_base())
     for layer in layers:
         _validate(layer.data, LPTrainConfig, "", layer)
@@ -433,7 +443,7 @@ def load(
         ) from None
     assert isinstance(cfg, LPTrainConfig)
     _check_resolved_types(cfg)
-    return Composed(cfg, RecipeMeta(**meta), recipe_path, [layer.source for layer in layers])
+    return cfg
 
 
 def _check_resolved_types(cfg: Any, prefix: str = "") -> None:

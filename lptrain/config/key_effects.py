@@ -47,6 +47,10 @@ LATER_KEYS: dict[str, LaterEffect] = {
         "delayed scaling: max over the history or the most recent amax (from the third step on)",
         "tests/unit/precision/test_delayed.py::test_history_roll_and_max_vs_most_recent",
         "amax_compute_algo"),
+    "dist.distributed_timeout_minutes": LaterEffect(
+        "at dp > 1: how long a collective waits for its peers, and a rank may make no progress, "
+        "before the job stops naming the rank",
+        "tests/e2e/test_faults_hang.py::test_hung_rank_is_named_and_the_job_exits_3"),
     "ddp.average_in_collective": LaterEffect(
         "at dp > 1: average after the reduction instead of scaling before it",
         f"{_LATER}::test_average_in_collective_moves_the_scaling"),

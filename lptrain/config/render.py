@@ -9,6 +9,7 @@ from typing import Any
 import yaml
 
 from lptrain.config.rules import Rule, all_rules
+from lptrain.config.rulesets import inert
 from lptrain.config.schema import LPTrainConfig
 
 RULES_DOC_HEADER = """\
@@ -32,6 +33,8 @@ filled in by `lptrain.config.derive` (visible in `lptrain show-config`), not rep
 The rule definitions live in `lptrain/config/rulesets/`, one module per section.
 """
 
+
+SECTION_NOTES = {inert.S: inert.SECTION_NOTE}
 
 _PLACEHOLDER = re.compile(r"(?<![{$])\{([a-z_.]+)\}(?!})")
 
@@ -167,6 +170,8 @@ def rules_markdown(rules: list[Rule] | None = None) -> str:
         if r.section != section:
             section = r.section
             out.append(f"\n## {section}\n")
+            if section in SECTION_NOTES:
+                out.append(SECTION_NOTES[section] + "\n")
             out.append("| id | severity | keys | condition -> requirement | why | fix |")
             out.append("|---|---|---|---|---|---|")
         keys = ", ".join(f"`{k}`" for k in r.keys)

@@ -212,6 +212,18 @@ class DDPConfig:
 
 
 @dataclass
+class DistConfig:
+    """Process groups, as Megatron-Bridge's ``dist`` section (Megatron-LM's distributed args)."""
+
+    distributed_timeout_minutes: float = opt(
+        10.0,
+        "Minutes a collective may wait for its peers (the process-group timeout, Megatron's "
+        "--distributed-timeout-minutes) and a rank may make no progress before the launcher's "
+        "watchdog names it and stops the job (exit 3).",
+    )
+
+
+@dataclass
 class MuonConfig:
     """Muon hyperparameters (for 2-D hidden matrices)."""
 
@@ -277,7 +289,11 @@ class DataConfig:
     source: str = opt("builtin:python-stdlib", "Dataset: builtin:python-stdlib or an index prefix.")
     paths: list[str] = opt_factory(list, "Index prefixes of prepared datasets for a blend.")
     weights: list[float] = opt_factory(list, "Blend weights, one per path (empty = by size).")
-    cache_dir: str = opt("~/.cache/lptrain", "Where built-in datasets are prepared and reused.")
+    cache_dir: str = opt(
+        "~/.cache/lptrain",
+        "Where built-in datasets are prepared and reused; left at this default: $LPTRAIN_CACHE_DIR, "
+        "else $XDG_CACHE_HOME/lptrain, else ~/.cache/lptrain.",
+    )
     builtin_max_mb: float = opt(32.0, "Cap on a built-in corpus: its first N MB in sorted file order.")
     tokenizer: str = opt("byte", "Tokenizer: byte or a path to a tokenizers JSON file.")
     split_valid_fraction: float = opt(0.02, "Fraction of documents held out for validation.")
@@ -354,6 +370,7 @@ class LPTrainConfig:
     model: ModelConfig = opt_factory(ModelConfig, "Model shape.")
     precision: PrecisionConfig = opt_factory(PrecisionConfig, "Precision and quantization recipe.")
     ddp: DDPConfig = opt_factory(DDPConfig, "Data-parallel engine.")
+    dist: DistConfig = opt_factory(DistConfig, "Process groups: collective timeout, hung-rank watchdog.")
     optimizer: OptimizerConfig = opt_factory(OptimizerConfig, "Optimizer and LR schedule.")
     data: DataConfig = opt_factory(DataConfig, "Training data.")
     train: TrainConfig = opt_factory(TrainConfig, "Training loop.")

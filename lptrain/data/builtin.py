@@ -5,15 +5,29 @@
 (``test``, ``tests``, ``idle_test``), ``__pycache__`` and empty files, in sorted relative-path
 order. The corpus is capped at the first ``max_bytes`` (default 32 MB) in that order; CPython
 3.11's non-test stdlib is about 14 MB, so the cap normally keeps everything. The cached dataset
-carries an identity (corpus name, interpreter version, stdlib path, a fingerprint of file names,
-sizes and mtimes, the cap and the tokenizer hash) and is rebuilt when any of it changes or the
-index fails verification. A file lock serialises concurrent first uses (several ranks).
+carries an identity (corpus name, interpreter version, stdlib path, a fingerprint of the names,
+sizes and mtimes of the files the cap keeps, and the tokenizer hash); a changed identity is
+another dataset, and one whose index fails verification is prepared again. A file lock serialises concurrent first uses (several ranks).
+
+Cached datasets are content-addressed: the file name carries a hash of the identity
+(``python-stdlib-byte-3f9c0a1b2d4e5f60.bin``/``.idx``), so two runs with different caps or
+tokenizers on one cache -- ``tiny_cpu`` (2 MB) next to a cluster recipe's ``--dry-run``
+(32 MB), or two runs started a second apart -- use two files and never touch each other's.
+A name is prepared once, into temp files renamed into place (the index last), and never
+replaced while valid: a reader holding it open keeps reading the file it verified. (Before,
+the cache was ``{name}-{tokenizer}`` with no cap in the name, and the second run re-prepared
+it under the first, which died at its next epoch with "dataset token file ... changed under
+the running job".)
+
+The cache folder is ``data.cache_dir`` when set, else ``$LPTRAIN_CACHE_DIR``, else
+``$XDG_CACHE_HOME/lptrain``, else ``~/.cache/lptrain``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import sys
 import sysconfig
@@ -30,8 +44,15 @@ _EXCLUDED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test"
 
 
 def default_cache_dir() -> Path:
-    """``$LPTRAIN_CACHE_DIR`` if set, else ``~/.cache/lptrain``."""
-    return Path(os.environ.get("LPTRAIN_CACHE_DIR") or "~/.cache/lptrain").expanduser()
+    """``$LPTRAIN_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/lptrain`` (an absolute
+    ``XDG_CACHE_HOME``, as the XDG spec requires), else ``~/.cache/lptrain``."""
+    explicit = os.environ.get("LPTRAIN_CACHE_DIR")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    if xdg and os.path.isabs(xdg):
+        return Path(xdg) / "lptrain"
+    return Path("~/.cache/lptrain").expanduser()
 
 
 def stdlib_files(max_bytes: int = DEFAULT_MAX_BYTES) -> list[Path]:
@@ -59,7 +80,9 @@ def stdlib_files(max_bytes: int = DEFAULT_MAX_BYTES) -> list[Path]:
     return out
 
 
-def _identity(name: str, files: list[Path], max_bytes: int, tokenizer_sha: str) -> dict[str, Any]:
+def _identity(name: str, files: list[Path], tokenizer_sha: str) -> dict[str, Any]:
+    """What the cached dataset is made of (the cap only through the files it keeps: two caps
+    that keep the same files share one dataset)."""
     root = Path(sysconfig.get_paths()["stdlib"])
     h = hashlib.sha256()
     for p in files:
@@ -71,9 +94,14 @@ def _identity(name: str, files: list[Path], max_bytes: int, tokenizer_sha: str) 
         "stdlib": str(root),
         "files": len(files),
         "files_fingerprint": h.hexdigest(),
-        "max_bytes": max_bytes,
         "tokenizer_sha256": tokenizer_sha,
     }
+
+
+def cache_name(name: str, tag: str, identity: dict[str, Any]) -> str:
+    """``{name}-{tag}-{16 hex digits of the identity's sha256}``: one name per content."""
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+    return f"{name}-{tag}-{digest}"
 
 
 @contextlib.contextmanager
@@ -111,9 +139,10 @@ def ensure_builtin_dataset(
     tok = load_tokenizer(tokenizer)
     cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     tag = "byte" if tok.name == "byte" else tok.sha256[:12]
-    prefix = str(cache / f"{name}-{tag}")
-    identity = _identity(name, files, max_bytes, tok.sha256)
-    with _file_lock(cache / f".{name}-{tag}.lock"):
+    identity = _identity(name, files, tok.sha256)
+    stem = cache_name(name, tag, identity)
+    prefix = str(cache / stem)
+    with _file_lock(cache / f".{stem}.lock"):
         try:
             ds = IndexedDataset(prefix, verify=True)
             if ds.header.get("extra", {}).get("identity") == identity:

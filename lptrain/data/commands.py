@@ -44,7 +44,8 @@ def register(app: typer.Typer) -> None:
             None, "--builtin", help="Prepare a built-in corpus (python-stdlib) instead of --input."
         ),
         cache_dir: Optional[str] = typer.Option(
-            None, help="Cache for --builtin without --output (default $LPTRAIN_CACHE_DIR or ~/.cache/lptrain)."
+            None, help="Cache for --builtin without --output (default $LPTRAIN_CACHE_DIR, else "
+            "$XDG_CACHE_HOME/lptrain, else ~/.cache/lptrain)."
         ),
         max_mb: float = typer.Option(32.0, help="--builtin: cap the corpus at its first N MB (sorted order)."),
         progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar."),

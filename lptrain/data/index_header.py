@@ -8,7 +8,9 @@ that still parses (``num_tokens`` -> ``num_tokena``, ``uint16`` -> ``uint06``, a
   :class:`~lptrain.data.indexed.IndexedDatasetWriter` (indexes written before it existed have
   none and get only the next check);
 * every field present, of its type and in its range (counts positive, ids inside the
-  vocabulary, the dtype one that can hold it, checksums 64 hex digits).
+  vocabulary, the dtype one that can hold it, checksums 64 hex digits), and no field lptrain
+  does not write: a flipped bit in the checksum's own key name (``headar_blake2b``) used to
+  leave an index that looked unsigned, so its header was not verified at all.
 
 An EOS id that is in range but disagrees with the tokenizer is refused where the tokenizer is
 known (:func:`lptrain.data.loader.open_dataset`).
@@ -39,13 +41,20 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+REQUIRED = ("dtype", "vocab_size", "eos_id", "tokenizer", "num_documents", "num_tokens",
+            "max_token_id", "tokens_blake2b", "offsets_blake2b")
+OPTIONAL = ("format", "version", "eos_appended", "extra", HEADER_CHECKSUM_KEY)
+
+
 def _field_problem(header: dict[str, Any]) -> str:
-    """The first field that is missing, mistyped or out of range ("" when all are fine)."""
-    required = ("dtype", "vocab_size", "eos_id", "tokenizer", "num_documents", "num_tokens",
-                "max_token_id", "tokens_blake2b", "offsets_blake2b")
-    missing = [k for k in required if k not in header]
+    """The first field that is missing, unknown, mistyped or out of range ("" when all are
+    fine)."""
+    missing = [k for k in REQUIRED if k not in header]
     if missing:
         return f"field {missing[0]!r} is missing"
+    unknown = sorted(k for k in header if k not in REQUIRED and k not in OPTIONAL)
+    if unknown:  # a flipped byte in a key name: "headar_blake2b" would skip the checksum
+        return f"field {unknown[0]!r} is not one lptrain writes (a corrupt key name?)"
     for key in ("vocab_size", "eos_id", "num_documents", "num_tokens", "max_token_id"):
         if not _is_int(header[key]):
             return f"field {key!r} is {header[key]!r}, not an integer"

@@ -13,7 +13,6 @@ iterator continues where it stopped; to evaluate the same batches every time, re
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,7 +27,7 @@ from lptrain.data.indexed import IndexedDataset, tokenizer_fix
 from lptrain.data.sampler import GlobalBatchSampler
 from lptrain.data.token_file import DatasetChangedError
 
-_DEFAULT_CACHE = "~/.cache/lptrain"  # DataConfig.cache_dir's default; LPTRAIN_CACHE_DIR overrides it
+_DEFAULT_CACHE = "~/.cache/lptrain"  # DataConfig.cache_dir's default: the environment decides
 
 
 class _PositionDataset(torch.utils.data.Dataset):
@@ -132,7 +131,8 @@ def resolve_prefixes(data_cfg: Any) -> list[str]:
     """Index prefixes named by the config (``paths`` wins over ``source``).
 
     ``builtin:NAME`` is prepared on first use into ``data.cache_dir``; while that is left at its
-    default, ``$LPTRAIN_CACHE_DIR`` (when set) is used instead.
+    default, the cache is :func:`~lptrain.data.builtin.default_cache_dir` (``$LPTRAIN_CACHE_DIR``,
+    else ``$XDG_CACHE_HOME/lptrain``, else ``~/.cache/lptrain``).
     """
     paths = list(getattr(data_cfg, "paths", None) or [])
     if paths:
@@ -140,8 +140,8 @@ def resolve_prefixes(data_cfg: Any) -> list[str]:
     source = str(data_cfg.source)
     if source.startswith("builtin:"):
         cache = getattr(data_cfg, "cache_dir", None)
-        if not cache or (cache == _DEFAULT_CACHE and os.environ.get("LPTRAIN_CACHE_DIR")):
-            cache = None  # default: $LPTRAIN_CACHE_DIR, else ~/.cache/lptrain
+        if not cache or cache == _DEFAULT_CACHE:
+            cache = None  # default: $LPTRAIN_CACHE_DIR, else $XDG_CACHE_HOME/lptrain, else ~/.cache/lptrain
         max_mb = float(getattr(data_cfg, "builtin_max_mb", 32.0))
         return [
             ensure_builtin_dataset(

@@ -27,14 +27,23 @@ def world_from_env() -> tuple[int, int, int]:
 
 
 def init_process_group_from_env(device: torch.device, timeout_s: float = 600.0) -> bool:
-    """Join the launcher's world when ``WORLD_SIZE > 1``; returns whether a group exists."""
+    """Join the launcher's world when ``WORLD_SIZE > 1``; returns whether a group exists.
+
+    ``timeout_s`` (``dist.distributed_timeout_minutes``) is the process group's timeout, and
+    the time the launcher's watchdog gives a rank without progress (published from here on:
+    :mod:`lptrain.distributed.progress`)."""
     import torch.distributed as dist
+
+    from lptrain.distributed.orphans import die_with_launcher
+    from lptrain.distributed.progress import publish
 
     if dist.is_initialized():
         return True
     _, world, local_rank = world_from_env()
     if world <= 1:
         return False
+    die_with_launcher()
+    publish(timeout_s)
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(local_rank)

@@ -9,11 +9,16 @@ the same way. The folder holds what ``transformers`` writes itself: ``config.jso
 ``--max-shard-size``) and, when the run used a ``tokenizers`` JSON file, ``tokenizer.json``
 with its ``tokenizer_config.json``. The byte tokenizer has no ``transformers`` counterpart;
 its token ids are written into the configs all the same.
+
+An export of a run that is still saving and pruning reads the newest checkpoint under a reader
+lease (the pruner leaves it until the export is done); one pruned before the lease was taken
+is skipped for the next complete one, with a note.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,9 +26,11 @@ from typing import Any
 
 import torch
 
+from lptrain.checkpoint.lease import reading
 from lptrain.checkpoint.store import (
     CONFIG,
     decode_keys,
+    describe,
     find_checkpoints,
     is_step_dir,
     read_train_state,
@@ -31,7 +38,8 @@ from lptrain.checkpoint.store import (
     validate,
 )
 from lptrain.config.schema import LPTrainConfig
-from lptrain.errors import InputError, OutputDirError
+from lptrain.errors import InputError
+from lptrain.interop.export_folder import check_output, staged_output
 from lptrain.interop.hf_arch import Architecture, architecture_for, hf_config
 from lptrain.interop.hf_weights import to_hf
 from lptrain.interop.safetensors_io import DEFAULT_MAX_SHARD, parse_size, write_safetensors
@@ -72,25 +80,25 @@ def _run_checkpoint_dirs(run: Path) -> list[Path]:
     return out
 
 
-def find_checkpoint(source: str | Path) -> Path:
-    """The complete step folder to export from ``source`` (newest valid one of a save or run
+def export_candidates(source: str | Path) -> list[Path]:
+    """The complete step folders ``source`` offers, newest first (one for an ``iter_*``
     folder); :class:`InputError` when there is none."""
     src = Path(source)
     if not src.exists():
         raise InputError(f"{src}: no such folder", fix=_SOURCE_FIX)
-    if is_step_dir(src) and not (src / "latest").exists():
+    if is_step_dir(src) and not os.path.lexists(src / "latest"):
         why = validate(src)
         if why is not None:
             raise InputError(f"checkpoint {src} is {why}", fix="export another iter_* folder")
-        return src
-    places = [src] if step_dirs(src) or (src / "latest").exists() else []
+        return [src]
+    places = [src] if step_dirs(src) or os.path.lexists(src / "latest") else []
     if (src / CONFIG).is_file() and not places:
         places = _run_checkpoint_dirs(src)
     skipped: list[str] = []
     for place in places:
         found = find_checkpoints(place)
         if found.valid:
-            return found.valid[0]
+            return found.valid
         skipped += found.skipped
     if not places:
         raise InputError(f"{src} is neither a run folder nor a checkpoint folder", fix=_SOURCE_FIX)
@@ -99,9 +107,16 @@ def find_checkpoint(source: str | Path) -> Path:
                      fix="train with checkpoint.save set, or pass the checkpoint folder itself")
 
 
+def find_checkpoint(source: str | Path) -> Path:
+    """The complete step folder to export from ``source`` (newest valid one of a save or run
+    folder); :class:`InputError` when there is none."""
+    return export_candidates(source)[0]
+
+
 def read_masters(step: Path) -> dict[str, torch.Tensor]:
     """The fp32 masters (canonical names) of one complete checkpoint, without the optimizer."""
     from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
@@ -109,8 +124,8 @@ def read_masters(step: Path) -> dict[str, torch.Tensor]:
     try:
         _load_state_dict(state, storage_reader=FileSystemReader(str(step / "global")),
                          planner=_EmptyStateDictLoadPlanner(keys={"model"}), no_dist=True)
-    except Exception as e:
-        raise InputError(f"checkpoint {step} could not be read: {type(e).__name__}: {e}") from None
+    except (Exception, CheckpointException) as e:  # DCP's is a BaseException
+        raise InputError(f"checkpoint {step} could not be read: {describe(e)}") from None
     model = decode_keys(state).get("model")
     if not isinstance(model, dict) or not model:
         raise InputError(f"checkpoint {step} holds no model weights", fix="export another checkpoint")
@@ -143,18 +158,33 @@ def _write_tokenizer(out: Path, tok: Any, cfg: LPTrainConfig) -> list[str]:
     return ["tokenizer.json", "tokenizer_config.json"]
 
 
-def _prepare_output(out: Path, overwrite: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise OutputDirError(f"--output {out} is a file", fix="choose a folder")
-    if out.is_dir() and any(out.iterdir()):
-        if not overwrite:
-            raise OutputDirError(f"--output {out} is not empty", fix="choose a new folder, or pass --overwrite")
-        for p in out.iterdir():
-            shutil.rmtree(p) if p.is_dir() else p.unlink()
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise OutputDirError(f"cannot create --output {out}: {e.strerror or e}", fix="choose a writable folder") from None
+@dataclass
+class _Pinned:
+    """What an export reads from one checkpoint while it holds the reader lease on it."""
+
+    step: Path
+    cfg: LPTrainConfig
+    iteration: int
+    masters: dict[str, torch.Tensor]
+
+
+def _read_pinned(candidates: list[Path], notes: list[str]) -> _Pinned:
+    """Config, step and masters of the newest candidate, read under its reader lease (the
+    trainer does not prune it meanwhile); a candidate pruned or changed before the lease was
+    taken is skipped for the next one, with a note."""
+    from lptrain.config.compose import compose
+
+    for i, step in enumerate(candidates):
+        with reading(step) as why:
+            if why is None:
+                cfg = compose(str(step / CONFIG), [])
+                architecture_for(cfg.model)  # refuse before reading any tensor
+                return _Pinned(step, cfg, int(read_train_state(step)["iteration"]), read_masters(step))
+        nxt = candidates[i + 1] if i + 1 < len(candidates) else None
+        notes.append(f"checkpoint {step} is {why} (the run is saving and pruning); "
+                     + (f"exporting {nxt} instead" if nxt else "no older checkpoint is left"))
+    raise InputError("no checkpoint could be read while the run pruned them: " + "; ".join(notes),
+                     fix="export again, or pass one iter_* folder")
 
 
 def export_hf(
@@ -168,35 +198,37 @@ def export_hf(
     progress: bool = False,
 ) -> ExportReport:
     """Write the Hugging Face folder ``output`` from the newest checkpoint of ``source``
-    (``progress``: a rich bar over the bytes written, shard by shard)."""
-    from lptrain.config.compose import compose
+    (``progress``: a rich bar over the bytes written, shard by shard).
 
+    The checkpoint is read under a reader lease (:mod:`lptrain.checkpoint.lease`), so a run
+    that is still training does not prune it meanwhile; the folder is written whole or not
+    at all (:mod:`lptrain.interop.export_folder`)."""
     if dtype not in DTYPES:
         raise InputError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}", fix="pass --dtype bf16")
     max_bytes = parse_size(max_shard_size)
-    step = find_checkpoint(source)
-    cfg = compose(str(step / CONFIG), [])
-    arch: Architecture = architecture_for(cfg.model)  # refuse before reading any tensor
+    out = Path(output)
+    check_output(out, overwrite)
+    notes: list[str] = []
+    pinned = _read_pinned(export_candidates(source), notes)
+    cfg = pinned.cfg
+    arch: Architecture = architecture_for(cfg.model)
     ids, tok = token_ids(cfg, tokenizer)
     torch_dtype, dtype_name = DTYPES[dtype]
-    tensors = to_hf(read_masters(step), cfg.model, arch, torch_dtype)
-    out = Path(output)
-    _prepare_output(out, overwrite)
+    tensors = to_hf(pinned.masters, cfg.model, arch, torch_dtype)
     from lptrain.data.prepare import transfer_progress
 
-    with transfer_progress(progress) as bar:
+    with staged_output(out) as stage, transfer_progress(progress) as bar:
         task = bar.add_task(f"writing {out.name}", total=sum(t.numel() * t.element_size() for t in tensors.values()))
-        files = write_safetensors(tensors, out, max_bytes, on_shard=lambda n: bar.advance(task, n))
-    config = hf_config(cfg.model, arch, dtype_name, ids)
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    generation = {"_from_model_config": True, **{f"{k}_token_id": v for k, v in ids.items() if v is not None}}
-    (out / "generation_config.json").write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
-    files += ["config.json", "generation_config.json"]
-    notes = []
-    if tok is not None:
-        files += _write_tokenizer(out, tok, cfg)
-    else:
-        notes.append("the byte tokenizer has no transformers counterpart: no tokenizer files "
-                     "(ids are UTF-8 bytes, BOS 256, EOS 257, PAD 258)")
-    return ExportReport(out, step, int(read_train_state(step)["iteration"]), arch.name, dtype,
+        files = write_safetensors(tensors, stage, max_bytes, on_shard=lambda n: bar.advance(task, n))
+        config = hf_config(cfg.model, arch, dtype_name, ids)
+        (stage / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        generation = {"_from_model_config": True, **{f"{k}_token_id": v for k, v in ids.items() if v is not None}}
+        (stage / "generation_config.json").write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
+        files += ["config.json", "generation_config.json"]
+        if tok is not None:
+            files += _write_tokenizer(stage, tok, cfg)
+        else:
+            notes.append("the byte tokenizer has no transformers counterpart: no tokenizer files "
+                         "(ids are UTF-8 bytes, BOS 256, EOS 257, PAD 258)")
+    return ExportReport(out, pinned.step, pinned.iteration, arch.name, dtype,
                         sum(t.numel() for t in tensors.values()), files, notes)

@@ -106,6 +106,20 @@ def _published_exit(local_rank: int) -> Optional[int]:
         time.sleep(0.05)
 
 
+def peer_failed_first() -> bool:
+    """Whether the launcher has recorded a failure of another local rank: a SIGTERM now is the
+    launcher stopping this rank because of it, not a preemption (nothing to say about it)."""
+    name = os.environ.get(PEER_EXITS_ENV)
+    if not name:
+        return False
+    try:
+        exits = json.loads(Path(name).read_text())
+    except (OSError, ValueError):
+        return False
+    me = os.environ.get("LOCAL_RANK", "0")
+    return any(rank != me and code != 0 for rank, code in exits.items())
+
+
 def _exit_code_text(exitcode: int) -> str:
     """A launcher's exit code (negative: killed by that signal) as ``exit X, signal S``."""
     if exitcode < 0:
@@ -121,15 +135,7 @@ class _Sibling:
 
 
 def _is_peer_failure(exc: BaseException) -> bool:
-    seen: set[int] = set()
-    e: Optional[BaseException] = exc
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        text = f"{type(e).__name__} {e}".lower()
-        if any(marker in text for marker in _PEER_GONE):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
+    return _chain_mentions(exc, _PEER_GONE)
 
 
 def _children(pid: int) -> list[int]:
@@ -191,6 +197,37 @@ def describe_lost_peer(rank: int, world_size: int) -> str:
     if missing:
         return f"rank {rank} lost peers {', '.join(map(str, missing))} ({status})"
     return f"rank {rank} lost a peer on another node (exit unknown, signal unknown)"
+
+
+# What the collective backends say when a collective waited past the process-group timeout.
+_TIMED_OUT = ("timed out waiting", "collective operation timeout", "operation timed out")
+
+
+def _chain_mentions(exc: BaseException, markers: tuple[str, ...]) -> bool:
+    seen: set[int] = set()
+    e: Optional[BaseException] = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if any(m in f"{type(e).__name__} {e}".lower() for m in markers):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def collective_timeout_error(exc: BaseException) -> Optional[RunFailedError]:
+    """The one-line error for a collective that waited past ``dist.distributed_timeout_minutes``
+    in a multi-rank run, else None. (When this node's launcher has already named the hung rank,
+    its line is the job's; the caller then says nothing.)"""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1 or not _chain_mentions(exc, _TIMED_OUT):
+        return None
+    rank = int(os.environ.get("RANK", "0"))
+    return RunFailedError(
+        f"rank {rank}: a collective waited longer than dist.distributed_timeout_minutes for its "
+        "peers: a rank is hung or much slower (on another node, that node's launcher names it)",
+        fix="find the hung rank in the other nodes' logs; raise dist.distributed_timeout_minutes "
+            "if a step or save legitimately takes that long; resume from the last checkpoint",
+    )
 
 
 def lost_peer_error(exc: BaseException) -> Optional[RunFailedError]:

@@ -11,6 +11,8 @@ traceback per preemption in the node log. Here:
 * every failed rank stopped on a signal (143/130), or torchrun itself got SIGTERM/SIGUSR1/
   SIGINT and stopped its ranks: exit 143 (130 for SIGINT) with one line; torchrun's report
   and traceback go to ``LOG_DIR/torchrun-NODE.log`` next to the rank logs (``--log-dir``);
+* a rank without progress for ``dist.distributed_timeout_minutes``: the watchdog
+  (:mod:`lptrain.launch.watchdog`) names it in one line, stops this node's ranks, exit 3;
 * any other rank failure: torchrun's failure report (which rank, its exit status) on stderr,
   exit 3 (lptrain's "a run that failed").
 """
@@ -29,6 +31,9 @@ from typing import Optional
 from lptrain.errors import EXIT_RUN_FAILED, EXIT_SIGINT, EXIT_SIGTERM
 from lptrain.launch.exit_status import signal_stop_status
 from lptrain.launch.peers import publish_peer_exits
+from lptrain.launch.watchdog import HANG_FIX, watching
+
+_MAX_LOCAL_RANKS = 64  # slots of the progress file when --nproc-per-node is gpu/auto/cpu
 
 
 def _node_log(log_dir: Optional[str]) -> Optional[Path]:
@@ -72,8 +77,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     quiet_agent_logs()
+    nproc = int(args.nproc_per_node) if str(args.nproc_per_node).isdigit() else _MAX_LOCAL_RANKS
     try:
-        with publish_peer_exits():  # a survivor names how its lost peer ended
+        # the watchdog names a rank without progress; a survivor names how its lost peer ended
+        with watching(nproc) as dog, publish_peer_exits():
             run(args)
     except SignalException as e:
         status = EXIT_SIGINT if e.sigval == signal.SIGINT else EXIT_SIGTERM
@@ -82,8 +89,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"exit {status} (its report: {where})", file=sys.stderr)
         return status
     except ChildFailedError as e:
-        status = signal_stop_status(f.exitcode for f in e.failures.values())
         where = _to_node_log(args.log_dir, e)
+        if dog.fired:  # it killed this node's ranks: its line is the one to say
+            print(f"error: {dog.message}; fix: {HANG_FIX} (torchrun's report: {where})",
+                  file=sys.stderr)
+            return EXIT_RUN_FAILED
+        status = signal_stop_status(f.exitcode for f in e.failures.values())
         if status is not None:
             print(f"lptrain: the ranks stopped on a signal (exit {status}) after saving; "
                   f"torchrun's report: {where}", file=sys.stderr)

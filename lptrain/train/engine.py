@@ -55,7 +55,10 @@ if TYPE_CHECKING:
 
 class TrainingDivergedError(RunFailedError):
     """A loss or gradient went NaN/Inf; the message names the step, the rank and the tensor
-    (exit status 3, like any run that started and failed)."""
+    (exit status 3, like any run that started and failed). Every rank raises it from the same
+    gathered losses, so rank 0 alone prints it."""
+
+    every_rank = True
 
 
 @dataclass
@@ -83,7 +86,7 @@ class TrainEngine:
 
         self.cfg = cfg
         # (resolved again after joining: joining selects this rank's CUDA device)
-        init_process_group_from_env(resolve_device(cfg))
+        init_process_group_from_env(resolve_device(cfg), 60.0 * cfg.dist.distributed_timeout_minutes)
         moe = cfg.model.moe
         ep = moe.expert_model_parallel_size if moe.num_experts else 1
         self.groups = build_groups(cfg.ddp.num_distributed_optimizer_instances, ep=ep)

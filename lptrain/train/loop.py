@@ -40,6 +40,7 @@ from lptrain.config import World, derive
 from lptrain.config.render import config_yaml
 from lptrain.config.schema import LPTrainConfig
 from lptrain.data.loader import BatchIterator, data_state, eval_micro_batches, load_data_state
+from lptrain.distributed.progress import mark_step
 from lptrain.errors import RunFailedError
 from lptrain.model.flops import flops_per_token
 from lptrain.train.console import LogWindow, RunLog
@@ -78,6 +79,8 @@ def pretrain(cfg: LPTrainConfig, output_dir: str | Path, *, overwrite: bool = Fa
         log = RunLog(engine.is_main, cfg)
         for note in plan.notes:
             log.line(f"warning: skipping checkpoint {note}")
+        if plan.restart:
+            log.line(plan.restart)
         loaders = _open_data(cfg, engine)
         train_state = _restore(cfg, engine, plan, loaders, hf_arch, log)
         resolved = config_yaml(cfg)
@@ -296,6 +299,7 @@ class _Job:
     def _train_step(self, step: int) -> tuple[dict[str, Any], float]:
         """The engine's step on this rank's micro-batches; its metrics line and step time."""
         t0 = time.perf_counter()
+        mark_step(step)  # progress, for the launcher's hung-rank watchdog
         micro = [next(self.train_it) for _ in range(self.num_micro)]
         res = self.engine.train_step(micro, step)
         dt = time.perf_counter() - t0

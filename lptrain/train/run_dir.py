@@ -3,8 +3,12 @@
 * a folder whose checkpoint folder (``checkpoint.save``, or ``checkpoint.load`` when set)
   holds a valid checkpoint resumes from it (what a SLURM requeue needs: same command again);
 * a folder holding a finished run (newest checkpoint at ``train.train_iters``) or a run
-  without a checkpoint (``metrics.jsonl``/``summary.json`` but nothing to resume) is refused
-  with a message naming ``--overwrite`` and a new folder;
+  that ended without a checkpoint (``summary.json`` but nothing to resume) is refused with a
+  message naming ``--overwrite`` and a new folder;
+* a run that was killed before its first checkpoint (``metrics.jsonl`` but neither a
+  ``summary.json`` nor a valid checkpoint: SIGKILL, a node failure, a kill during the first
+  save) is started over, saying so -- it cannot be resumed, and a SLURM requeue of the same
+  command must not stop at a refusal; its unfinished step folders and metrics go;
 * ``--overwrite`` starts over: the old run's files and checkpoints are removed, but only once
   the new run is known to start (:func:`start_run`, after the engine is built).
 
@@ -28,9 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lptrain.checkpoint.atomic import write_atomically
+from lptrain.checkpoint.atomic import remove_stale_temps, write_atomically
 from lptrain.checkpoint.compat import check_resume_compatible
-from lptrain.checkpoint.store import LATEST, find_checkpoints, read_train_state, step_dirs
+from lptrain.checkpoint.store import LATEST, find_checkpoints, read_train_state, step_dirs, validate
 from lptrain.errors import OutputDirError
 
 RUN_FILES = ("metrics.jsonl", "summary.json")
@@ -53,6 +57,7 @@ class RunPlan:
     notes: list[str] = field(default_factory=list)
     overwrite: bool = False
     source: str = "fresh"  # fresh | auto (checkpoint.save) | explicit (checkpoint.load)
+    restart: str | None = None  # a killed run without a checkpoint is replaced: the note saying so
 
 
 def _existing_run_files(out: Path) -> list[str]:
@@ -64,6 +69,10 @@ def plan_run(cfg: Any, out: str | Path, overwrite: bool = False) -> RunPlan:
     out = Path(out)
     ck = cfg.checkpoint
     plan = RunPlan(out=out, overwrite=overwrite)
+    if ck.save and (Path(ck.save) / LATEST).is_dir():  # the first save would fail on it
+        raise RunDirRefused(
+            f"checkpoint.save={ck.save}: {Path(ck.save) / LATEST} is a folder, where lptrain "
+            "writes the file naming the newest checkpoint; remove or rename it")
     if ck.load:
         src = Path(ck.load)
         if not src.exists():
@@ -81,7 +90,13 @@ def plan_run(cfg: Any, out: str | Path, overwrite: bool = False) -> RunPlan:
         plan.candidates, plan.notes = found.valid, found.skipped
         plan.source = "auto" if found.valid else "fresh"
     previous = _existing_run_files(out)
-    if plan.source == "fresh" and previous and not overwrite:
+    if plan.source == "fresh" and previous and not overwrite and "summary.json" not in previous:
+        # Killed (SIGKILL, node failure) before its first checkpoint: nothing to resume and it
+        # never ended, so the same command (a SLURM requeue) starts over instead of refusing.
+        plan.restart = (f"note: {out} holds a run that was stopped before its first checkpoint "
+                        f"({', '.join(previous)} but no summary.json); nothing to resume, "
+                        "starting over")
+    elif plan.source == "fresh" and previous and not overwrite:
         where = f"checkpoint.save={ck.save} holds none" if ck.save else "checkpoint.save is not set"
         if plan.notes:
             where += " valid: " + "; ".join(plan.notes)
@@ -138,8 +153,23 @@ def _start_run(plan: RunPlan, cfg: Any, resumed_iteration: int, config_yaml: str
             for p in step_dirs(save):
                 shutil.rmtree(p, ignore_errors=True)
             (Path(save) / LATEST).unlink(missing_ok=True)
+    if plan.restart and cfg.checkpoint.save:  # the killed run's unfinished saves
+        for p in step_dirs(cfg.checkpoint.save):
+            if validate(p) is not None:
+                shutil.rmtree(p, ignore_errors=True)
+    _remove_killed_writers_temps(out, cfg.checkpoint.save)
     trim_metrics(out / "metrics.jsonl", resumed_iteration)
     write_resolved_config(out, config_yaml)
+
+
+def _remove_killed_writers_temps(out: Path, save: str | None) -> None:
+    """Temp files of atomic writes whose writer was killed (``.resolved_config.yaml.tmp1234``),
+    in the run folder and the checkpoint folders."""
+    folders = [out]
+    if save:
+        folders += [Path(save), *step_dirs(save)]
+    for folder in folders:
+        remove_stale_temps(folder)
 
 
 def write_resolved_config(out: Path, config_yaml: str) -> Path:

@@ -60,9 +60,14 @@ def test_unusable_checkpoint_folder_refused_before_start(
     r = _pretrain(out, f"checkpoint.save={read_only}/ckpt", dry_run=dry_run)
     _refused(r, "checkpoint.save", "read-only filesystem")
 
+    if Path("/proc/self").is_dir():  # a virtual filesystem: said so, not "0.0 MiB free"
+        r = _pretrain(out, "checkpoint.save=/proc/lptrain-ckpt", dry_run=dry_run)
+        _refused(r, "checkpoint.save", "/proc is on a filesystem without storage",
+                 "fix: point checkpoint.save at a folder on a disk")
+
     size = preflight.checkpoint_bytes(derive(compose("tiny_cpu.yaml", []), World.detect()))
     assert size and size > 12 * 150_000  # fp32 masters and two AdamW moments of 0.16M params
-    monkeypatch.setattr("shutil.disk_usage", lambda p: SimpleNamespace(free=size // 2))
+    monkeypatch.setattr("shutil.disk_usage", lambda p: SimpleNamespace(free=size // 2, total=10 * size))
     r = _pretrain(out, f"checkpoint.save={tmp_path}/ckpt", dry_run=dry_run)
     _refused(r, "checkpoint.save", "MiB free, a checkpoint needs about")
     assert trained == [] and not out.exists()  # nothing written, nothing trained

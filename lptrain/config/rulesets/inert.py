@@ -26,6 +26,16 @@ from lptrain.config.schema import LPTrainConfig, one_of, show_value
 from lptrain.config.world import World
 
 S = "Keys that would have no effect"
+# Shown under the section's heading on docs/rules.md (lptrain.config.render).
+SECTION_NOTE = (
+    "Each of these errors becomes a warning naming both layers when the key still had an "
+    "effect in the layer that set it and a later layer turned it off (a command-line override "
+    "over the recipe, a recipe's own values over its fragments): `lptrain validate-config "
+    "--recipe moe_mxfp8.yaml precision.fp8_format=null precision.fp8_param_gather=false "
+    "ddp.reuse_grad_buf_for_mxfp8_param_ag=false` is the bf16 baseline of that recipe, and its "
+    "`precision.fp8_recipe=mxfp8` a warning. A key set in the same layer as the switch that "
+    "disables it, or after it, stays an error (`lptrain.config.layers`)."
+)
 
 Idle = Callable[[LPTrainConfig, World], bool]
 
@@ -63,7 +73,10 @@ class Gate:
     def when(self, cfg: LPTrainConfig, world: World) -> dict[str, Any]:
         if not self.idle(cfg, world):
             return {}
-        bad = self.set_keys(cfg)
+        return self.report(cfg, self.set_keys(cfg))
+
+    def report(self, cfg: LPTrainConfig, bad: Sequence[str]) -> dict[str, Any]:
+        """The rule's fields for the set keys ``bad`` ({} when there are none)."""
         if not bad:
             return {}
         shown = ", ".join(f"{k}={show_value(get_key(cfg, k))}" for k in bad)
@@ -367,6 +380,7 @@ GATES: tuple[Gate, ...] = (
 
 RULES = [g.rule() for g in GATES]
 INERT_RULE_IDS = frozenset(g.rule_id for g in GATES)
+GATES_BY_ID = {g.rule_id: g for g in GATES}
 
 
 @dataclass(frozen=True)

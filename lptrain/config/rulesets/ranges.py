@@ -2,16 +2,23 @@
 
 Why: without them ``model.seq_length=0`` validates and then dies in a ``ZeroDivisionError``
 deep in the data pipeline, and ``data.split_valid_fraction=1.5`` only fails once data loads.
-Each rule reports only the keys out of range. Float checks are written as ``lo <= v <= hi``
-so NaN fails them. Sizes also have an upper sanity bound, :data:`MAX_SIZE`: no real model
-comes near it, and below it every tensor's element count stays far inside int64, so an
-absurd value is reported here instead of overflowing a kernel.
+Each rule reports only the keys out of range. Sizes also have an upper sanity bound,
+:data:`MAX_SIZE`: no real model comes near it, and below it every tensor's element count stays
+far inside int64, so an absurd value is reported here instead of overflowing a kernel.
+
+Non-finite numbers have one rule of their own, RANGE-FINITE, over every float key of the
+schema (lists of floats included): ``optimizer.lr=inf`` or ``optimizer.weight_decay=1e400``
+(YAML reads it as inf) used to validate and then end the run at its second step with a NaN
+loss. The range rules below leave NaN and +-inf to it (one finding per fault, not two).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import typing
 from collections.abc import Callable, Sequence
+from functools import cache
 from typing import Any
 
 from lptrain.config.rules import Rule, get_key
@@ -77,6 +84,7 @@ TRAIN_RANGES: tuple[Spec, ...] = (
     ("train.eval_iters", _count()),
     ("train.seed", _seed()),
     ("checkpoint.keep_latest", ((lambda v: 2 <= v <= MAX_SIZE), f"in [2, {MAX_SIZE}] (the newest may be half-written)")),
+    ("dist.distributed_timeout_minutes", _positive()),
 )
 DATA_RANGES: tuple[Spec, ...] = (
     ("data.split_valid_fraction", _fraction()),
@@ -92,12 +100,51 @@ PRECISION_RANGES: tuple[Spec, ...] = (
 )
 
 
+def _is_float_type(tp: Any) -> bool:
+    """``float``, ``Optional[float]`` or ``list[float]``."""
+    if tp is float:
+        return True
+    return typing.get_origin(tp) in (typing.Union, list) and float in typing.get_args(tp)
+
+
+@cache
+def float_keys(cls: type = LPTrainConfig, prefix: str = "") -> tuple[str, ...]:
+    """Every dotted key whose schema type holds floats, in schema order."""
+    out: list[str] = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            out += float_keys(tp, f"{prefix}{f.name}.")
+        elif _is_float_type(tp):
+            out.append(prefix + f.name)
+    return tuple(out)
+
+
+def _non_finite(value: Any) -> bool:
+    return isinstance(value, float) and not math.isfinite(value)
+
+
+def non_finite(c: LPTrainConfig) -> dict[str, Any]:
+    """For RANGE-FINITE: every float key (or list of floats) holding NaN or +-inf."""
+    bad = []
+    for key in float_keys():
+        value = get_key(c, key)
+        values = value if isinstance(value, list) else [value]
+        if any(_non_finite(v) for v in values):
+            bad.append((key, f"{key}={value!r}"))
+    if not bad:
+        return {}
+    return {"keys": tuple(k for k, _ in bad), "detail": ", ".join(d for _, d in bad)}
+
+
 def out_of_range(c: LPTrainConfig, specs: Sequence[Spec]) -> dict[str, Any]:
-    """For a range rule: the keys whose values fail their range, and a one-line detail."""
+    """For a range rule: the keys whose values fail their range, and a one-line detail
+    (NaN and +-inf are RANGE-FINITE's)."""
     bad = []
     for key, (ok, text) in specs:
         value = get_key(c, key)
-        if not ok(value):
+        if not _non_finite(value) and not ok(value):
             bad.append((key, f"{key}={value!r} must be {text}"))
     if not bad:
         return {}
@@ -113,7 +160,9 @@ def _weights_bad(c: LPTrainConfig, w: World) -> dict[str, Any]:
         if len(d.weights) != n:
             keys.append("data.weights")
             details.append(f"data.weights has {len(d.weights)} entries for {n} dataset(s)")
-        elif not all(0 <= x < math.inf for x in d.weights) or not sum(d.weights) > 0:
+        elif any(_non_finite(x) for x in d.weights):
+            pass  # RANGE-FINITE's
+        elif not all(x >= 0 for x in d.weights) or not sum(d.weights) > 0:
             keys.append("data.weights")
             details.append(f"data.weights={list(d.weights)} must be finite, >= 0, not all 0")
     if not keys:
@@ -131,6 +180,18 @@ def _condition(specs: Sequence[Spec]) -> str:
 
 RULES = [
     Rule(
+        id="RANGE-FINITE", severity="error", keys=float_keys(),
+        when=lambda c, w: non_finite(c),
+        message="not a finite number: {detail}",
+        fix="use a finite value (YAML reads 1e400 as inf); see `lptrain show-config --explain` "
+            "for each key's range",
+        condition="every float key (and every entry of a list of floats) is finite: no nan, "
+                  "inf or -inf",
+        why="an infinite lr or weight decay validated and then made the loss NaN at step 2; no "
+            "float setting of lptrain means anything at infinity",
+        section=S,
+    ),
+    Rule(
         id="RANGE-MODEL", severity="error", keys=_keys(MODEL_RANGES),
         when=lambda c, w: out_of_range(c, MODEL_RANGES),
         message="model size out of range: {detail}",
@@ -145,7 +206,7 @@ RULES = [
         id="RANGE-TRAIN", severity="error", keys=_keys(TRAIN_RANGES),
         when=lambda c, w: out_of_range(c, TRAIN_RANGES),
         message="training loop value out of range: {detail}",
-        fix="use values in the stated ranges (batch sizes >= 1, seeds >= 0)",
+        fix="use values in the stated ranges (batch sizes >= 1, seeds >= 0, a positive timeout)",
         condition=_condition(TRAIN_RANGES),
         why="a zero batch divides by zero; a negative seed is rejected by the random generators",
         section=S,

@@ -118,7 +118,10 @@ def test_run_dir_policy(tmp_path: Path) -> None:
     assert plan_run(_cfg(ck), out).source == "fresh"  # nothing there yet
     out.mkdir()
     (out / "metrics.jsonl").write_text('{"step": 1}\n')
-    with pytest.raises(RunDirRefused, match="--overwrite"):  # a run without a checkpoint
+    # killed before its first checkpoint (no summary): started over, saying so
+    assert "stopped before its first checkpoint" in plan_run(_cfg(ck), out).restart
+    (out / "summary.json").write_text("{}")
+    with pytest.raises(RunDirRefused, match="--overwrite"):  # a run that ended without one
         plan_run(_cfg(ck), out)
     assert plan_run(_cfg(ck), out, overwrite=True).candidates == []
     _save(ck, 4)

@@ -104,6 +104,7 @@ CANDIDATES: dict[str, Candidates] = {
     "precision.nvfp4_rht": _flip,
     "precision.nvfp4_stochastic_rounding": _flip,
     "precision.nvfp4_2d_weights": _flip,
+    "dist.distributed_timeout_minutes": _others(0.5, 30.0),
     "ddp.use_distributed_optimizer": _flip,
     "ddp.overlap_grad_reduce": _flip,
     "ddp.overlap_param_gather": _flip,

@@ -221,6 +221,8 @@ CASES: list[tuple[str, list[str], tuple[str, ...], list[str], World]] = [
     ("OPT-LAYERWISE-NEEDS-MUON", ["optimizer.use_layer_wise_optimizer=true"],
      ("optimizer.use_layer_wise_optimizer",),
      ["optimizer.use_layer_wise_optimizer=true", MUON, DISTOPT], CPU),
+    ("RANGE-FINITE", ["optimizer.lr=inf", "optimizer.weight_decay=1e400"],
+     ("optimizer.lr", "optimizer.weight_decay"), ["optimizer.lr=0.001"], CPU),
     ("RANGE-MODEL", ["model.seq_length=0"], ("model.seq_length",), ["model.seq_length=1"], CPU),
     ("RANGE-TRAIN", ["train.micro_batch_size=0"], ("train.micro_batch_size",),
      ["train.micro_batch_size=2"], CPU),

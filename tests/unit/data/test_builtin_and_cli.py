@@ -50,9 +50,10 @@ def test_ensure_builtin_builds_once_and_reuses(tmp_path: Path, monkeypatch: pyte
     assert ByteTokenizer().decode(ds.get_document(0)) == files[0].read_text(encoding="utf-8")
     assert ds.header["extra"]["identity"]["python"] == sys.version
 
-    # Another interpreter (identity change) triggers a rebuild.
-    monkeypatch.setattr(builtin.sys, "version", "9.9.9 (other interpreter)")
-    ensure_builtin_dataset("python-stdlib", tmp_path, max_bytes=CAP)
+    # Another interpreter (identity change) is another dataset, under another name.
+    with monkeypatch.context() as m:
+        m.setattr(builtin.sys, "version", "9.9.9 (other interpreter)")
+        assert ensure_builtin_dataset("python-stdlib", tmp_path, max_bytes=CAP) != p1
     assert len(calls) == 2
     # A corrupt cached dataset is rebuilt instead of used.
     raw = bytearray(Path(f"{p1}.bin").read_bytes())
@@ -65,9 +66,40 @@ def test_ensure_builtin_builds_once_and_reuses(tmp_path: Path, monkeypatch: pyte
 
 def test_cache_dir_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("LPTRAIN_CACHE_DIR", str(tmp_path / "c"))
-    assert default_cache_dir() == tmp_path / "c"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_cache_dir() == tmp_path / "c"  # lptrain's own variable first
     monkeypatch.delenv("LPTRAIN_CACHE_DIR")
+    assert default_cache_dir() == tmp_path / "xdg" / "lptrain"  # then the XDG base directory
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")  # the spec: relative ones are ignored
     assert default_cache_dir() == Path("~/.cache/lptrain").expanduser()
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert default_cache_dir() == Path("~/.cache/lptrain").expanduser()
+
+
+def test_each_cap_is_its_own_cached_dataset(tmp_path: Path) -> None:
+    """Content-addressed names: two caps are two datasets, and preparing one never touches the
+    files of the other (a reader of the first keeps its inode, size and mtime)."""
+    small = ensure_builtin_dataset("python-stdlib", tmp_path, max_bytes=CAP)
+    stamp = [(p.stat().st_ino, p.stat().st_size, p.stat().st_mtime_ns)
+             for p in (Path(f"{small}.bin"), idx_path(small))]
+    big = ensure_builtin_dataset("python-stdlib", tmp_path, max_bytes=2 * CAP)
+    assert big != small and Path(small).name.startswith("python-stdlib-byte-")
+    assert [(p.stat().st_ino, p.stat().st_size, p.stat().st_mtime_ns)
+            for p in (Path(f"{small}.bin"), idx_path(small))] == stamp
+    assert len(IndexedDataset(big)) > len(IndexedDataset(small))
+    assert ensure_builtin_dataset("python-stdlib", tmp_path, max_bytes=CAP) == small  # reused
+    # no temp files left behind: each name was written to a temp file and renamed
+    assert not [p.name for p in tmp_path.iterdir() if ".tmp" in p.name]
+
+
+def test_loader_uses_xdg_cache_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lptrain.config.schema import DataConfig
+    from lptrain.data.loader import resolve_prefixes
+
+    monkeypatch.delenv("LPTRAIN_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    (prefix,) = resolve_prefixes(DataConfig(builtin_max_mb=CAP / 1e6))
+    assert Path(prefix).parent == tmp_path / "xdg" / "lptrain"
 
 
 def _app() -> typer.Typer:
@@ -137,7 +169,7 @@ def test_cli_builtin_into_cache(tmp_path: Path) -> None:
          "--no-progress"],
     )
     assert res.exit_code == 0, res.output
-    assert f"built-in dataset python-stdlib ready at {tmp_path / 'python-stdlib-byte'}" in res.output
+    assert f"built-in dataset python-stdlib ready at {tmp_path / 'python-stdlib-byte-'}" in res.output
     res = CliRunner().invoke(_app(), ["prepare-data", "--builtin", "nope", "--output", str(tmp_path / "n")])
     assert res.exit_code == 2 and "unknown built-in dataset 'nope'" in res.output
 
@@ -156,5 +188,5 @@ def test_loader_builds_builtin_into_env_cache(tmp_path: Path, monkeypatch: pytes
 
     monkeypatch.setenv("LPTRAIN_CACHE_DIR", str(tmp_path / "envcache"))
     tr, va = build_train_valid_loaders(DataConfig(builtin_max_mb=CAP / 1e6), 32, 2, 4, 0, 1, 259)
-    assert (tmp_path / "envcache" / "python-stdlib-byte.idx").is_file()
+    assert len(list((tmp_path / "envcache").glob("python-stdlib-byte-*.idx"))) == 1
     assert va is not None and next(tr)["tokens"].shape == (2, 32)

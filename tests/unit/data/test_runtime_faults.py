@@ -39,13 +39,12 @@ def _header_span(raw: bytes) -> tuple[int, int]:
 
 def test_every_single_bit_flip_in_the_header_is_refused(tmp_path: Path) -> None:
     """One bit flipped at each header byte (bit = byte index mod 8): refused with DataError,
-    except inside the checksum's own key name (the rest of the header is then intact, so
-    the per-field checks accept it, correctly)."""
+    inside the checksum's own key name too (issue 43: ``headar_blake2b`` made the index look
+    unsigned, and its header went unverified)."""
     prefix = _ds(tmp_path)
     good = idx_path(prefix).read_bytes()
     start, end = _header_span(good)
     key_at = good.index(f'"{HEADER_CHECKSUM_KEY}"'.encode())
-    key_bytes = range(key_at + 1, key_at + 1 + len(HEADER_CHECKSUM_KEY))
     accepted = []
     for pos in range(0, end):
         raw = bytearray(good)
@@ -57,8 +56,16 @@ def test_every_single_bit_flip_in_the_header_is_refused(tmp_path: Path) -> None:
             assert "\n" not in str(e) and "ds.idx" in str(e), str(e)
             continue
         accepted.append(pos)
-    assert all(p in key_bytes for p in accepted), [(p, chr(good[p])) for p in accepted]
+    assert accepted == [], [(p, chr(good[p])) for p in accepted]
     assert start < key_at < end
+
+
+def test_renamed_checksum_key_is_refused_naming_it(tmp_path: Path) -> None:
+    prefix = _ds(tmp_path)
+    raw = idx_path(prefix).read_bytes()
+    idx_path(prefix).write_bytes(raw.replace(b'"header_blake2b"', b'"headar_blake2b"'))
+    with pytest.raises(DataError, match="field 'headar_blake2b' is not one lptrain writes"):
+        read_index(prefix)
 
 
 def _unsigned(prefix: Path, **changes: object) -> None:
