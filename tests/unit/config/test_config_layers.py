@@ -14,7 +14,7 @@ from lptrain.cli import app
 from lptrain.config import World, check, load
 from lptrain.config.layers import check_composed, set_in
 
-SM100_DP8 = World(dp=8, target="sm100", te_version="2.19", cuda=True, cuda_version="12.9")
+SM100_DP8 = World(dp=8, target="sm100", te_version="2.19", cuda=True, cuda_version="13.3")
 # The command: the bf16 baseline of an FP8 recipe, as Megatron accepts it.
 BASELINE = ["precision.fp8_format=null", "precision.fp8_param_gather=false",
             "ddp.reuse_grad_buf_for_mxfp8_param_ag=false"]
