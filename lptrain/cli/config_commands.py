@@ -40,7 +40,7 @@ def validate_config(
     from lptrain.config.check import check
 
     composed = load_recipe(recipe, overrides)
-    world = detect_world(dp, target, te_version)
+    world = detect_world(dp, target, te_version).for_config(composed.cfg)
     violations = check(composed.cfg, world)
     raise typer.Exit(report_violations(violations, Path(recipe).name, world, as_json))
 

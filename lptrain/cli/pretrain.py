@@ -66,7 +66,8 @@ def pretrain(
     composed = load_recipe(recipe, all_overrides)
     rank, env_world, _ = world_from_env()
     spawn = nproc_per_node > 1 and env_world == 1 and not dry_run
-    world = detect_world(dp or (nproc_per_node if spawn else None), target, te_version)
+    world = detect_world(dp, target, te_version,
+                         ranks=nproc_per_node if spawn and dp is None else None).for_config(composed.cfg)
     violations = check(composed.cfg, world)
     if has_errors(violations):
         report_violations(violations, Path(recipe).name, world, as_json=False)

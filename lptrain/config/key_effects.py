@@ -47,6 +47,16 @@ LATER_KEYS: dict[str, LaterEffect] = {
         "delayed scaling: max over the history or the most recent amax (from the third step on)",
         "tests/unit/precision/test_delayed.py::test_history_roll_and_max_vs_most_recent",
         "amax_compute_algo"),
+    "model.tensor_model_parallel_size": LaterEffect(
+        "splits the GEMM layers over that many ranks (a world of one rank cannot build it)",
+        "tests/dist/test_tensor_parallel.py::test_tp2_forward_backward_matches_tp1"),
+    "model.sequence_parallel": LaterEffect(
+        "with TP > 1: norms and residuals on sequence shards, all-gather / reduce-scatter "
+        "around the TP GEMMs",
+        "tests/dist/test_tensor_parallel.py::test_tp2_forward_backward_matches_tp1"),
+    "optimizer.muon.tp_mode": LaterEffect(
+        "with TP > 1: how Newton-Schulz gets whole matrices (the same update either way)",
+        "tests/dist/test_tp_muon.py::test_duplicated_and_distributed_modes_give_identical_updates"),
     "ddp.average_in_collective": LaterEffect(
         "at dp > 1: average after the reduction instead of scaling before it",
         f"{_LATER}::test_average_in_collective_moves_the_scaling"),
