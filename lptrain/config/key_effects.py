@@ -56,7 +56,7 @@ LATER_KEYS: dict[str, LaterEffect] = {
         "tests/dist/test_tensor_parallel.py::test_tp2_forward_backward_matches_tp1"),
     "optimizer.muon.tp_mode": LaterEffect(
         "with TP > 1: how Newton-Schulz gets whole matrices (the same update either way)",
-        "tests/dist/test_tp_muon.py::test_duplicated_and_distributed_modes_give_identical_updates"),
+        "tests/dist/test_tp_training.py::test_duplicated_and_distributed_modes_give_identical_updates"),
     "ddp.average_in_collective": LaterEffect(
         "at dp > 1: average after the reduction instead of scaling before it",
         f"{_LATER}::test_average_in_collective_moves_the_scaling"),

@@ -150,3 +150,8 @@ def run_recipes(rank: int, world: int, cases: Sequence[str], sequence_parallel: 
     with ctx:
         return {c: run_layers(c.split("+")[0], sequence_parallel, primary=c.endswith("+primary"))
                 for c in cases}
+
+
+def run_all(rank: int, world: int, plan: dict[str, tuple[Sequence[str], bool, str]]) -> dict[str, Any]:
+    """Several :func:`run_recipes` calls in one world: ``{name: (cases, sp, without_fix)}``."""
+    return {name: run_recipes(rank, world, *args) for name, args in plan.items()}

@@ -31,7 +31,7 @@ import torch
 from lptrain.testing.dist import run_distributed
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _tp_bytes_cases import CASES, STEPS, run_recipes  # noqa: E402
+from _tp_bytes_cases import CASES, STEPS, run_all, run_recipes  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
@@ -42,16 +42,20 @@ SPLIT = {("col", "weight"), ("col", "grad"), ("row", "weight"), ("row", "input")
 
 @pytest.fixture(scope="module")
 def runs() -> dict[str, Any]:
-    def spawn(sp: bool, cases: list[str], without: str = "") -> list[dict[str, Any]]:
-        return run_distributed(run_recipes, TP, args=(cases, sp, without), timeout_s=300)
-
-    return {
-        "ref": run_recipes(0, 1, CASES, False),
-        "tp": spawn(False, CASES),
-        "sp": spawn(True, CASES),
-        "no_delayed_fix": spawn(False, ["delayed"], "delayed"),
-        "no_tensorwise_fix": spawn(False, ["tensorwise", "tensorwise+primary"], "tensorwise"),
+    plan = {
+        "tp": (CASES, False, ""),
+        "sp": (CASES, True, ""),
+        "no_delayed_fix": (["delayed"], False, "delayed"),
+        "no_tensorwise_fix": (["tensorwise", "tensorwise+primary"], False, "tensorwise"),
     }
+    ranks = run_distributed(run_all, TP, args=(plan,), timeout_s=300)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ref = run_recipes(0, 1, CASES, False)
+    finally:
+        torch.set_num_threads(threads)
+    return {"ref": ref, **{name: [r[name] for r in ranks] for name in plan}}
 
 
 def _slice_differences(whole: dict[str, torch.Tensor], shard: dict[str, torch.Tensor], rank: int) -> list[str]:

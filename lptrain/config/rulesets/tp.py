@@ -30,20 +30,22 @@ def _groups(c: LPTrainConfig) -> int:
     return m.num_query_groups if m.num_query_groups is not None else m.num_attention_heads
 
 
-def tp_split_dims(c: LPTrainConfig) -> list[tuple[str, str, int]]:
-    """``(key, what, per-rank size)`` of every quantized GEMM dimension a tensor-parallel
-    split cuts (dense layers; MoE experts are whole on every TP rank)."""
+def tp_split_dims(c: LPTrainConfig) -> list[tuple[str, str, int, str]]:
+    """``(key, what, per-rank size, the whole size that must be a multiple)`` of every
+    quantized GEMM dimension a tensor-parallel split cuts (dense layers; MoE experts are whole
+    on every TP rank)."""
     m, tp = c.model, tp_size(c)
     if m.num_attention_heads < 1 or m.hidden_size % m.num_attention_heads or _groups(c) < 1:
         return []  # MODEL-HEADS reports it
     head_dim = m.hidden_size // m.num_attention_heads
     qkv_rows = (m.num_attention_heads + 2 * _groups(c)) * head_dim
-    out = [("model.hidden_size", "linear_proj input columns (hidden_size / TP)", m.hidden_size // tp),
+    out = [("model.hidden_size", "linear_proj input columns (hidden_size / TP)", m.hidden_size // tp,
+            "model.hidden_size"),
            ("model.num_query_groups", "linear_qkv output rows ((heads + 2 kv heads) x head_dim / TP)",
-            qkv_rows // tp)]
+            qkv_rows // tp, "(num_attention_heads + 2 x num_query_groups) x head_dim")]
     if m.ffn_hidden_size and has_dense_mlp(c):
         out.append(("model.ffn_hidden_size", "linear_fc1 gate/up rows and linear_fc2 input columns "
-                    "(ffn_hidden_size / TP)", m.ffn_hidden_size // tp))
+                    "(ffn_hidden_size / TP)", m.ffn_hidden_size // tp, "model.ffn_hidden_size"))
     return out
 
 
@@ -85,12 +87,12 @@ def _blocks_bad(c: LPTrainConfig, w: World) -> dict[str, Any]:
     tp = tp_size(c)
     if tp <= 1 or spec is None or not runs(c, spec) or spec.block <= 1:
         return {}
-    bad = [(key, what, n) for key, what, n in tp_split_dims(c) if n % spec.block]
+    bad = [d for d in tp_split_dims(c) if d[2] % spec.block]
     if not bad:
         return {}
-    detail = "; ".join(f"{what} = {n} is not a multiple of {spec.block}" for _, what, n in bad)
-    fixes = ", ".join(dict.fromkeys(f"{key} to a multiple of {spec.block * tp}" for key, _, _ in bad))
-    return {"keys": (*dict.fromkeys(k for k, _, _ in bad), recipe_key(c), "model.tensor_model_parallel_size"),
+    detail = "; ".join(f"{what} = {n} is not a multiple of {spec.block}" for _, what, n, _ in bad)
+    fixes = ", ".join(dict.fromkeys(f"{whole} a multiple of {spec.block * tp}" for *_, whole in bad))
+    return {"keys": (*dict.fromkeys(k for k, *_ in bad), recipe_key(c), "model.tensor_model_parallel_size"),
             "detail": detail, "block": spec.block, "recipe": spec.name, "fixes": fixes}
 
 
@@ -202,7 +204,7 @@ RULES = [
         message="the {recipe} recipe quantizes in blocks of {block} along each GEMM dimension, and "
                 "a tensor-parallel split must fall on a block boundary or its shards' blocks (and "
                 "so their bytes) differ from the whole tensor's: {detail}",
-        fix="set {fixes}, or lower model.tensor_model_parallel_size",
+        fix="make {fixes}, or lower model.tensor_model_parallel_size",
         condition=f"for every GEMM dimension a TP split cuts: (size / TP) % block == 0 ({_BLOCKED}; "
                   "per-tensor recipes reduce their amax over TP instead)",
         why="a shard boundary inside a quantization block gives that block two scales, so the "
