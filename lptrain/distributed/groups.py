@@ -41,7 +41,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from lptrain.catalog.parallel_dims import EXPERT_ORDER, ParallelDims, ParallelSizeError
+from lptrain.catalog.parallel_dims import EXPERT_ORDER, ParallelDims
 
 
 @dataclass
@@ -137,10 +137,7 @@ def _check_sizes(world: int, num_instances: int, ep: int, tp: int = 1) -> Parall
             key="model.moe.expert_model_parallel_size",
             fix="lower one of them (rule EP-INSTANCES-DIVIDE-WORLD)",
         )
-    try:
-        return ParallelDims.from_world(world, tp=tp, ep=ep)
-    except ParallelSizeError as err:  # (the checks above cover every case it raises for)
-        raise ConfigError(str(err), key="model.tensor_model_parallel_size") from err
+    return ParallelDims.from_world(world, tp=tp, ep=ep)  # (the checks above cover its refusals)
 
 
 def _new_groups(rank: int, all_ranks: list[list[int]]) -> Group:

@@ -181,26 +181,26 @@ class _GatherSequence(torch.autograd.Function):
     grad of the whole sequence is partial: the sum is the shard's full grad)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
-        ctx.group = group
-        return all_gather_dim(x, group)
+    def forward(ctx: Any, x: torch.Tensor, group: Any, dim: int) -> torch.Tensor:  # type: ignore[override]
+        ctx.group, ctx.dim = group, dim
+        return all_gather_dim(x, group, dim)
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        return reduce_scatter_dim(g, ctx.group), None
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        return reduce_scatter_dim(g, ctx.group, ctx.dim), None, None
 
 
 class _ReduceScatterSequence(torch.autograd.Function):
     """Forward: reduce-scatter partial outputs into sequence shards; backward: all-gather."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
-        ctx.group = group
-        return reduce_scatter_dim(x, group)
+    def forward(ctx: Any, x: torch.Tensor, group: Any, dim: int) -> torch.Tensor:  # type: ignore[override]
+        ctx.group, ctx.dim = group, dim
+        return reduce_scatter_dim(x, group, dim)
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        return all_gather_dim(g, ctx.group), None
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        return all_gather_dim(g, ctx.group, ctx.dim), None, None
 
 
 class _GatherLastDim(torch.autograd.Function):
@@ -239,12 +239,12 @@ def reduce_from_tp(x: torch.Tensor, group: Any) -> torch.Tensor:
     return _ReduceFromTP.apply(x, group) if group.active else x
 
 
-def gather_sequence(x: torch.Tensor, group: Any) -> torch.Tensor:
-    return _GatherSequence.apply(x, group) if group.active else x
+def gather_sequence(x: torch.Tensor, group: Any, dim: int = SEQ_DIM) -> torch.Tensor:
+    return _GatherSequence.apply(x, group, dim) if group.active else x
 
 
-def reduce_scatter_sequence(x: torch.Tensor, group: Any) -> torch.Tensor:
-    return _ReduceScatterSequence.apply(x, group) if group.active else x
+def reduce_scatter_sequence(x: torch.Tensor, group: Any, dim: int = SEQ_DIM) -> torch.Tensor:
+    return _ReduceScatterSequence.apply(x, group, dim) if group.active else x
 
 
 def gather_last_dim(x: torch.Tensor, group: Any) -> torch.Tensor:

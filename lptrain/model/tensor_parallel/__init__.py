@@ -50,7 +50,8 @@ from lptrain.model.tensor_parallel.vocab import (
 )
 from lptrain.precision.tensor_parallel import TPShard, sliced_init
 
-__all__ = ["TP_PLAN", "ShardingFactory", "build_parallel", "parallelize", "plan_style"]
+__all__ = ["TP_PLAN", "ShardingFactory", "build_parallel", "parallelize", "plan_style",
+           "whole_parameter_count"]
 
 # canonical layer name -> (parallel mode, chunks of the split dimension)
 TP_PLAN: tuple[tuple[re.Pattern[str], str, int], ...] = (
@@ -137,3 +138,22 @@ def parallelize(model: GPTModel, group: ProcessGroup, sequence_parallel: bool) -
                     setattr(parent, attr, TPRMSNorm(child, group))
     model.tensor_parallel_group = group
     model.sequence_parallel = sequence_parallel
+
+
+def whole_parameter_count(model: nn.Module) -> int:
+    """The single-rank model's parameter count, from one tensor-parallel rank's model: each
+    shard counted as its whole tensor (the vocab rows at their single-rank padding)."""
+    total = 0
+    for p in model.parameters():
+        shard = getattr(p, "tp_shard", None)
+        if shard is None:
+            total += p.numel()
+            continue
+        shape = list(shard.whole_shape(p.shape))
+        if shard.canonical_size is not None:
+            shape[shard.layout.dim] = shard.canonical_size
+        n = 1
+        for s in shape:
+            n *= s
+        total += n
+    return total

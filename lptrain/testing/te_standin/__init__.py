@@ -69,9 +69,10 @@ def _linear_cls(v: tuple[int, ...]) -> type:
     class Linear(M.Linear):  # ``name`` arrived in 2.3
         def __init__(self, in_features: int, out_features: int, bias: bool = True,
                      init_method: Any = None, params_dtype: Any = None,
-                     fuse_wgrad_accumulation: bool = False, device: Any = "cuda") -> None:
+                     fuse_wgrad_accumulation: bool = False, device: Any = "cuda",
+                     **tensor_parallel: Any) -> None:  # (TE's tp_group, tp_size, ... : every release)
             super().__init__(in_features, out_features, bias, init_method, params_dtype,
-                             fuse_wgrad_accumulation, device)
+                             fuse_wgrad_accumulation, device, **tensor_parallel)
 
     return Linear
 
