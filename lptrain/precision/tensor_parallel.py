@@ -113,8 +113,21 @@ def _record(kind: str, whole: torch.Tensor, activation: bool = True) -> None:
         t.add(kind, whole, activation)
 
 
+def _leading(x: torch.Tensor, dim: int) -> bool:
+    """Whether ``dim`` is effectively the leading one (every dim before it has size 1): the
+    rank-ordered blocks of a flat collective are then slices along ``dim`` as they are."""
+    return all(n == 1 for n in x.shape[:dim])
+
+
 def all_gather_dim(x: torch.Tensor, group: Any, dim: int = SEQ_DIM) -> torch.Tensor:
     """Every rank's ``x`` concatenated along ``dim`` in rank order (no autograd)."""
+    if _leading(x, dim):
+        shape = list(x.shape)
+        shape[dim] *= group.size
+        out = x.new_empty(shape)
+        _record("all_gather", out)
+        all_gather_flat(out.view(-1), x.contiguous().view(-1), group=group.pg)
+        return out
     parts = x.movedim(dim, 0).contiguous()
     out = parts.new_empty((group.size * parts.shape[0], *parts.shape[1:]))
     _record("all_gather", out)
@@ -124,10 +137,18 @@ def all_gather_dim(x: torch.Tensor, group: Any, dim: int = SEQ_DIM) -> torch.Ten
 
 def reduce_scatter_dim(x: torch.Tensor, group: Any, dim: int = SEQ_DIM) -> torch.Tensor:
     """This rank's equal slice along ``dim`` of the SUM of every rank's ``x`` (no autograd)."""
-    whole = x.movedim(dim, 0).contiguous()
-    if whole.shape[0] % group.size:
-        raise ValueError(f"dimension {dim} of size {whole.shape[0]} does not split over "
+    if x.shape[dim] % group.size:
+        raise ValueError(f"dimension {dim} of size {x.shape[dim]} does not split over "
                          f"{group.size} tensor-parallel ranks")
+    if _leading(x, dim):
+        shape = list(x.shape)
+        shape[dim] //= group.size
+        whole = x.contiguous()
+        out = x.new_empty(shape)
+        _record("reduce_scatter", whole)
+        reduce_scatter_flat(out.view(-1), whole.view(-1), group=group.pg)
+        return out
+    whole = x.movedim(dim, 0).contiguous()
     out = whole.new_empty((whole.shape[0] // group.size, *whole.shape[1:]))
     _record("reduce_scatter", whole)
     reduce_scatter_flat(out, whole, group=group.pg)
