@@ -18,10 +18,9 @@ RECIPES = ["tiny_cpu.yaml", "bf16_adamw_cpu.yaml", "fp8_blockwise_cpu.yaml", "fp
            "nvfp4_adamw_cpu.yaml"]
 # TP 2 x DP 2 against DP 2 (a 4-rank world on 2 cores is the slowest part): the recipes whose
 # data-parallel engine differs per TP rank -- dense AdamW buffers, expert buffers reduced over
-# expert-DP (which spans TP), the layer-wise Muon over DP at each TP rank, NVFP4 primary
-# weights gathered as bf16 and requantized with the TP amax reduction, FP8 bytes param gather
-DP_RECIPES = ["tiny_cpu.yaml", "fp8_blockwise_cpu.yaml", "moe_mxfp8_cpu.yaml", "mxfp8_muon_cpu.yaml",
-              "nvfp4_adamw_cpu.yaml"]
+# expert-DP (which spans TP), the layer-wise Muon over DP at each TP rank; ZeRO-2/3 and the
+# FP8/FP4 param gathers per TP rank are ENGINE_VARIANTS (bitwise against their off switches)
+DP_RECIPES = ["tiny_cpu.yaml", "moe_mxfp8_cpu.yaml", "mxfp8_muon_cpu.yaml"]
 STEPS = 10
 # 2 sequences of 64 tokens per micro-batch, 4 per step: one micro-batch per data-parallel rank
 # at DP 2, two at DP 1 (the same global batch, the same samples, at every size)
@@ -96,11 +95,33 @@ def world2(rank: int, world: int, root: str) -> dict[str, Any]:
     return out
 
 
+DISTOPT = ["ddp.use_distributed_optimizer=true"]
+# the data-parallel engine's options, each against its own off switch, at TP 2 x DP 2 (3 steps)
+ENGINE_VARIANTS = {
+    "optim": DISTOPT,
+    "optim_grads": ["ddp.data_parallel_sharding_strategy=optim_grads"],
+    "optim_grads_params": ["ddp.data_parallel_sharding_strategy=optim_grads_params", "ddp.overlap_grad_reduce=true",
+                           "ddp.overlap_param_gather=true", "ddp.bucket_size=20000"],
+    "fp8_pg_off": [*DISTOPT, "precision.fp8_format=e4m3", "precision.fp8_recipe=tensorwise"],
+    "fp8_pg_on": [*DISTOPT, "precision.fp8_format=e4m3", "precision.fp8_recipe=tensorwise",
+                  "precision.fp8_param_gather=true"],
+    "fp4_pg_off": [*DISTOPT, "precision.fp4_format=e2m1"],
+    "fp4_pg_on": [*DISTOPT, "precision.fp4_format=e2m1", "precision.fp4_param_gather=true"],
+}
+
+
 def world4(rank: int, world: int, root: str) -> dict[str, Any]:
-    """TP 2 x DP 2 losses of every recipe, the straight TP 2 x DP 2 run, the resume of the
-    TP 2 save at TP 2 x DP 2, and a TP 2 x DP 2 save for the parent's TP 1 resume."""
+    """TP 2 x DP 2 losses of every recipe, the data-parallel engine's options per TP rank, the
+    straight TP 2 x DP 2 run, the resume of the TP 2 save at TP 2 x DP 2, and a TP 2 x DP 2
+    save for the parent's TP 1 resume."""
+    from lptrain.testing.parity import train_steps
+
     base = Path(root)
     out: dict[str, Any] = {"tp2dp2": {r: losses(r, TP2) for r in DP_RECIPES}}
+    out["engine"] = {}
+    for name, ov in ENGINE_VARIANTS.items():
+        r = train_steps("tiny_cpu.yaml", [*SMALL, *TP2, *ov], steps=3)
+        out["engine"][name] = {"losses": r["losses"], "grad_norms": r["grad_norms"], "masters": r["masters"]}
     half = f"train.exit_interval={CKPT_STEPS // 2}"
     pretrain_run(base / "tp2dp2_straight", *TP2)
     pretrain_run(base / "from_tp2", *TP2)  # a copy of the TP 2 half run, resumed at TP 2 x DP 2

@@ -112,6 +112,19 @@ def test_duplicated_and_distributed_modes_give_identical_updates(runs: dict[str,
         assert r["muon_losses"][0] == r["muon_losses"][1]
 
 
+@pytest.mark.parametrize(("a", "b"), [("optim_grads", "optim"), ("optim_grads_params", "optim"),
+                                      ("fp8_pg_on", "fp8_pg_off"), ("fp4_pg_on", "fp4_pg_off")])
+def test_zero_and_quantized_param_gather_per_tp_rank_are_bitwise(runs: dict[str, Any], a: str, b: str) -> None:
+    """At TP 2 x DP 2 the data-parallel engine runs over DP at each TP rank: ZeRO-2 and ZeRO-3
+    (overlapped, prefetching) train bitwise like ZeRO-1, and FP8 (tensorwise: bytes gathered
+    after the DP and TP amax reductions) and FP4 (NVFP4: bf16 gathered, requantized with the
+    TP reduction) primary weights bitwise like quantizing bf16 params in the forward."""
+    from lptrain.testing.parity import first_difference
+
+    for r in runs["four"]:
+        assert first_difference(r["engine"][a], r["engine"][b]) is None, (a, b)
+
+
 def _final_state(folder: Path, rank: int, world: int) -> dict[str, Any]:
     from lptrain.checkpoint import find_checkpoints, load_checkpoint
 
