@@ -98,13 +98,10 @@ class _TEModule(nn.Module):
 
     # ---- quantizer state --------------------------------------------------------------------
 
-    def _amax_reduction(self) -> dict[str, Any]:
-        return {}
-
     def _state(self, emu_recipe: Any) -> _ops.QuantState:
         st = self._states.get(id(emu_recipe))
         if st is None:
-            st = _ops.QuantState(emu_recipe, self._members, self._amax_reduction())
+            st = _ops.QuantState(emu_recipe, self._members, _sp_amax_reduction(self))
             self._states[id(emu_recipe)] = st
             if self._pending_extra is not None:
                 self._load_scaling(st, self._pending_extra)
@@ -202,6 +199,15 @@ class _Meta:
                              if states else torch.empty(0))
 
 
+def _sp_amax_reduction(module: Any) -> dict[str, Any]:
+    """TE's current-scaling amax reductions of a sequence-parallel layer: the gathered input of
+    a column-parallel one, the output grad of a row-parallel one (not the weight: TE quantizes
+    a weight shard with its own amax); none for any other module."""
+    if not getattr(module, "sequence_parallel", False):
+        return {}
+    return {"input" if module.parallel_mode == "column" else "grad": module.tp_group}
+
+
 def _group_size(pg: Any) -> int:
     import torch.distributed as dist
 
@@ -283,13 +289,6 @@ class Linear(_TEModule):
         self._end_forward()
         return y + self.bias.to(y.dtype) if self.bias is not None else y
 
-    def _amax_reduction(self) -> dict[str, Any]:
-        """TE's current-scaling amax reductions of a sequence-parallel layer: the gathered
-        input of a column-parallel one, the output grad of a row-parallel one (not the
-        weight: TE quantizes a weight shard with its own amax)."""
-        if not self.sequence_parallel:
-            return {}
-        return {"input" if self.parallel_mode == "column" else "grad": self.tp_group}
 
 
 class GroupedLinear(_TEModule):
