@@ -82,6 +82,13 @@ class RecipeSpec:
     # Per-expert token padding on that path when larger than ``grouped_alignment`` (TE's
     # grouped MXFP8 quantization needs each group's rows to be a multiple of 128).
     grouped_tensor_alignment: Optional[int] = None
+    # Longest quantization block along a GEMM dimension (1: one scale per tensor). A
+    # tensor-parallel shard boundary must fall on a multiple of it, or the shard's blocks
+    # differ from the whole tensor's (rule TP-BLOCK-BOUNDARY).
+    block: int = 1
+    # One fp32 scale (or second-level scale) per tensor from its amax: a tensor-parallel
+    # shard needs the MAX of its shards' amaxes (reduced over the tensor-parallel group).
+    per_tensor_amax: bool = False
 
     @property
     def keys(self) -> FormatFamily:
@@ -95,14 +102,14 @@ RECIPES: tuple[RecipeSpec, ...] = (
         name="delayed", family="fp8", formats=_FP8, alignment=16, grouped_alignment=16,
         min_sm=89, min_te="2.2", te_recipe_class="DelayedScaling",
         te_fields=("margin", "amax_history_len", "amax_compute_algo"),
-        emulated_recipe_class="DelayedScaling", amax_history=True,
+        emulated_recipe_class="DelayedScaling", amax_history=True, per_tensor_amax=True,
     ),
     RecipeSpec(
         name="tensorwise", family="fp8", formats=_FP8, alignment=16, grouped_alignment=16,
         min_sm=89, min_te="2.2", te_recipe_class="Float8CurrentScaling",
         grouped_tensor_path=((90, 99, "13.5"), (100, 110, None)),
         te_power_2_attr="use_power_2_scales", emulated_recipe_class="TensorwiseScaling",
-        current_amax=True,
+        current_amax=True, per_tensor_amax=True,
     ),
     RecipeSpec(
         # TE 2.3-2.8 run Float8BlockScaling on Hopper only; 2.9 adds Blackwell (through MXFP8
@@ -111,7 +118,7 @@ RECIPES: tuple[RecipeSpec, ...] = (
         min_sm=90, min_te="2.3", min_te_from_sm=((100, "2.9"),), min_cuda="12.9",
         grouped_tensor_path=((90, 99, "13.6"),),
         te_recipe_class="Float8BlockScaling", emulated_recipe_class="BlockwiseScaling",
-        current_amax=True,
+        current_amax=True, block=128,
     ),
     RecipeSpec(
         # TE refuses MXFP8 from compute capability 12.0 on ("not supported on 12.0+
@@ -119,14 +126,14 @@ RECIPES: tuple[RecipeSpec, ...] = (
         name="mxfp8", family="fp8", formats=_FP8, alignment=32, grouped_alignment=32,
         min_sm=100, unsupported_from_sm=120, min_te="2.2", te_recipe_class="MXFP8BlockScaling",
         grouped_tensor_path=((100, 110, None),), grouped_tensor_alignment=128,
-        emulated_recipe_class="MXFP8Scaling",
+        emulated_recipe_class="MXFP8Scaling", block=32,
     ),
     RecipeSpec(
         name="nvfp4", family="fp4", formats=("e2m1",), alignment=32, grouped_alignment=128,
         min_sm=100, min_te="2.8", te_recipe_class="NVFP4BlockScaling",
         grouped_tensor_path=((100, 110, None),),  # and only with the RHT on
         te_fields=("disable_rht", "disable_stochastic_rounding", "disable_2d_quantization"),
-        emulated_recipe_class="NVFP4Scaling",
+        emulated_recipe_class="NVFP4Scaling", block=16, per_tensor_amax=True,
     ),
 )
 

@@ -43,7 +43,8 @@ RECIPE_HELP = (
     "repo's recipes/; anything with a '/' is a path."
 )
 OVERRIDES_HELP = "Overrides as dotted key=value (e.g. model.num_layers=4 precision.fp8_format=e4m3); last wins."
-DP_HELP = "Data-parallel size to check for (default: $WORLD_SIZE or 1)."
+DP_HELP = ("Data-parallel size to check for; the world is model.tensor_model_parallel_size x it "
+           "(default: $WORLD_SIZE ranks, or 1 data-parallel rank).")
 TARGET_HELP = (
     "Hardware to check for (a GPU target assumes CUDA and a recent Transformer Engine); "
     "default: this machine."
@@ -79,15 +80,17 @@ def load_recipe(recipe: str, overrides: Optional[list[str]]) -> Composed:
 
 
 def detect_world(dp: Optional[int], target: Optional[Target], te_version: Optional[str],
-                 cuda_version: Optional[str] = None) -> World:
+                 cuda_version: Optional[str] = None, ranks: Optional[int] = None) -> World:
     """The world to check for: this machine unless ``--dp``/``--target``/``--te-version``/
-    ``--cuda-version`` say."""
+    ``--cuda-version`` say (``ranks``: a launch's rank count, e.g. ``--nproc-per-node``).
+    ``--dp`` is the data-parallel size: the world is the model-parallel sizes times it
+    (:meth:`World.for_config`)."""
     from lptrain.config.world import World, check_version
 
     if cuda_version is not None:
         cuda_version = check_version(cuda_version, key="--cuda-version")
     return World.detect(dp=dp, target=target.value if target else None, te_version=te_version,
-                        cuda_version=cuda_version)
+                        cuda_version=cuda_version, ranks=ranks)
 
 
 def violations_table(violations: list[Violation], title: str) -> Table:
@@ -119,6 +122,8 @@ def report_violations(violations: list[Violation], name: str, world: World, as_j
         typer.echo(json.dumps(payload, indent=2))
         return 1 if errors else 0
     where = f"target {world.target}, dp {world.dp}"
+    if world.ranks is not None and world.ranks != world.dp:  # model parallelism: say the world too
+        where += f", {world.ranks} ranks"
     n_err = sum(v.severity == "error" for v in violations)
     n_warn = len(violations) - n_err
     out = console()

@@ -42,7 +42,7 @@ def validate_config(
     from lptrain.config.layers import check_composed
 
     composed = load_recipe(recipe, overrides)
-    world = detect_world(dp, target, te_version, cuda_version)
+    world = detect_world(dp, target, te_version, cuda_version).for_config(composed.cfg)
     violations = check_composed(composed, world)
     raise typer.Exit(report_violations(violations, Path(recipe).name, world, as_json))
 

@@ -91,7 +91,7 @@ def plot(estimate: MemoryEstimate, path: Path, title: str) -> None:
 def estimate_memory_cmd(
     overrides: Optional[list[str]] = OverridesArg,
     recipe: str = typer.Option(..., "--recipe", "-r", help=RECIPE_HELP),
-    dp: int = typer.Option(1, "--dp", min=1, help=DP_HELP.replace(" (default: $WORLD_SIZE or 1)", "")),
+    dp: int = typer.Option(1, "--dp", min=1, help=DP_HELP.split(" (default:")[0] + "."),
     target: Optional[Target] = typer.Option(
         None, "--target", case_sensitive=False,
         help="Hardware to plan for (default: the recipe's meta.target, else cpu)."),
@@ -116,7 +116,7 @@ def estimate_memory_cmd(
 
     composed = load_recipe(recipe, overrides)
     tgt = target.value if target else (composed.meta.target or "cpu")
-    world = World.detect(dp=dp, target=tgt)
+    world = World.detect(dp=dp, target=tgt).for_config(composed.cfg)
     violations = check_composed(composed, world)
     if has_errors(violations):
         report_violations(violations, Path(recipe).name, world, as_json=False)

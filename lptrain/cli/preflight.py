@@ -198,6 +198,8 @@ def dry_run(cfg: LPTrainConfig, world: Optional[World] = None) -> DryRunReport:
 
     from lptrain.data.loader import build_streams
     from lptrain.model.build import build_model
+    from lptrain.model.process_group import SINGLE_RANK, ShapeOnlyGroup
+    from lptrain.model.tensor_parallel import whole_parameter_count
 
     build_cfg = cfg
     skipped = bool(cfg.precision.fp8_param_gather or cfg.precision.fp4_param_gather)
@@ -212,9 +214,10 @@ def dry_run(cfg: LPTrainConfig, world: Optional[World] = None) -> DryRunReport:
 
             stack.enter_context(virtual_gpu(world.target, te=cfg.precision.backend == "te",
                                             te_version=world.te_version))
-        with torch.device("meta"):
-            model = build_model(build_cfg)
-        params = sum(p.numel() for p in model.parameters())
+        tp = build_cfg.model.tensor_model_parallel_size
+        with torch.device("meta"):  # (tensor parallel: rank 0's shards, shapes only)
+            model = build_model(build_cfg, tensor_parallel_group=ShapeOnlyGroup(tp) if tp > 1 else SINGLE_RANK)
+        params = whole_parameter_count(model)
         del model
     train, valid = build_streams(cfg.data, cfg.model.seq_length, cfg.model.vocab_size)
     hf = None

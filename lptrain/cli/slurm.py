@@ -167,9 +167,9 @@ def _refuse_invalid(composed: Composed, recipe: str, world_size: int, target: st
     from lptrain.config.layers import check_composed
     from lptrain.config.world import World
 
-    # No tensor/pipeline/context parallelism: every rank is a data-parallel rank, and
-    # expert parallelism splits the experts inside that data-parallel group.
-    world = World.detect(dp=world_size, target=target)
+    # The job's rank count: the data-parallel size is what tensor parallelism leaves of it
+    # (World.for_config), and expert parallelism splits the experts over the world.
+    world = World.detect(ranks=world_size, target=target).for_config(composed.cfg)
     violations = check_composed(composed, world) + launch_violations(composed.cfg, world_size)
     if violations:
         with contextlib.redirect_stdout(sys.stderr):

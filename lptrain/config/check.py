@@ -33,6 +33,7 @@ def check(cfg: LPTrainConfig, world: World, rules: list[Rule] | None = None) -> 
     fault), only the specific one is reported; it lists the keys of both.
     """
     cfg = derive(cfg, world)
+    world = world.for_config(cfg)  # dp and the rank count, settled for the model-parallel sizes
     out: list[Violation] = []
     for rule in rules if rules is not None else all_rules():
         if rule.severity == "derived":

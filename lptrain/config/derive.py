@@ -25,6 +25,7 @@ def default_bucket_size(dp: int) -> int:
 def derive(cfg: LPTrainConfig, world: World) -> LPTrainConfig:
     """A copy of ``cfg`` with derived values filled in (explicit values are kept)."""
     out = copy.deepcopy(cfg)
+    world = world.for_config(out)  # the data-parallel size at this tensor-parallel size
     prec, ddp, opt, model = out.precision, out.ddp, out.optimizer, out.model
 
     # precision.backend=auto: Transformer Engine only for a quantized recipe that TE supports

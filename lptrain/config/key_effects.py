@@ -51,6 +51,16 @@ LATER_KEYS: dict[str, LaterEffect] = {
         "at dp > 1: how long a collective waits for its peers, and a rank may make no progress, "
         "before the job stops naming the rank",
         "tests/e2e/test_faults_hang.py::test_hung_rank_is_named_and_the_job_exits_3"),
+    "model.tensor_model_parallel_size": LaterEffect(
+        "splits the GEMM layers over that many ranks (a world of one rank cannot build it)",
+        "tests/dist/test_tensor_parallel.py::test_tp2_forward_backward_matches_tp1"),
+    "model.sequence_parallel": LaterEffect(
+        "with TP > 1: norms and residuals on sequence shards, all-gather / reduce-scatter "
+        "around the TP GEMMs",
+        "tests/dist/test_tensor_parallel.py::test_tp2_forward_backward_matches_tp1"),
+    "optimizer.muon.tp_mode": LaterEffect(
+        "with TP > 1: how Newton-Schulz gets whole matrices (the same update either way)",
+        "tests/dist/test_tp_training.py::test_duplicated_and_distributed_modes_give_identical_updates"),
     "ddp.average_in_collective": LaterEffect(
         "at dp > 1: average after the reduction instead of scaling before it",
         f"{_LATER}::test_average_in_collective_moves_the_scaling"),

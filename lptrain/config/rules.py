@@ -178,10 +178,11 @@ def all_rules() -> list[Rule]:
         muon,
         precision,
         ranges,
+        tp,
     )
 
-    return [*precision.RULES, *ddp.RULES, *muon.RULES, *moe.RULES, *ep.RULES, *model.RULES, *choices.RULES,
-            *ranges.RULES, *data.RULES, *loop.RULES, *inert.RULES]
+    return [*precision.RULES, *ddp.RULES, *muon.RULES, *moe.RULES, *ep.RULES, *tp.RULES, *model.RULES,
+            *choices.RULES, *ranges.RULES, *data.RULES, *loop.RULES, *inert.RULES]
 
 
 def rule_ids() -> list[str]:

@@ -81,6 +81,7 @@ RECOMPUTE_GRANULARITIES = (None, "selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
 RECOMPUTE_MODULES = ("core_attn", "mlp_act", "mlp")
 SHARDING_TYPES = ("dp_reshardable", "fully_reshardable", "fully_sharded_model_space")
+MUON_TP_MODES = ("duplicated", "distributed")
 WANDB_MODES = ("online", "offline", "disabled")
 
 
@@ -118,6 +119,10 @@ class MoEConfig:
     )
     bias_update_rate: float = opt(1e-3, "Step size of the aux-loss-free expert bias update.")
     expert_model_parallel_size: int = opt(1, "Expert-parallel group size (experts split across ranks).")
+    expert_tensor_parallel_size: int = opt(
+        1, "Expert tensor-parallel size: 1 (experts are whole on every tensor-parallel rank, "
+        "which routes its own sequence shard's tokens); larger sizes are not built."
+    )
 
 
 @dataclass
@@ -141,6 +146,16 @@ class ModelConfig:
     )
     tie_embeddings: bool = opt(False, "Share the token embedding and the output head weight.")
     init_method_std: float = opt(0.02, "Std of the normal weight initialisation.")
+    tensor_model_parallel_size: int = opt(
+        1, "Tensor-parallel size: QKV/fc1 split by output rows, proj/fc2 by input columns, "
+        "embedding and output head by vocab rows over this many consecutive ranks (the world "
+        "is this x the data-parallel size)."
+    )
+    sequence_parallel: bool = opt(
+        False, "Sequence parallelism (needs tensor_model_parallel_size > 1): norms, residuals "
+        "and the MoE router run on 1/TP of the sequence; all-gather / reduce-scatter around "
+        "the tensor-parallel GEMMs instead of all-reduces."
+    )
     recompute_granularity: Optional[str] = choice(
         None, RECOMPUTE_GRANULARITIES, "Activation recompute: {choices}.",
         {None: "off", "selective": "the recompute_modules of every layer",
@@ -248,6 +263,13 @@ class MuonConfig:
     )
     extra_scale_factor: float = opt(1.0, "Extra multiplier on the orthogonalized update.")
     split_qkv: bool = opt(True, "Orthogonalize Q, K and V separately.")
+    tp_mode: str = choice(
+        "duplicated", MUON_TP_MODES,
+        "Newton-Schulz of a tensor-parallel matrix (tensor_model_parallel_size > 1): {choices}; "
+        "both give the same update.",
+        {"duplicated": "all-gather the shards, every TP rank orthogonalizes, keeps its slice",
+         "distributed": "one TP rank per matrix orthogonalizes, then scatters the slices"},
+    )
     scalar_optimizer: str = choice(
         "adamw", SCALAR_OPTIMIZERS,
         "Optimizer for the params Muon does not take (embeddings, output head, norms): {choices}.",

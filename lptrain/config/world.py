@@ -3,6 +3,13 @@
 Read from the running environment, or given explicitly (``--dp``, ``--target``,
 ``--te-version``) so a config can be checked for a cluster from a laptop. Detection avoids
 importing torch when there is visibly no NVIDIA driver, to keep ``validate-config`` fast.
+
+A world is known either by its data-parallel size (``--dp N``: the world is then
+``tensor_model_parallel_size x N`` ranks) or by its rank count (``$WORLD_SIZE`` of a launched
+rank, ``--nproc-per-node``: the data-parallel size is then ``ranks / TP``).
+:meth:`World.for_config` settles the other number from the config's parallel sizes; the
+checker and ``derive`` call it, so every rule reads ``world.dp`` as the data-parallel size and
+``world.ranks`` as the world size (:mod:`lptrain.catalog.parallel_dims` has the arithmetic).
 """
 
 from __future__ import annotations
@@ -11,7 +18,7 @@ import importlib.metadata
 import os
 import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
@@ -33,7 +40,7 @@ _CUBLAS_DISTRIBUTIONS = ("nvidia-cublas", "nvidia-cublas-cu13", "nvidia-cublas-c
 class World:
     """Facts about where the run happens that rules may depend on."""
 
-    dp: int = 1
+    dp: int = 1  # data-parallel size
     target: str = "cpu"
     te_version: Optional[str] = None
     cuda: bool = False
@@ -47,6 +54,23 @@ class World:
     def cublaslt_version(self) -> Optional[str]:
         """The cuBLASLt version TE's GEMMs would see (cuBLAS ships with its CUDA toolkit)."""
         return self.cublas_version or self.cuda_version
+    # Total ranks when the launch fixes them ($WORLD_SIZE, --nproc-per-node); None: model-
+    # parallel sizes x dp (set by for_config).
+    ranks: Optional[int] = None
+
+    @property
+    def world_size(self) -> int:
+        """Total ranks (known after :meth:`for_config`; ``dp`` before it)."""
+        return self.ranks if self.ranks is not None else self.dp
+
+    def for_config(self, cfg: object) -> World:
+        """This world with both sizes settled for ``cfg``'s model-parallel sizes (idempotent):
+        a known rank count gives ``dp = ranks / TP`` (rounded down; LAUNCH-TP-DIVIDES-WORLD
+        reports a remainder), a known ``dp`` gives ``ranks = TP x dp``."""
+        tp = max(1, int(getattr(getattr(cfg, "model", None), "tensor_model_parallel_size", 1) or 1))
+        if self.ranks is None:
+            return replace(self, ranks=self.dp * tp)
+        return replace(self, dp=max(1, self.ranks // tp))
 
     @property
     def sm(self) -> int:
@@ -60,32 +84,37 @@ class World:
         target: Optional[str] = None,
         te_version: Optional[str] = None,
         cuda_version: Optional[str] = None,
+        ranks: Optional[int] = None,
     ) -> World:
         """Explicit values win; the rest comes from the environment.
 
+        ``dp`` is the data-parallel size (``--dp``), ``ranks`` the total rank count of a
+        launch (``--nproc-per-node``); with neither, ``$WORLD_SIZE`` (a launched rank) gives
+        the rank count, else one data-parallel rank.
         A given GPU ``target`` means "checking for a cluster": CUDA is assumed present at
         ``cuda_version`` or :data:`ASSUMED_CUDA_VERSION`, and Transformer Engine at
         ``te_version`` or :data:`ASSUMED_TE_VERSION`. ``cuda_version`` also checks this
         machine as if its CUDA (and cuBLAS) were that version.
         """
-        if dp is None:
-            dp = _env_int("WORLD_SIZE", 1)
+        if dp is None and ranks is None and "WORLD_SIZE" in os.environ:
+            ranks = _env_int("WORLD_SIZE", 1)
+        sizes = {"dp": dp or 1, "ranks": ranks if dp is None else None}
         if te_version is not None:
             te_version = check_version(te_version)
         if target is not None:
             if target not in TARGETS:
                 raise ValueError(f"unknown target {target!r}; choose from {', '.join(TARGETS)}")
             if target == "cpu":
-                return cls(dp=dp, target="cpu", te_version=te_version, cuda=False)
-            return cls(dp=dp, target=target, te_version=te_version or ASSUMED_TE_VERSION, cuda=True,
-                       cuda_version=cuda_version or ASSUMED_CUDA_VERSION)
+                return cls(target="cpu", te_version=te_version, cuda=False, **sizes)
+            return cls(target=target, te_version=te_version or ASSUMED_TE_VERSION, cuda=True,
+                       cuda_version=cuda_version or ASSUMED_CUDA_VERSION, **sizes)
         env_target = _detect_gpu_target()
         installed = te_version or installed_te_version()
         if env_target is None:
-            return cls(dp=dp, target="cpu", te_version=installed, cuda=False)
-        return cls(dp=dp, target=env_target, te_version=installed, cuda=True,
+            return cls(target="cpu", te_version=installed, cuda=False, **sizes)
+        return cls(target=env_target, te_version=installed, cuda=True,
                    cuda_version=cuda_version or _torch_cuda_version(),
-                   cublas_version=None if cuda_version else installed_cublas_version())
+                   cublas_version=None if cuda_version else installed_cublas_version(), **sizes)
 
 
 def sm_number(target: str) -> int:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Optional, Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 
-from lptrain.distributed.collectives import all_gather_flat, reduce_scatter_flat
+from lptrain.precision.collectives import all_gather_flat, reduce_scatter_flat
 
 if TYPE_CHECKING:
     from lptrain.distributed.buffers import ParamAndGradBuffer

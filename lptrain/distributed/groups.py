@@ -1,6 +1,17 @@
-"""Process groups of a data-parallel run, created in one place.
+"""Process groups of a run, created in one place from :class:`ParallelDims`' rank lists.
 
-* ``dp``: every data-parallel rank (gradients of dense params are averaged over it).
+Which ranks form each group is :mod:`lptrain.catalog.parallel_dims`' arithmetic (tensor
+parallelism innermost, then data parallelism; the expert layers re-read the same ranks with
+expert parallelism innermost); this module only creates the groups, collectively, and keeps
+this rank's handle of each together with the dims (:class:`ParallelGroups`: the one object
+the engine, the model's parallelize step, the optimizers and the checkpoint code read).
+
+* ``tp``: the tensor-parallel group, ``TP`` consecutive ranks holding the shards of one model
+  copy (the model's tensor-parallel collectives and the TP amax reductions run over it);
+* ``dp``: the data-parallel ranks at this tensor-parallel rank (gradients of dense params are
+  averaged over it; the whole world without tensor parallelism);
+* ``tp_dp``: tensor x data parallel (the whole world while pipeline and context parallelism
+  are 1): per-step decisions every rank must take alike (a non-finite gradient, the loss);
 * ``intra``: the ranks of one distributed-optimizer instance (``ddp.num_distributed_optimizer_
   instances`` splits ``dp`` into that many consecutive blocks); buckets are reduce-scattered
   and params all-gathered inside it.
@@ -9,10 +20,11 @@
 * ``ep``: the expert-parallel group, ``model.moe.expert_model_parallel_size`` consecutive ranks
   that split the experts between them (the token dispatcher's all-to-all runs over it);
 * ``expert_dp``: ranks holding the same experts (``world / EP`` ranks ``r % EP + j * EP``; equal
-  to ``dp`` without expert parallelism); ``expert_intra`` / ``expert_inter`` split it by the
-  optimizer instances exactly as ``intra`` / ``inter`` split ``dp`` (an instance, a block of
-  ``world / instances`` consecutive ranks, must hold whole EP groups: ``EP * instances``
-  divides the world).
+  to ``dp`` without expert or tensor parallelism; it spans the tensor-parallel ranks, which
+  hold the same experts and route different sequence shards); ``expert_intra`` /
+  ``expert_inter`` split it by the optimizer instances exactly as ``intra`` / ``inter`` split
+  ``dp`` (an instance, a block of ``world / instances`` consecutive ranks, must hold whole EP
+  groups: ``EP * instances`` divides the world).
 
 The MoE layers get the EP group when the model is built
 (``build_model(..., expert_parallel_group=groups.ep)``): a process group cannot travel
@@ -28,6 +40,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch.distributed as dist
+
+from lptrain.catalog.parallel_dims import EXPERT_ORDER, ParallelDims
 
 
 @dataclass
@@ -70,10 +84,18 @@ class ParallelGroups:
     expert_intra: Optional[Group] = None  # None: the dense groups (no expert parallelism)
     expert_inter: Optional[Group] = None
     ep: Group = field(default_factory=lambda: SINGLE)  # expert-parallel group (different experts)
+    tp: Group = field(default_factory=lambda: SINGLE)  # tensor-parallel group (shards of one copy)
+    tp_dp: Optional[Group] = None  # None: dp (no tensor parallelism)
+    dims: ParallelDims = field(default_factory=ParallelDims)
 
     @property
     def instances(self) -> int:
         return self.inter.size
+
+    @property
+    def everyone(self) -> Group:
+        """The tensor x data parallel group (``dp`` without tensor parallelism)."""
+        return self.tp_dp if self.tp_dp is not None else self.dp
 
     def for_buffer(self, is_expert: bool) -> BufferGroups:
         """Dense buffers reduce over the data-parallel groups, expert buffers over the
@@ -83,15 +105,24 @@ class ParallelGroups:
         return BufferGroups(self.intra, self.inter, self.dp.size)
 
 
-def _check_sizes(world: int, num_instances: int, ep: int) -> None:
+def _check_sizes(world: int, num_instances: int, ep: int, tp: int = 1) -> ParallelDims:
+    """The dims of this world; a :class:`ConfigError` naming the key when the sizes do not
+    tile it (the rules report the same before a run starts)."""
     from lptrain.config.errors import ConfigError
 
-    if num_instances < 1 or world % num_instances:
+    if tp < 1 or world % tp:
+        raise ConfigError(
+            f"model.tensor_model_parallel_size={tp} must divide the world size {world}",
+            key="model.tensor_model_parallel_size",
+            fix=f"set it to a divisor of {world} (rule LAUNCH-TP-DIVIDES-WORLD)",
+        )
+    dp = world // tp
+    if num_instances < 1 or dp % num_instances:
         raise ConfigError(
             f"ddp.num_distributed_optimizer_instances={num_instances} must divide the "
-            f"data-parallel size {world}",
+            f"data-parallel size {dp}",
             key="ddp.num_distributed_optimizer_instances",
-            fix=f"set it to a divisor of {world}",
+            fix=f"set it to a divisor of {dp}",
         )
     if ep < 1 or world % ep:
         raise ConfigError(
@@ -106,10 +137,14 @@ def _check_sizes(world: int, num_instances: int, ep: int) -> None:
             key="model.moe.expert_model_parallel_size",
             fix="lower one of them (rule EP-INSTANCES-DIVIDE-WORLD)",
         )
+    return ParallelDims.from_world(world, tp=tp, ep=ep)  # (the checks above cover its refusals)
 
 
 def _new_groups(rank: int, all_ranks: list[list[int]]) -> Group:
-    """Create every group of a partition (collectively, same order everywhere); this rank's."""
+    """Create every group of a partition (collectively, same order everywhere); this rank's.
+    A partition into one group of the whole world reuses the world group."""
+    if len(all_ranks) == 1 and dist.is_initialized() and len(all_ranks[0]) == dist.get_world_size():
+        return Group(dist.group.WORLD, len(all_ranks[0]), all_ranks[0].index(rank))
     mine = SINGLE
     for ranks in all_ranks:
         pg = dist.new_group(ranks)
@@ -118,32 +153,33 @@ def _new_groups(rank: int, all_ranks: list[list[int]]) -> Group:
     return mine
 
 
-def build_groups(num_instances: int = 1, ep: int = 1) -> ParallelGroups:
+def build_groups(num_instances: int = 1, ep: int = 1, tp: int = 1,
+                 sequence_parallel: bool = False) -> ParallelGroups:
     """Create (collectively, on every rank) the groups described in the module doc."""
     if not (dist.is_available() and dist.is_initialized()):
-        _check_sizes(1, num_instances, ep)
-        return ParallelGroups(0, 1, SINGLE, SINGLE, SINGLE, SINGLE)
+        dims = _check_sizes(1, num_instances, ep, tp)
+        return ParallelGroups(0, 1, SINGLE, SINGLE, SINGLE, SINGLE, dims=dims)
     world, rank = dist.get_world_size(), dist.get_rank()
-    _check_sizes(world, num_instances, ep)
-    dp = Group(dist.group.WORLD, world, rank)
-    per = world // num_instances
+    dims = _check_sizes(world, num_instances, ep, tp)
+    dims = ParallelDims(tp=dims.tp, dp=dims.dp, ep=dims.ep, sequence_parallel=sequence_parallel)
+    tp_group = _new_groups(rank, dims.group_ranks("tp")) if tp > 1 else SINGLE
+    dp = _new_groups(rank, dims.group_ranks("dp"))
+    tp_dp = _new_groups(rank, dims.group_ranks("tp", "dp")) if tp > 1 else None
     if num_instances == 1:
         intra, inter = dp, SINGLE
     else:
-        intra = _new_groups(rank, [list(range(i * per, (i + 1) * per)) for i in range(num_instances)])
-        inter = _new_groups(rank, [list(range(j, world, per)) for j in range(per)])
-    if ep == 1:
-        return ParallelGroups(rank, world, dp, intra, inter, dp)
-    ep_group = _new_groups(rank, [list(range(k, k + ep)) for k in range(0, world, ep)])
-    expert_dp = _new_groups(rank, [list(range(e, world, ep)) for e in range(ep)])
-    # Expert-dp ranks r % EP + j * EP, split by instance (block of `per` consecutive ranks).
-    intra_sets = [list(range(i * per + e, (i + 1) * per, ep)) for i in range(num_instances) for e in range(ep)]
-    expert_intra = _new_groups(rank, intra_sets) if num_instances > 1 else expert_dp
-    expert_inter = SINGLE
+        intra_sets, inter_sets = dims.instance_groups(num_instances)
+        intra, inter = _new_groups(rank, intra_sets), _new_groups(rank, inter_sets)
+    if ep == 1 and tp == 1:
+        return ParallelGroups(rank, world, dp, intra, inter, dp, dims=dims)
+    ep_group = _new_groups(rank, dims.group_ranks("ep", order=EXPERT_ORDER)) if ep > 1 else SINGLE
+    expert_dp = _new_groups(rank, dims.group_ranks("edp", order=EXPERT_ORDER))
+    expert_intra, expert_inter = expert_dp, SINGLE
     if num_instances > 1:
-        inter_sets = [list(range(e + q * ep, world, per)) for e in range(ep) for q in range(per // ep)]
-        expert_inter = _new_groups(rank, inter_sets)
+        e_intra, e_inter = dims.instance_groups(num_instances, expert=True)
+        expert_intra, expert_inter = _new_groups(rank, e_intra), _new_groups(rank, e_inter)
     return ParallelGroups(
         rank, world, dp, intra, inter, expert_dp,
         expert_intra=expert_intra, expert_inter=expert_inter, ep=ep_group,
+        tp=tp_group, tp_dp=tp_dp, dims=dims,
     )

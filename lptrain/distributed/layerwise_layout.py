@@ -37,6 +37,7 @@ from lptrain.distributed.layout import (
     align_up,
     layout_one_buffer,
     param_specs,
+    shard_count,
 )
 
 PADDED_SHARD_CAP = 1.3  # a shard may fill up to 1.3x the bucket's mean shard load
@@ -88,6 +89,7 @@ def plan_layer_wise_layout(
     bucket_size: Optional[int],
     sharded: bool,
     param_layout: str = "compact",
+    expert_dp: Optional[int] = None,
 ) -> BufferLayout:
     """Like :func:`plan_layout` (same grouping and non-Muon buffers), with Muon buffers in
     the ``compact`` (no padding, replicated grads) or ``padded`` (shard-aligned whole params)
@@ -103,12 +105,13 @@ def plan_layer_wise_layout(
         by_key.setdefault(s.key, []).append(s)
     buffers = []
     for i, (key, group) in enumerate(by_key.items()):
+        d = shard_count(key, dp, expert_dp)
         if key.is_muon and param_layout == "padded":
-            buffers.append(_layout_padded_buffer(group, i, bucket_size=bucket_size, dp=dp))
+            buffers.append(_layout_padded_buffer(group, i, bucket_size=bucket_size, dp=d))
         else:
             buffers.append(
                 layout_one_buffer(
-                    group, i, bucket_size=bucket_size, dp=dp, sharded=sharded and not key.is_muon
+                    group, i, bucket_size=bucket_size, dp=d, sharded=sharded and not key.is_muon
                 )
             )
     return BufferLayout(buffers=buffers, dp=dp, strategy="optim" if sharded else "no_shard")

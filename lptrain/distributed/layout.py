@@ -273,14 +273,23 @@ def layout_one_buffer(
     return out
 
 
+def shard_count(key: BufferKey, dp: int, expert_dp: Optional[int]) -> int:
+    """The ranks a buffer's buckets are sharded over: ``dp``, or ``expert_dp`` for expert
+    buffers when it is given (the expert-data-parallel group, which spans the tensor-parallel
+    ranks and differs from ``dp`` under tensor or expert parallelism)."""
+    return expert_dp if key.is_expert and expert_dp else dp
+
+
 def plan_layout(
-    specs: Sequence[ParamSpec], *, dp: int, bucket_size: Optional[int], sharded: bool
+    specs: Sequence[ParamSpec], *, dp: int, bucket_size: Optional[int], sharded: bool,
+    expert_dp: Optional[int] = None,
 ) -> BufferLayout:
     """Group ``specs`` (in registration order) into buffers and buckets; allocates nothing.
 
     ``sharded`` (the distributed optimizer) applies to every buffer except Muon's: Newton-
     Schulz needs whole matrices, so Muon buffers use the compact layout (no padding, grads
-    all-reduced, whole params per rank).
+    all-reduced, whole params per rank). Expert buffers are padded for ``expert_dp`` shards
+    (:func:`shard_count`).
     """
     if dp < 1:
         raise ValueError(f"dp must be >= 1, got {dp}")
@@ -289,7 +298,8 @@ def plan_layout(
         by_key.setdefault(s.key, []).append(s)
     buffers = [
         layout_one_buffer(
-            group, i, bucket_size=bucket_size, dp=dp, sharded=sharded and not key.is_muon
+            group, i, bucket_size=bucket_size, dp=shard_count(key, dp, expert_dp),
+            sharded=sharded and not key.is_muon,
         )
         for i, (key, group) in enumerate(by_key.items())
     ]
@@ -324,21 +334,24 @@ def param_specs(
     return out
 
 
-def plan_run_layout(cfg: Any, specs: Sequence[ParamSpec], dp: int) -> BufferLayout:
+def plan_run_layout(cfg: Any, specs: Sequence[ParamSpec], dp: int,
+                    expert_dp: Optional[int] = None) -> BufferLayout:
     """The layout a run uses (``cfg``: an ``LPTrainConfig``): the layer-wise Muon layout when
     ``optimizer.use_layer_wise_optimizer``, else :func:`plan_layout`, with the sharding
     strategy's grad and param sharding marked on its sharded buffers. The engine and the
-    memory planner both call this, so they cannot choose differently."""
+    memory planner both call this, so they cannot choose differently. ``dp`` / ``expert_dp``:
+    the shard counts of the dense and expert buffers (one optimizer instance's groups)."""
     if cfg.optimizer.use_layer_wise_optimizer:
         from lptrain.distributed.layerwise_layout import plan_layer_wise_layout
 
         layout = plan_layer_wise_layout(
             specs, dp=dp, bucket_size=cfg.ddp.bucket_size, sharded=cfg.ddp.use_distributed_optimizer,
-            param_layout=cfg.optimizer.layer_wise_param_layout,
+            param_layout=cfg.optimizer.layer_wise_param_layout, expert_dp=expert_dp,
         )
     else:
         layout = plan_layout(
-            specs, dp=dp, bucket_size=cfg.ddp.bucket_size, sharded=cfg.ddp.use_distributed_optimizer
+            specs, dp=dp, bucket_size=cfg.ddp.bucket_size, sharded=cfg.ddp.use_distributed_optimizer,
+            expert_dp=expert_dp,
         )
     return with_strategy(layout, cfg.ddp.data_parallel_sharding_strategy)
 

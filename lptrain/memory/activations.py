@@ -25,6 +25,16 @@ layer's input (``a*h``) stays, plus one layer's activations while it is recomput
 
 ``tests/unit/memory/test_estimate_memory.py`` holds the result to 25% of the bytes a CPU forward
 really leaves allocated (torch.profiler's memory timeline).
+
+**Tensor and sequence parallelism** (``t`` ranks) split each term by where it lives, as
+Megatron-LM's activation formula does (per layer, ``s b h (34 + 5 a s / h)`` bytes at one
+rank; ``s b h (10 + 24/t + 5 a s / (h t))`` with TP; all of it ``/ t`` with TP + SP): the
+terms of the split heads and the split FFN width (attention, SwiGLU, the fc2 and proj inputs,
+the vocab logits) are ``/ t``; the norms, the residual stream and the layer inputs are whole
+on every rank without SP and ``/ t`` with it (sequence shards). The QKV and fc1 inputs are the
+all-gathered sequence under SP: Transformer Engine keeps only its shard and gathers again in
+the backward (``/ t``); the emulated layers keep the gathered input (whole). MoE layers run on
+the sequence shard (SP is required with TP): all ``/ t``.
 """
 
 from __future__ import annotations
@@ -36,10 +46,24 @@ import torch
 from lptrain.config.schema import LPTrainConfig
 
 
+class TPShares:
+    """How tensor (and sequence) parallelism divides each kind of activation on one rank."""
+
+    def __init__(self, cfg: LPTrainConfig) -> None:
+        m = cfg.model
+        self.t = max(1, m.tensor_model_parallel_size)
+        sp = m.sequence_parallel and self.t > 1
+        self.sharded = 1.0 / self.t  # split heads, FFN width, vocab
+        self.sequence = 1.0 / self.t if sp else 1.0  # norms, residuals, layer inputs
+        # the gathered QKV / fc1 input: TE keeps its sequence shard, the emulation the whole
+        self.gathered = 1.0 / self.t if sp and cfg.precision.backend == "te" else 1.0
+
+
 def _layer_terms(
     cfg: LPTrainConfig, a: int, quantized: bool, quantizers: Optional[Any], moe: bool
 ) -> float:
-    """Bytes per token of one transformer layer."""
+    """Bytes per token of one transformer layer on one rank (see :class:`TPShares`)."""
+    tp = TPShares(cfg)
     m = cfg.model
     h, n = m.hidden_size, m.num_attention_heads
     g = m.num_query_groups or n
@@ -62,8 +86,12 @@ def _layer_terms(
         attn += 8 * (n + g) * d + 4 * (n + g)
     if quantized:
         attn += gemm_in(n * d)  # the projection's own quantized copy of its input
-    layer = 2 * norm + gemm_in(h) + attn
-    return layer + _mlp_terms(cfg, a, gemm_in, moe)[0]
+    if moe:  # the block runs on the sequence shard (experts whole on every TP rank)
+        mlp = _mlp_terms(cfg, a, gemm_in, moe)[0] * tp.sequence
+        return 2 * norm * tp.sequence + gemm_in(h) * tp.gathered + attn * tp.sharded + mlp
+    layer = 2 * norm * tp.sequence + gemm_in(h) * tp.gathered + attn * tp.sharded
+    mlp_in = gemm_in(h)
+    return layer + mlp_in * tp.gathered + (_mlp_terms(cfg, a, gemm_in, moe)[0] - mlp_in) * tp.sharded
 
 
 def _mlp_terms(cfg: LPTrainConfig, a: int, gemm_in: Any, moe: bool) -> tuple[float, float]:
@@ -103,7 +131,8 @@ def _selective_saving(cfg: LPTrainConfig, a: int, quantized: bool, quantizers: O
         save += block - a * h
     elif "mlp_act" in modules:
         save += act - passes * a * 2 * f  # the region keeps [gate|up] in the activation dtype
-    return max(0.0, save)
+    tp = TPShares(cfg)  # heads and FFN width split; MoE layers on the sequence shard
+    return max(0.0, save) * (tp.sequence if moe else tp.sharded)
 
 
 def _layers(cfg: LPTrainConfig, model: torch.nn.Module, a: int, quantizers: Optional[Any],
@@ -131,12 +160,14 @@ def _peak_per_token(cfg: LPTrainConfig, a: int, per_layer: list[float], savings:
       (``8f``; ``router_topk`` of them in an MoE layer).
     """
     m = cfg.model
-    head = 8 * m.hidden_size + a * m.hidden_size + 4 * m.vocab_size
+    tp = TPShares(cfg)
+    vocab = 4 * m.vocab_size * tp.sharded  # fp32 logits over this rank's vocab columns
+    head = 8 * m.hidden_size * tp.sequence + a * m.hidden_size * tp.gathered + vocab
     f = m.ffn_hidden_size or 4 * m.hidden_size
+    grad = 8 * f * tp.sharded
     if m.moe.num_experts:
-        f = max(f, m.moe.router_topk * (m.moe.ffn_hidden_size or f))
-    grad = 8 * f
-    x = a * m.hidden_size  # a layer's (or chunk's) input
+        grad = max(grad, 8 * m.moe.router_topk * (m.moe.ffn_hidden_size or f) * tp.sequence)
+    x = a * m.hidden_size * tp.sequence  # a layer's (or chunk's) input
     n = len(per_layer)
     recompute = 0.0  # (no recompute: the backward's moment is the kept tensors')
     if granularity == "full" and n:
@@ -152,7 +183,7 @@ def _peak_per_token(cfg: LPTrainConfig, a: int, per_layer: list[float], savings:
         recompute = kept + max(savings)
     else:
         kept = sum(per_layer)
-    return max(kept + head + 4 * m.vocab_size, max(kept, recompute) + grad)
+    return max(kept + head + vocab, max(kept, recompute) + grad)
 
 
 def activation_bytes(

@@ -76,6 +76,7 @@ class MemoryEstimate:
     params: int
     layout_report: str
     notes: list[str] = field(default_factory=list)
+    tp: int = 1  # tensor-parallel size (the world is tp x dp ranks)
 
     @property
     def worst(self) -> RankMemory:
@@ -85,6 +86,7 @@ class MemoryEstimate:
         w = self.worst
         return {
             "dp": self.dp,
+            "tp": self.tp,
             "params": self.params,
             "worst_rank": w.rank,
             "bytes": dict(w.bytes),
@@ -184,12 +186,18 @@ class _Param:
     gemm_weight: bool
 
 
-def meta_model(cfg: LPTrainConfig, ep_rank: int = 0) -> torch.nn.Module:
-    """The run's model on the meta device (shapes and tags, no memory)."""
+def meta_model(cfg: LPTrainConfig, ep_rank: int = 0, tp_rank: int = 0) -> torch.nn.Module:
+    """The run's model on the meta device (shapes and tags, no memory): tensor-parallel rank
+    ``tp_rank``'s shards under ``model.tensor_model_parallel_size`` (every TP rank has the
+    same shapes)."""
     from lptrain.model.build import build_model
+    from lptrain.model.process_group import SINGLE_RANK, ShapeOnlyGroup
 
+    tp = max(1, cfg.model.tensor_model_parallel_size)
+    group = ShapeOnlyGroup(tp, tp_rank) if tp > 1 else SINGLE_RANK
     with torch.device("meta"):
-        return build_model(_planning_cfg(cfg), expert_model_parallel_rank=ep_rank)
+        return build_model(_planning_cfg(cfg), expert_model_parallel_rank=ep_rank,
+                           tensor_parallel_group=group)
 
 
 def _gemm_weights(model: torch.nn.Module) -> set[int]:
@@ -235,37 +243,46 @@ def _specs(
     return out, info
 
 
-def engine_layout(cfg: LPTrainConfig, specs: Sequence[ParamSpec], intra: int) -> BufferLayout:
+def engine_layout(cfg: LPTrainConfig, specs: Sequence[ParamSpec], intra: int,
+                  expert_intra: Optional[int] = None) -> BufferLayout:
     """The layout ``TrainEngine`` plans for these specs (the same function)."""
     from lptrain.distributed.layout import plan_run_layout
 
-    return plan_run_layout(cfg, specs, intra)
+    return plan_run_layout(cfg, specs, intra, expert_dp=expert_intra)
 
 
 # ---- per-rank accounting ------------------------------------------------------------------------
 
 
+def parallel_dims(cfg: LPTrainConfig, dp: int) -> Any:
+    """The run's :class:`~lptrain.catalog.parallel_dims.ParallelDims` at data-parallel size
+    ``dp`` (the world is ``tensor_model_parallel_size x dp``)."""
+    from lptrain.catalog.parallel_dims import ParallelDims
+
+    moe = cfg.model.moe
+    return ParallelDims(tp=max(1, cfg.model.tensor_model_parallel_size), dp=dp,
+                        ep=moe.expert_model_parallel_size if moe.num_experts else 1,
+                        sequence_parallel=cfg.model.sequence_parallel)
+
+
 def _group_sizes(cfg: LPTrainConfig, dp: int) -> tuple[int, int]:
-    """(dense intra size, expert intra size): the shard groups of dense and expert buffers."""
+    """(dense intra size, expert intra size): the shard groups of dense and expert buffers
+    (one optimizer instance's data-parallel ranks; expert-data-parallel spans the TP ranks)."""
     inst = max(1, cfg.ddp.num_distributed_optimizer_instances)
-    moe = cfg.model.moe
-    ep = moe.expert_model_parallel_size if moe.num_experts else 1
-    return dp // inst, max(1, dp // ep // inst)
-
-
-def _rank_in(group_size: int, rank: int, cfg: LPTrainConfig, dp: int, expert: bool) -> int:
-    """This rank's index in its buffer's shard group (consecutive blocks, as build_groups)."""
-    if not expert:
-        return rank % group_size
-    moe = cfg.model.moe
-    ep = moe.expert_model_parallel_size if moe.num_experts else 1
-    return (rank // ep) % group_size
+    dims = parallel_dims(cfg, dp)
+    return dp // inst, max(1, dims.edp // inst)
 
 
 def _sharding(cfg: LPTrainConfig, dp: int, rank: int) -> Sharding:
+    """Data-parallel rank ``rank`` (at tensor-parallel rank 0): its index in the dense and the
+    expert shard groups, from the rank arithmetic of :mod:`lptrain.catalog.parallel_dims`."""
+    from lptrain.catalog.parallel_dims import EXPERT_ORDER
+
     dense_n, expert_n = _group_sizes(cfg, dp)
-    return Sharding(dense_n, _rank_in(dense_n, rank, cfg, dp, False),
-                    expert_n, _rank_in(expert_n, rank, cfg, dp, True))
+    dims = parallel_dims(cfg, dp)
+    world_rank = dims.rank_of(dp=rank)
+    return Sharding(dense_n, rank % dense_n, expert_n,
+                    dims.coords(world_rank, EXPERT_ORDER)["edp"] % expert_n)
 
 
 def _optimizer_layout(cfg: LPTrainConfig, dp: int, layout: BufferLayout) -> OptimizerLayout:
@@ -344,13 +361,14 @@ def activation_dtype_bytes(cfg: LPTrainConfig, target: str) -> int:
 def estimate_memory(cfg: LPTrainConfig, dp: int, target: str = "cpu") -> MemoryEstimate:
     """Per-rank bytes of a derived ``cfg`` at data-parallel size ``dp`` on ``target``."""
     from lptrain.memory.activations import activation_bytes, configured_activation_bytes
+    from lptrain.model.tensor_parallel import whole_parameter_count
     from lptrain.precision.factory import recipe_from_config
 
     model = meta_model(cfg)
     quantizers = _Quantizers(cfg) if recipe_from_config(cfg.precision) is not None else None
     specs, info = _specs(cfg, model, quantizers if _quantized_primary(cfg) else None)
-    dense_n, _ = _group_sizes(cfg, dp)
-    layout = engine_layout(cfg, specs, dense_n)
+    dense_n, expert_n = _group_sizes(cfg, dp)
+    layout = engine_layout(cfg, specs, dense_n, expert_n)
     act_bytes = activation_dtype_bytes(cfg, target)
     _, acts_rc = activation_bytes(cfg, model, act_bytes, quantizers)
     acts = configured_activation_bytes(cfg, model, act_bytes, quantizers)
@@ -372,7 +390,11 @@ def estimate_memory(cfg: LPTrainConfig, dp: int, target: str = "cpu") -> MemoryE
         notes.append(f"{len(ranks)} of {dp} ranks evaluated (evenly spaced, first and last included)")
     if cfg.model.moe.num_experts:
         notes.append("MoE activations are estimated for perfectly balanced routing")
+    tp = max(1, cfg.model.tensor_model_parallel_size)
+    if tp > 1:
+        notes.append(f"tensor parallel {tp}{' + sequence parallel' if cfg.model.sequence_parallel else ''}: "
+                     f"{tp * dp} ranks; the figures are one rank's (its shards), params the whole model's")
     return MemoryEstimate(
         dp=dp, ranks=ranks, activations_recompute=acts_rc,
-        params=sum(p.numel for p in info), layout_report=layout.report(), notes=notes,
+        params=whole_parameter_count(model), layout_report=layout.report(), notes=notes, tp=tp,
     )

@@ -79,9 +79,10 @@ class SelfAttention(nn.Module):
         return [self.q_per_group * self.head_dim, self.head_dim, self.head_dim]
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
         g, qpg, hd = self.num_groups, self.q_per_group, self.head_dim
-        qkv = self.linear_qkv(x).to(x.dtype).view(b, s, g, qpg + 2, hd)
+        qkv = self.linear_qkv(x).to(x.dtype)
+        b, s = qkv.shape[:2]  # (the whole sequence also when x is a sequence shard)
+        qkv = qkv.view(b, s, g, qpg + 2, hd)
         q = qkv[:, :, :, :qpg].reshape(b, s, g * qpg, hd)  # head = g*qpg + j
         k = qkv[:, :, :, qpg]  # [b, s, g, hd]
         if self.q_layernorm is not None and self.k_layernorm is not None:

@@ -94,6 +94,7 @@ def build_model(
     *,
     expert_model_parallel_rank: int = 0,
     expert_parallel_group: ProcessGroup = SINGLE_RANK,
+    tensor_parallel_group: ProcessGroup = SINGLE_RANK,
     device: Union[str, torch.device, None] = None,
 ) -> GPTModel:
     """Build the tagged ``GPTModel`` with every parameter and buffer on the run's device.
@@ -108,6 +109,11 @@ def build_model(
     experts of a single-rank model; ``expert_parallel_group`` is the group of
     ``expert_model_parallel_size`` ranks the MoE layers exchange tokens over (needed to run
     a forward when EP > 1: the ``ep`` group of :func:`lptrain.distributed.groups.build_groups`).
+
+    ``tensor_parallel_group`` (``model.tensor_model_parallel_size`` ranks: the ``tp`` group of
+    ``build_groups``) makes this rank's tensor-parallel model through the parallelize step
+    (:mod:`lptrain.model.tensor_parallel`; sequence parallel with ``model.sequence_parallel``):
+    its shards equal the same slices of the single-rank model's weights.
 
     On the TE backend, layers built with fused wgrad accumulation
     (``train.gradient_accumulation_fusion``) read ``main_grad`` on each GEMM weight in their
@@ -124,6 +130,14 @@ def build_model(
     ep = cfg.model.moe.expert_model_parallel_size if cfg.model.moe.num_experts else 1
     if not 0 <= expert_model_parallel_rank < ep:
         raise ValueError(f"expert_model_parallel_rank {expert_model_parallel_rank} not in [0, {ep})")
+    tp = max(1, cfg.model.tensor_model_parallel_size)
+    if tensor_parallel_group.size != tp:
+        raise ValueError(
+            f"model.tensor_model_parallel_size={tp} but the tensor-parallel group has "
+            f"{tensor_parallel_group.size} rank(s); build the model with build_model(..., "
+            "tensor_parallel_group=groups.tp) (lptrain.distributed.groups.build_groups(..., tp=TP)), "
+            "as TrainEngine does"
+        )
     target = _target_device(cfg, device)
     te_backend = getattr(factory, "backend", "emulated") == "te"
     if te_backend and target.type not in ("cuda", "meta"):
@@ -142,7 +156,16 @@ def build_model(
         expert_parallel_group=expert_parallel_group,
     )
     compute_dtype = compute_dtype_for(target, dtype)
+
+    def construct() -> GPTModel:
+        if tp == 1:
+            return GPTModel(ctx, compute_dtype=compute_dtype)
+        from lptrain.model.tensor_parallel import build_parallel
+
+        return build_parallel(ctx, tensor_parallel_group, cfg.model.sequence_parallel,
+                              compute_dtype=compute_dtype)
+
     with torch.device(target):
-        model = GPTModel(ctx, compute_dtype=compute_dtype)
+        model = construct()
     tag_parameters(model)
     return model

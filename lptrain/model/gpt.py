@@ -16,6 +16,11 @@ The embedding and the output head are not quantized (Megatron keeps its output l
 of TE/FP8): on the CPU the head is an fp32 GEMM with the (possibly bf16) weight upcast; with
 16-bit activations it is a 16-bit GEMM (fp32 accumulation) whose logits are upcast for the
 fp32 loss, as Megatron's output layer.
+
+Tensor parallelism is not this module's business: the parallelize step
+(:mod:`lptrain.model.tensor_parallel`) builds the model against a factory that shards the
+planned GEMMs and then swaps the embedding, the head (``output_layer``, or ``tied_head`` for
+a tied one), the loss (``lm_loss``) and the norms for their tensor-parallel versions.
 """
 
 from __future__ import annotations
@@ -72,6 +77,30 @@ def head_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if x.dtype == torch.float32:
         return x @ weight.float().t()
     return F.linear(x, weight.to(x.dtype)).float()
+
+
+class TiedHead(nn.Module):
+    """The head of a tied model: the embedding's weight (already gathered before the first
+    layer), applied to the final hidden states. A module so the parallelize step can swap it."""
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return head_logits(x, weight)
+
+
+class LMLoss(nn.Module):
+    """Mean next-token cross-entropy over the real vocabulary (the padded rows' logits are cut
+    off), ``-100`` labels ignored; ``logits()`` gives the whole ``[b, s, vocab]`` logits."""
+
+    def __init__(self, vocab_size: int) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+
+    def logits(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits[..., : self.vocab_size] if logits.shape[-1] != self.vocab_size else logits
+
+    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.logits(logits)
+        return F.cross_entropy(logits.reshape(-1, self.vocab_size), labels.reshape(-1), ignore_index=-100)
 
 
 class TransformerLayer(nn.Module):
@@ -146,6 +175,8 @@ class GPTModel(nn.Module):
                     cfg.hidden_size, self.padded_vocab_size, bias=False, dtype=ctx.params_dtype
                 )
                 ctx.init("output_layer.weight", ctx.std)(self.output_layer.weight.data)
+            self.tied_head = TiedHead()
+            self.lm_loss = LMLoss(cfg.vocab_size)
 
     @property
     def device(self) -> torch.device:
@@ -177,12 +208,10 @@ class GPTModel(nn.Module):
         x = self.final_norm(x)
         x = x.float() if self.compute_dtype == torch.float32 else x
         # Tied: the embedding's weight, already gathered before the first layer.
-        logits = head_logits(x, self.embedding.weight) if self.output_layer is None else self.output_layer(x)
-        if self.padded_vocab_size != self.vocab_size:
-            logits = logits[..., : self.vocab_size]
+        logits = self.tied_head(x, self.embedding.weight) if self.output_layer is None else self.output_layer(x)
         if labels is None:
-            return logits
-        lm_loss = F.cross_entropy(logits.reshape(-1, self.vocab_size), labels.reshape(-1), ignore_index=-100)
+            return self.lm_loss.logits(logits)
+        lm_loss = self.lm_loss(logits, labels)
         loss = lm_loss + totals["load_balancing_loss"] + totals["z_loss"]
         aux = {"lm_loss": lm_loss.detach(), **{k: v.detach() for k, v in totals.items()}}
         return loss, aux

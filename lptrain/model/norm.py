@@ -18,4 +18,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).to(x.dtype)
+        return (y * self.scale().float()).to(x.dtype)
+
+    def scale(self) -> torch.Tensor:
+        """The weight as the forward uses it (the tensor-parallel norm sums its gradient)."""
+        return self.weight

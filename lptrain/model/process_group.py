@@ -49,3 +49,19 @@ class SingleRank:
 
 
 SINGLE_RANK = SingleRank()
+
+
+@dataclass(frozen=True)
+class ShapeOnlyGroup:
+    """Rank ``rank`` of a group of ``size`` that exists only to give a model its shapes: a
+    tensor-parallel model built on the meta device (the memory planner, a dry run) has this
+    rank's shard shapes without any process group. Any collective over it fails (``pg`` is
+    None): a meta build runs none."""
+
+    size: int
+    rank: int = 0
+    pg: None = None
+
+    @property
+    def active(self) -> bool:
+        return self.size > 1

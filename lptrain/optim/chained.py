@@ -101,19 +101,22 @@ class ChainedOptimizer:
 
 
 def build_optimizer(
-    buffers: Sequence[ParamAndGradBuffer], cfg: OptimizerConfig, ep: Group = SINGLE
+    buffers: Sequence[ParamAndGradBuffer], cfg: OptimizerConfig, ep: Group = SINGLE,
+    tp: Group = SINGLE,
 ) -> ChainedOptimizer:
     """The run's optimizer over the data-parallel engine's buffers: the layer-wise children
     (:func:`lptrain.optim.layerwise.build_layer_wise_children`) with
     ``optimizer.use_layer_wise_optimizer``, else a byte-sharded child over the dense buffers
-    and, for MoE models, one over the expert buffers (adding the norm over ``ep``)."""
+    and, for MoE models, one over the expert buffers (adding the norm over ``ep``). The dense
+    children add their norms over the tensor-parallel group ``tp`` (expert buffers already
+    reduce over it: the experts are whole on every TP rank)."""
     children: list[OptimizerChild]
     if cfg.use_layer_wise_optimizer:
-        children = build_layer_wise_children(buffers, cfg, ep=ep)
+        children = build_layer_wise_children(buffers, cfg, ep=ep, tp=tp)
     else:
         dense = [b for b in buffers if not b.key.is_expert]
         expert = [b for b in buffers if b.key.is_expert]
-        children = [ShardedMasterOptimizer(dense, cfg, label="dense")]
+        children = [ShardedMasterOptimizer(dense, cfg, label="dense", tp=tp)]
         if expert:
             children.append(ExpertShardedMasterOptimizer(expert, cfg, label="expert", ep=ep))
     return ChainedOptimizer(children, cfg.clip_grad)

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.distributed as dist
 
-from lptrain.distributed.collectives import all_gather_flat
 from lptrain.distributed.groups import Group
+from lptrain.precision.collectives import all_gather_flat
 from lptrain.precision.param_storage import load_parts_from_staging
 
 if TYPE_CHECKING:

@@ -123,8 +123,12 @@ class ShardedMasterOptimizer(MasterOptimizer):
         cfg: OptimizerConfig,
         *,
         label: str,
+        tp: Group = SINGLE,
     ) -> None:
         self.buffers = list(buffers)
+        # Tensor parallelism: the grad norm sums the tensor-parallel shards over ``tp`` and
+        # counts a replicated param (a norm, the router) once, on TP rank 0.
+        self.tp = tp
         # The shard group of these buffers (all of one optimizer share it: dense or expert).
         self.group: Group = self.buffers[0].groups.intra if self.buffers else SINGLE
         # where this optimizer's scalars live: its buffers' device (NCCL reduces CUDA tensors)
@@ -183,14 +187,23 @@ class ShardedMasterOptimizer(MasterOptimizer):
             if cpu:
                 norms = self._cpu_norms(want)
             else:
-                mine = [v for pc, g in zip(self.pieces, grads, strict=True) if bool(pc.buffer.sharded) == want
-                        for v in norm_views(pc, g)]
+                mine = [v for pc, g in zip(self.pieces, grads, strict=True)
+                        if bool(pc.buffer.sharded) == want and self._counted(pc) for v in norm_views(pc, g)]
                 norms = torch._foreach_norm(mine, 2, dtype=torch.float64) if mine else []
             if norms:
                 acc += torch.stack(norms).square().sort().values.sum()
         if self.group.active and any(b.sharded for b in self.buffers):
             dist.all_reduce(sharded, group=self.group.pg)
-        return sharded + replicated
+        total = sharded + replicated
+        if self.tp.active:
+            dist.all_reduce(total, group=self.tp.pg)
+        return total
+
+    def _counted(self, pc: MasterPiece) -> bool:
+        """Whether ``pc``'s gradient enters this rank's norm: always without tensor
+        parallelism; under it a tensor-parallel shard always (the shards are disjoint) and a
+        param replicated over the TP ranks (identical grads there) only on TP rank 0."""
+        return not self.tp.active or self.tp.rank == 0 or getattr(pc.param, "tp_shard", None) is not None
 
     @functools.cached_property
     def _norm_spans(self) -> dict[bool, list[_NormSpan]]:
@@ -226,7 +239,8 @@ class ShardedMasterOptimizer(MasterOptimizer):
         norms: list[torch.Tensor] = []
         for buf, lo, hi, pieces, sizes, keep in self._norm_spans[sharded]:
             parts = fp64_copy(buf.grad_slice(lo, hi)).split(sizes)  # (one op for all)
-            views = [v for pc, i in zip(pieces, keep, strict=True) for v in norm_views(pc, parts[i])]
+            views = [v for pc, i in zip(pieces, keep, strict=True) if self._counted(pc)
+                     for v in norm_views(pc, parts[i])]
             # the norms are taken before the next span reuses the scratch
             norms.extend(torch._foreach_norm(views, 2))
         return norms

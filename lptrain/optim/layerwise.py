@@ -196,8 +196,12 @@ class LayerWiseMuon(MasterOptimizer):
         param_layout: str = "compact",
         gather_mode: Optional[str] = None,
         label: str = "muon",
+        tp: Group = SINGLE,
     ) -> None:
         self.buffers = list(buffers)
+        # Tensor parallelism: each TP rank owns its shards of the same units (the same
+        # ownership: identical layouts); a unit replicated over TP counts on TP rank 0 only.
+        self.tp = tp
         self.cfg = cfg
         self.label = label
         self.holds_experts = any(b.key.is_expert for b in self.buffers)
@@ -272,7 +276,10 @@ class LayerWiseMuon(MasterOptimizer):
         norm and the zero count then convert and count once per run instead of once per
         unit (the views live as long as the buffers, like :attr:`_grad_views`)."""
         runs: list[tuple[OwnedUnit, int, list[int]]] = []  # (first piece, hi, sizes)
+        skip_replicated = self.tp.active and self.tp.rank != 0
         for pc in self.pieces:
+            if skip_replicated and getattr(pc.param, "tp_shard", None) is None:
+                continue  # counted by TP rank 0 (see __init__)
             u = pc.unit
             if runs:
                 first, hi, sizes = runs[-1]
@@ -410,7 +417,8 @@ class LayerWiseMuon(MasterOptimizer):
 
 
 def build_layer_wise_children(
-    buffers: Sequence[ParamAndGradBuffer], cfg: OptimizerConfig, ep: Optional[Group] = None
+    buffers: Sequence[ParamAndGradBuffer], cfg: OptimizerConfig, ep: Optional[Group] = None,
+    tp: Group = SINGLE,
 ) -> list[OptimizerChild]:
     """Chained-optimizer children for the layer-wise path: byte-sharded AdamW over the
     non-Muon buffers and a :class:`LayerWiseMuon` over the Muon buffers, for dense and for
@@ -426,8 +434,8 @@ def build_layer_wise_children(
         if adam and expert:
             children.append(ExpertShardedMasterOptimizer(adam, cfg, label=label, ep=ep or SINGLE))
         elif adam:
-            children.append(ShardedMasterOptimizer(adam, cfg, label=label))
+            children.append(ShardedMasterOptimizer(adam, cfg, label=label, tp=tp))
         if muon:
             children.append(LayerWiseMuon(muon, cfg, param_layout=cfg.layer_wise_param_layout,
-                                          label=label))
+                                          label=label, tp=SINGLE if expert else tp))
     return children

@@ -154,6 +154,7 @@ def muon_hparams(cfg: OptimizerConfig) -> dict[str, Any]:
         lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=m.momentum, nesterov=m.nesterov,
         ns_steps=m.ns_steps, coefficients=m.coefficients, scale_mode=m.scale_mode,
         extra_scale_factor=m.extra_scale_factor, split_qkv=m.split_qkv, eps=NS_EPS,
+        tp_mode=m.tp_mode,
     )
 
 
@@ -162,7 +163,7 @@ class Muon(_UpdateRMS, NamedStateMixin, torch.optim.Optimizer):
 
     Per-group hyperparameters: ``lr``, ``weight_decay``, ``momentum``, ``nesterov``,
     ``ns_steps``, ``coefficients``, ``scale_mode``, ``extra_scale_factor``, ``split_qkv``,
-    ``eps``. State per param: ``momentum_buffer`` (fp32, shape of the param). Params must be
+    ``eps``, ``tp_mode`` (tensor-parallel shards: :mod:`lptrain.optim.tp_muon`). State per param: ``momentum_buffer`` (fp32, shape of the param). Params must be
     2-D, or 3-D with ``num_grouped_members`` (see the module docstring for the contract);
     ``(name, param)`` pairs name them, and state then loads by name.
     """
@@ -180,11 +181,12 @@ class Muon(_UpdateRMS, NamedStateMixin, torch.optim.Optimizer):
         extra_scale_factor: float = 1.0,
         split_qkv: bool = True,
         eps: float = NS_EPS,
+        tp_mode: str = "duplicated",
     ) -> None:
         defaults = dict(
             lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
             ns_steps=ns_steps, coefficients=coefficients, scale_mode=scale_mode,
-            extra_scale_factor=extra_scale_factor, split_qkv=split_qkv, eps=eps,
+            extra_scale_factor=extra_scale_factor, split_qkv=split_qkv, eps=eps, tp_mode=tp_mode,
         )
         super().__init__(params, defaults)
 

@@ -9,6 +9,7 @@ optimizers and the distributed children (byte-sharded and layer-wise) -- steps t
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -16,6 +17,7 @@ import torch
 
 from lptrain.catalog.muon_scaling import muon_scale
 from lptrain.optim.newton_schulz import NS_EPS, CoefficientsArg, newton_schulz
+from lptrain.optim.tp_muon import TPOrthogonalizer
 
 __all__ = ["muon_group_step", "muon_momentum_", "muon_update", "orthogonalize"]
 
@@ -142,13 +144,17 @@ def muon_group_step(
         decay_one_by_one = len(fp32) != len(mats)
     sq: list[torch.Tensor] = []
     count = 0
+    tp_ortho = TPOrthogonalizer(group.get("tp_mode", "duplicated"))
     for (p, _, buf, shapes), grad in zip(mats, grads, strict=True):
         u = grad.lerp(buf, beta) if group["nesterov"] else buf.clone()
-        update = orthogonalize(
-            u, ns_steps=group["ns_steps"], coefficients=group["coefficients"],
+        ortho = functools.partial(
+            orthogonalize, ns_steps=group["ns_steps"], coefficients=group["coefficients"],
             scale_mode=group["scale_mode"], extra_scale_factor=group["extra_scale_factor"],
             qkv_split_shapes=shapes, eps=group["eps"],
         )
+        # a tensor-parallel shard: Newton-Schulz on the whole matrix (lptrain.optim.tp_muon)
+        shard = getattr(p, "tp_shard", None)
+        update = tp_ortho(u, shard, ortho) if shard is not None else ortho(u)
         if decay_one_by_one and p.dtype != torch.float32:
             p.mul_(1.0 - lr * wd)
         p.add_(update.to(p.dtype), alpha=-lr)

@@ -26,6 +26,7 @@ PARAM_ATTRIBUTES = (
     "is_qkv",
     "qkv_split_shapes",
     "num_grouped_members",
+    "tp_shard",  # a tensor-parallel shard (lptrain.precision.tensor_parallel.TPShard)
 )
 
 

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Optional
 
 import torch
@@ -125,6 +126,10 @@ class _QuantizedModuleMixin:
         self._init_quant()
         return init_method or normal_init(1.0 / math.sqrt(in_features))
 
+    # per role, the group a sharded operand's per-tensor amax is MAX-reduced over (a
+    # tensor-parallel shard: lptrain.precision.tensor_parallel); empty for whole tensors
+    _amax_reduction: Mapping[str, Any] = MappingProxyType({})
+
     def _init_quant(self) -> None:
         self._qstates: dict[int, _ops.QuantState] = {}
         self._hp_state: Optional[_ops.QuantState] = None
@@ -134,7 +139,7 @@ class _QuantizedModuleMixin:
         """This module's quantizers for ``recipe`` (delayed scaling: its scales/histories)."""
         st = self._qstates.get(id(recipe))
         if st is None or st.recipe is not recipe:
-            st = _ops.QuantState(recipe, self._num_members)
+            st = _ops.QuantState(recipe, self._num_members, self._amax_reduction)
             self._qstates[id(recipe)] = st
             if self._pending_scaling_state is not None and any(m.states for m in st.members):
                 self._load_states(st, self._pending_scaling_state)
@@ -226,8 +231,11 @@ class Linear(_QuantizedModuleMixin, nn.Module):
         init_method: Optional[InitMethod] = None,
         fuse_wgrad_accumulation: bool = False,
         name: str = "",
+        amax_reduction: Optional[dict[str, Any]] = None,
     ) -> None:
         super().__init__()
+        if amax_reduction:  # before the quantizers (and a quantized primary weight) exist
+            self._amax_reduction = dict(amax_reduction)
         init = self._init_layer(
             in_features, out_features, num_members=1, name=name, init_method=init_method,
             fuse_wgrad_accumulation=fuse_wgrad_accumulation,
@@ -349,12 +357,21 @@ class LayerFactory:
     quantized_params: bool = False
 
     def linear(self, in_features: int, out_features: int, **kw) -> nn.Module:
+        """A GEMM layer ``in_features -> out_features``. With Transformer Engine's tensor-
+        parallel arguments (``parallel_mode`` "column" / "row", ``tp_group``, ``tp_size``,
+        ``sequence_parallel``; the features are the whole layer's) it holds this rank's shard:
+        TE's own ``Linear``, or the emulated one of :mod:`lptrain.precision.tensor_parallel`."""
         kw.setdefault("params_dtype", self.params_dtype)
         kw.setdefault("fuse_wgrad_accumulation", self.fuse_wgrad_accumulation)
         if self.backend == "te":
             from lptrain.precision import te_adapter
 
             return te_adapter.te_linear(in_features, out_features, **kw)
+        mode = kw.pop("parallel_mode", None)
+        if mode is not None:
+            from lptrain.precision.tensor_parallel import PARALLEL_LINEARS
+
+            return PARALLEL_LINEARS[mode](in_features, out_features, **kw)
         return Linear(in_features, out_features, **kw)
 
     def grouped_linear(self, num_gemms: int, in_features: int, out_features: int, **kw) -> nn.Module:

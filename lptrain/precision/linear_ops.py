@@ -27,7 +27,7 @@ zero tokens skips its GEMMs and gets an exact zero weight gradient.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -61,11 +61,17 @@ class QuantState:
     role and member, created by the recipe, persisting across steps); stateless recipes
     only cache quantizer objects (an NVFP4 grad quantizer also carries its SR generator,
     which must advance from call to call).
+
+    ``amax_reduction`` maps a role to the group its per-tensor amax is MAX-reduced over (the
+    operands a tensor-parallel split cuts); it reaches the recipes whose quantizers take one
+    (``amax_reduction`` in ``QUANTIZER_OPTIONS``: current per-tensor scales). Delayed scaling
+    reduces at the autocast region's update instead, block recipes have no per-tensor amax.
     """
 
-    def __init__(self, recipe: Any, num_members: int) -> None:
+    def __init__(self, recipe: Any, num_members: int, amax_reduction: Optional[Mapping[str, Any]] = None) -> None:
         self.recipe = recipe
         self.members: list[MemberQuantizers] = []
+        reduce = amax_reduction if "amax_reduction" in getattr(recipe, "QUANTIZER_OPTIONS", ()) else None
         for _ in range(num_members):
             qs: dict[str, Any] = {}
             states: dict[str, Any] = {}
@@ -73,6 +79,8 @@ class QuantState:
                 if recipe.has_delayed_state:
                     states[role] = recipe.make_state(role)
                     qs[role] = recipe.make_quantizer(role, True, True, state=states[role])
+                elif reduce and role in reduce:
+                    qs[role] = recipe.make_quantizer(role, True, True, amax_reduction=reduce[role])
                 else:
                     qs[role] = recipe.make_quantizer(role, True, True)
             self.members.append(MemberQuantizers(states=states, **qs))

@@ -214,6 +214,7 @@ def _(p: QuantizedTensor, entries: Sequence[StageEntry], group: Optional[Any]) -
     flat = torch.cat([a.reshape(-1) for a in partial])
     if group is not None:
         dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
+    _reduce_over_shards(entries, partial, flat)
     off = 0
     for (q, x, lo, hi, dst), a in zip(entries, partial, strict=True):
         amax = flat[off : off + a.numel()].view_as(a)
@@ -221,6 +222,27 @@ def _(p: QuantizedTensor, entries: Sequence[StageEntry], group: Optional[Any]) -
         out = q.shard_quantize(_to_logical(q, x), lo, hi, amax)  # type: ignore[attr-defined]
         if out is not None and dst is not None:
             dst.copy_(out.reshape(-1))
+
+
+def _reduce_over_shards(entries: Sequence[StageEntry], partial: Sequence[torch.Tensor],
+                        flat: torch.Tensor) -> None:
+    """A tensor-parallel shard's per-tensor amax covers its slice of the whole weight: MAX it
+    over the weight's amax-reduction group too (one collective per group, in entry order,
+    which every rank of the group shares), so its bytes equal the whole tensor's slice."""
+    by_group: dict[int, tuple[Any, list[tuple[int, int]]]] = {}
+    off = 0
+    for (q, *_), a in zip(entries, partial, strict=True):
+        g = getattr(q.quantizer, "amax_reduction", None)
+        if g is not None and not callable(g):
+            by_group.setdefault(id(g), (g, []))[1].append((off, a.numel()))
+        off += a.numel()
+    for g, spans in by_group.values():
+        part = torch.cat([flat[o : o + n] for o, n in spans])
+        dist.all_reduce(part, op=dist.ReduceOp.MAX, group=g)
+        at = 0
+        for o, n in spans:
+            flat[o : o + n] = part[at : at + n]
+            at += n
 
 
 @singledispatch

@@ -274,6 +274,7 @@ class NVFP4Scaling(Recipe):
     """
 
     name: ClassVar[str] = "nvfp4"
+    QUANTIZER_OPTIONS: ClassVar[tuple[str, ...]] = ("amax_reduction",)
     fp8_format: Any = Format.E4M3  # the block-scale type; elements are E2M1
     disable_rht: bool = False
     disable_stochastic_rounding: bool = False
@@ -298,6 +299,7 @@ class NVFP4Scaling(Recipe):
         two_d: Optional[bool] = None,
         generator: Optional[torch.Generator] = None,
         seed: Optional[int] = None,
+        amax_reduction: Optional[Any] = None,
     ) -> Quantizer:
         """API defaults: RHT and SR off (any role may ask for them), 2D for weights."""
         if Format.parse(fp8_format) is not Format.E4M3:
@@ -312,6 +314,7 @@ class NVFP4Scaling(Recipe):
             stochastic_rounding=stochastic_rounding,
             use_2d=(role == "weight") if two_d is None else two_d,
             generator=generator,
+            amax_reduction=amax_reduction,
         )
 
     def make_quantizer(
@@ -320,6 +323,7 @@ class NVFP4Scaling(Recipe):
         rowwise: bool = True,
         columnwise: bool = True,
         generator: Optional[torch.Generator] = None,
+        amax_reduction: Optional[Any] = None,
     ) -> NVFP4Quantizer:
         sr = role == "grad" and not self.disable_stochastic_rounding
         if sr and generator is None:
@@ -332,6 +336,7 @@ class NVFP4Scaling(Recipe):
             stochastic_rounding=sr,
             use_2d=role == "weight" and not self.disable_2d_quantization,
             generator=generator,
+            amax_reduction=amax_reduction,
         )
 
 

@@ -275,11 +275,37 @@ def _te_module(cls: Any, *args: Any, layer: LayerArgs, **kw: Any) -> nn.Module:
 
 
 def te_linear(in_features: int, out_features: int, *, bias: bool = False,
-              **layer: Unpack[LayerArgs]) -> nn.Module:
-    """A ``te.pytorch.Linear`` on the current CUDA device."""
+              parallel_mode: Optional[str] = None, tp_group: Any = None, tp_size: int = 1,
+              sequence_parallel: bool = False, **layer: Unpack[LayerArgs]) -> nn.Module:
+    """A ``te.pytorch.Linear`` on the current CUDA device. Tensor parallel (``parallel_mode``
+    "column" / "row"): TE's own ``tp_group`` (the torch process group of lptrain's group
+    object; None builds shapes only, as TE does), ``tp_size``, ``parallel_mode`` and
+    ``sequence_parallel`` -- TE holds the shard and runs the layer's collectives."""
+    if parallel_mode is None:
+        import transformer_engine.pytorch as te
+
+        return _te_module(te.Linear, in_features, out_features, bias=bias, layer=layer)
+    return _te_module(_te_parallel_linear_cls(), in_features, out_features, bias=bias, layer=layer,
+                      parallel_mode=parallel_mode, tp_group=getattr(tp_group, "pg", tp_group),
+                      tp_size=tp_size, sequence_parallel=sequence_parallel)
+
+
+@functools.cache
+def _te_parallel_linear_cls() -> type:
+    """``te.pytorch.Linear`` for lptrain's batch-first activations: TE's sequence-parallel
+    gather and scatter run along the first dimension (Megatron-LM's ``[s, b, h]``), so a
+    sequence-parallel layer gets its input sequence-first and gives its output back
+    batch-first (made once)."""
     import transformer_engine.pytorch as te
 
-    return _te_module(te.Linear, in_features, out_features, bias=bias, layer=layer)
+    class TEParallelLinear(te.Linear):
+        def forward(self, inp: torch.Tensor, *args: Any, **kw: Any) -> Any:
+            if not (getattr(self, "sequence_parallel", False) and inp.dim() == 3):
+                return super().forward(inp, *args, **kw)
+            out = super().forward(inp.transpose(0, 1).contiguous(), *args, **kw)
+            return out.transpose(0, 1).contiguous()
+
+    return TEParallelLinear
 
 
 @functools.cache
@@ -345,10 +371,11 @@ def keep_init(param: torch.Tensor, value: torch.Tensor) -> None:
 
 
 def forget_te_classes() -> None:
-    """Drop the classes built on the imported TE's modules (the GroupedLinear subclass), so
-    the next use builds them on whatever ``transformer_engine`` imports then (the stand-in TE
-    swaps versions this way)."""
+    """Drop the classes built on the imported TE's modules (the GroupedLinear and parallel
+    Linear subclasses), so the next use builds them on whatever ``transformer_engine`` imports
+    then (the stand-in TE swaps versions this way)."""
     _te_grouped_linear_cls.cache_clear()
+    _te_parallel_linear_cls.cache_clear()
 
 
 @contextlib.contextmanager

@@ -96,6 +96,11 @@ def shrink(cfg: Any) -> tuple[Any, list[str]]:
     changed = [f"model {m.num_layers}x{m.hidden_size} -> 2x64, seq {m.seq_length} -> 64"]
     for k, v in _TINY_MODEL.items():
         setattr(m, k, v)
+    if m.tensor_model_parallel_size != 1:
+        changed.append(f"tensor parallelism {m.tensor_model_parallel_size} -> 1")
+        m.tensor_model_parallel_size, m.sequence_parallel = 1, False
+        if out.optimizer.muon.tp_mode != "duplicated":
+            out.optimizer.muon.tp_mode = "duplicated"  # (inert at TP 1)
     if m.moe.num_experts:
         m.moe.ffn_hidden_size = 64
         if m.moe.expert_model_parallel_size != 1:

@@ -89,9 +89,14 @@ class TrainEngine:
         init_process_group_from_env(resolve_device(cfg), 60.0 * cfg.dist.distributed_timeout_minutes)
         moe = cfg.model.moe
         ep = moe.expert_model_parallel_size if moe.num_experts else 1
-        self.groups = build_groups(cfg.ddp.num_distributed_optimizer_instances, ep=ep)
+        self.groups = build_groups(cfg.ddp.num_distributed_optimizer_instances, ep=ep,
+                                   tp=cfg.model.tensor_model_parallel_size,
+                                   sequence_parallel=cfg.model.sequence_parallel)
         self.rank, self.world_size = self.groups.rank, self.groups.world_size
         self.dp_rank, self.dp_size = self.groups.dp.rank, self.groups.dp.size
+        # the ranks that split each sequence (sequence parallelism): per-token statistics
+        # (router counts, MoE metrics) are summed over them as well as over dp
+        self.stats_group = self.groups.everyone if cfg.model.sequence_parallel else self.groups.dp
         self.is_main = self.rank == 0
         self.device = resolve_device(cfg)
         torch.manual_seed(cfg.train.seed)
@@ -99,9 +104,12 @@ class TrainEngine:
         # MoE bookkeeping walks every module: a dense model skips it (no routers, no metrics)
         self.has_moe = bool(self.model.routers())
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-        self.layout = plan_run_layout(cfg, run_param_specs(cfg, named), self.groups.intra.size)
+        expert = self.groups.expert_intra
+        self.layout = plan_run_layout(cfg, run_param_specs(cfg, named), self.groups.intra.size,
+                                      expert_dp=expert.size if expert is not None else None)
         self.ddp = DataParallel(self.model, self.layout, cfg.ddp, self.groups, device=self.device)
-        self.optimizer = build_optimizer(self.ddp.buffers, cfg.optimizer, ep=self.groups.ep)
+        self.optimizer = build_optimizer(self.ddp.buffers, cfg.optimizer, ep=self.groups.ep,
+                                         tp=self.groups.tp)
         self.ddp.release_sharded_params()  # ZeRO-3: the masters hold the values now
 
     def _build_model(self) -> GPTModel:
@@ -115,7 +123,8 @@ class TrainEngine:
             factory.recipe.seed = cfg.train.seed * 65_537 + self.rank
         seed_device_rng(cfg.train.seed, self.rank, self.device)  # TE draws its SR bits there
         return build_model(cfg, factory, expert_model_parallel_rank=self.groups.ep.rank,
-                           expert_parallel_group=self.groups.ep, device=self.device)
+                           expert_parallel_group=self.groups.ep, tensor_parallel_group=self.groups.tp,
+                           device=self.device)
 
     @property
     def defer_staging(self) -> bool:
@@ -209,17 +218,27 @@ class TrainEngine:
         return sums
 
     def _gather_losses(self, local: torch.Tensor, nonfinite_code: int) -> torch.Tensor:
-        """[dp, 3] per-rank (lm_loss, total_loss, non-finite grad code): one small all-reduce
-        on the device, then one copy to the host (the codes stay below 2^53, exact in fp64)."""
+        """[ranks, 3] per rank (lm_loss, total_loss, non-finite grad code): one small
+        all-reduce on the device over every rank (tensor-parallel ranks check their own
+        shards' grads, and every rank must take the same decision), then one copy to the
+        host (the codes stay below 2^53, exact in fp64). Tensor-parallel ranks hold the same
+        LM loss, and their auxiliary losses (MoE losses of their sequence shards) add up: each
+        rank's total is its group's sum, so means over the rows are means over data-parallel
+        replicas."""
         import torch.distributed as dist
 
-        g = self.groups.dp
+        g = self.groups.everyone
         out = torch.zeros(g.size, 3, dtype=torch.float64, device=self.device)
         out[g.rank, :2] = local
         out[g.rank, 2] = float(nonfinite_code)
         if g.active:
             dist.all_reduce(out, group=g.pg)
-        return out.cpu()
+        out = out.cpu()
+        tp = self.groups.tp.size
+        if tp > 1:
+            per = out.view(-1, tp, 3)  # [dp, tp]: tensor parallelism is innermost in the rank order
+            per[:, :, 1] = (per[:, 0, 0] + (per[:, :, 1] - per[:, :, 0]).sum(dim=1))[:, None]
+        return out
 
     def _nonfinite(self, losses: torch.Tensor, step: int) -> str | None:
         """Why this step cannot be taken (a rank's non-finite gradient, else a non-finite
@@ -282,13 +301,14 @@ class TrainEngine:
 
         if not self.has_moe:
             return {}
-        return moe_step_metrics(self.model, self.groups.dp)
+        shards = self.groups.tp.size if self.cfg.model.sequence_parallel else 1
+        return moe_step_metrics(self.model, self.stats_group, sequence_shards=shards)
 
     def _reduce_router_counts(self) -> None:
         """The expert-bias update sees global token counts (summed over data-parallel ranks)."""
         import torch.distributed as dist
 
-        g = self.groups.dp
+        g = self.stats_group
         if not g.active or not self.has_moe:
             return
         counts = self.model.expert_bias_counts()
@@ -347,31 +367,39 @@ class TrainEngine:
         written at another world size.
         """
         from lptrain.distributed.expert_state import global_expert_state
+        from lptrain.distributed.tp_state import global_tp_state
 
         model: dict[str, torch.Tensor] = {}
         optim: dict[str, dict[str, torch.Tensor]] = {}
+        params = dict(self.model.named_parameters())
         for child in self.optimizer.children:
             full = child.full_state()
             if child.holds_experts:  # each expert once, under its global canonical name
                 full = global_expert_state(full, self.model, self.groups.ep)
+            else:  # tensor-parallel shards joined into their single-rank whole
+                full = global_tp_state(full, params, self.groups.tp)
             for name, entry in full.items():
                 model[name] = entry.pop("master")
                 optim[name] = entry
+        local = rank_state(self.model, self.model.quantizer_recipe(), self.device)
+        local["tensor_model_parallel_size"] = self.groups.tp.size
         return {
             "global": {"model": model, "optimizer": optim, "scaling": scaling_state(self.model)},
-            "local": rank_state(self.model, self.model.quantizer_recipe(), self.device),
+            "local": local,
         }
 
     def _child_entries(self, child: OptimizerChild, g: dict[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
         """``child``'s ``load_full_state`` input from a checkpoint's global part: experts
         picked out of their canonical per-expert entries (any EP size and expert layout)."""
         from lptrain.distributed.expert_state import expert_offset, local_expert_entries
+        from lptrain.distributed.tp_state import local_tp_entries
 
         if child.holds_experts:
             names = [(n, p.shape) for buf in child.buffers for n, p in buf.params.items()]
             return local_expert_entries(names, g["model"], g["optimizer"], expert_offset(self.model))
-        return {name: {"master": g["model"][name], **g["optimizer"].get(name, {})}
-                for buf in child.buffers for name in buf.params}
+        entries = {name: {"master": g["model"][name], **g["optimizer"].get(name, {})}
+                   for buf in child.buffers for name in buf.params}
+        return local_tp_entries(entries, dict(self.model.named_parameters()))
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
         g = state["global"]
@@ -380,8 +408,12 @@ class TrainEngine:
         load_scaling_state(self.model, g.get("scaling") or {})
         with self.params_synced():  # push the loaded masters into the params
             pass
-        # absent when written at another world size: the streams start from (seed, rank)
-        load_rank_state(self.model, state.get("local") or {}, self.model.quantizer_recipe())
+        # absent when written at another world size: the streams start from (seed, rank); the
+        # same at another tensor-parallel size (the ranks hold other shards, other modules)
+        local = dict(state.get("local") or {})
+        if local.pop("tensor_model_parallel_size", 1) != self.groups.tp.size:
+            local = {}
+        load_rank_state(self.model, local, self.model.quantizer_recipe())
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds, measured on the live buffers and optimizer

@@ -1,10 +1,10 @@
 """Expert-parallel rules: EP must tile the world and the optimizer instances.
 
 ``num_experts % expert_model_parallel_size`` is MOE-EP-DIVIDES (the MoE section). The rules
-here need the world: lptrain's data-parallel size is the world size (every rank takes its
-own micro-batches), the expert-parallel groups are ``EP`` consecutive ranks inside it, and
+here need the world: the expert-parallel groups are ``EP`` consecutive ranks of the whole
+world (tensor-parallel ranks included: experts are whole on every TP rank, expert TP = 1), and
 the expert-data-parallel group (ranks holding the same experts) has ``world / EP`` ranks
-(``lptrain.distributed.groups``).
+(:mod:`lptrain.catalog.parallel_dims`).
 
 Every world is checked, a one-rank one included (``dp`` 1, what ``validate-config`` assumes
 without ``--dp`` or ``$WORLD_SIZE``): a laptop check of a cluster recipe says what launching it
@@ -29,14 +29,14 @@ def _ep(c: LPTrainConfig) -> int:
 
 def _ep_does_not_divide_world(c: LPTrainConfig, w: World) -> bool:
     ep = _ep(c)
-    return ep > 1 and w.dp % ep != 0
+    return ep > 1 and w.world_size % ep != 0
 
 
 def _instances_split_ep_groups(c: LPTrainConfig, w: World) -> Any:
-    ep, inst = _ep(c), c.ddp.num_distributed_optimizer_instances
-    if ep <= 1 or inst <= 1 or w.dp <= 1 or w.dp % ep or w.dp % inst:
+    ep, inst, n = _ep(c), c.ddp.num_distributed_optimizer_instances, w.world_size
+    if ep <= 1 or inst <= 1 or n <= 1 or n % ep or w.dp % inst:
         return False  # reported by LAUNCH-EP-DIVIDES-WORLD / DDP-INSTANCES-DIVIDE-DP
-    per = w.dp // inst
+    per = n // inst
     return {"per": per} if per % ep else False
 
 
@@ -45,9 +45,9 @@ RULES = [
         id="LAUNCH-EP-DIVIDES-WORLD", severity="error",
         keys=("model.moe.expert_model_parallel_size",), when=_ep_does_not_divide_world,
         message="expert_model_parallel_size={cfg.model.moe.expert_model_parallel_size} must divide "
-                "the world size {world.dp}: expert-parallel groups are that many consecutive ranks",
-        fix="set model.moe.expert_model_parallel_size to a divisor of {world.dp}, or run on (check "
-            "with --dp) a multiple of {cfg.model.moe.expert_model_parallel_size} ranks",
+                "the world size {world.world_size}: expert-parallel groups are that many consecutive ranks",
+        fix="set model.moe.expert_model_parallel_size to a divisor of {world.world_size}, or run on "
+            "(check with --dp) a multiple of {cfg.model.moe.expert_model_parallel_size} ranks",
         condition="world % expert_model_parallel_size == 0 (MoE; every world size, 1 included)",
         why="every rank is in exactly one expert-parallel group (Megatron-LM's parallel_state "
             "refuses the same); judged at the world being validated, so --dp 1 reports what a "
@@ -58,12 +58,12 @@ RULES = [
         id="EP-INSTANCES-DIVIDE-WORLD", severity="error",
         keys=("model.moe.expert_model_parallel_size", "ddp.num_distributed_optimizer_instances"),
         when=_instances_split_ep_groups,
-        message="an optimizer instance ({per} consecutive ranks = world {world.dp} / "
+        message="an optimizer instance ({per} consecutive ranks = world {world.world_size} / "
                 "num_distributed_optimizer_instances={cfg.ddp.num_distributed_optimizer_instances}) "
                 "must hold whole expert-parallel groups of "
                 "expert_model_parallel_size={cfg.model.moe.expert_model_parallel_size} ranks",
         fix="make expert_model_parallel_size x ddp.num_distributed_optimizer_instances divide "
-            "{world.dp}: lower one of them",
+            "{world.world_size}: lower one of them",
         condition="(world / num_distributed_optimizer_instances) % expert_model_parallel_size == 0",
         why="the expert-data-parallel group is split by instance exactly as the data-parallel one",
         section=S,

@@ -145,7 +145,7 @@ MUON_KEYS = (
     "optimizer.muon.lr", "optimizer.muon.momentum", "optimizer.muon.nesterov",
     "optimizer.muon.ns_steps", "optimizer.muon.coefficients", "optimizer.muon.scale_mode",
     "optimizer.muon.extra_scale_factor", "optimizer.muon.split_qkv",
-    "optimizer.muon.scalar_optimizer",
+    "optimizer.muon.scalar_optimizer", "optimizer.muon.tp_mode",
 )
 DELAYED_KEYS = (
     "precision.fp8_margin", "precision.fp8_amax_history_len", "precision.fp8_amax_compute_algo",
@@ -284,6 +284,15 @@ GATES: tuple[Gate, ...] = (
         condition="optimizer.name != muon -> optimizer.muon.* at their defaults",
         because="optimizer.name={cfg.optimizer.name} does not use Muon",
         fix="set optimizer.name=muon",
+    ),
+    Gate(
+        rule_id="INERT-MUON-TP-MODE", keys=("optimizer.muon.tp_mode",),
+        context=("model.tensor_model_parallel_size",),
+        idle=lambda c, w: c.optimizer.name == "muon" and c.model.tensor_model_parallel_size <= 1,
+        condition="muon and tensor_model_parallel_size=1 -> muon.tp_mode at its default",
+        because="without tensor parallelism every Muon matrix is whole on its rank: there is "
+                "nothing to gather or scatter",
+        fix="set model.tensor_model_parallel_size > 1",
     ),
     Gate(
         rule_id="INERT-ADAMW-KEYS",

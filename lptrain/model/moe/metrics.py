@@ -27,9 +27,11 @@ def moe_layers(model: nn.Module) -> list[MoELayer]:
     return [m for m in model.modules() if isinstance(m, MoELayer)]
 
 
-def moe_step_metrics(model: nn.Module, group: ProcessGroup) -> dict[str, float]:
+def moe_step_metrics(model: nn.Module, group: ProcessGroup, sequence_shards: int = 1) -> dict[str, float]:
     """The metrics in the module doc for the forwards since the last call (``{}`` for a
-    dense model); resets the accumulators. Collective over ``group``."""
+    dense model); resets the accumulators. Collective over ``group``. ``sequence_shards``:
+    the ranks of ``group`` that split each sequence (sequence parallelism): their balancing
+    losses add up to the sequence's, so the average counts each of their forwards once."""
     layers = moe_layers(model)
     if not layers:
         return {}
@@ -52,7 +54,7 @@ def moe_step_metrics(model: nn.Module, group: ProcessGroup) -> dict[str, float]:
     for m in layers:
         counts_all.append(packed[off : off + m.num_experts])
         lb_sum, forwards = float(packed[off + m.num_experts]), float(packed[off + m.num_experts + 1])
-        lb_total += lb_sum / max(forwards, 1.0)
+        lb_total += lb_sum / max(forwards / sequence_shards, 1.0)
         off += m.num_experts + 2
     counts = torch.cat(counts_all)
     return {

@@ -28,6 +28,7 @@ from torch import nn
 
 from lptrain.config.schema import MoEConfig
 from lptrain.model.init import InitMethod
+from lptrain.model.process_group import SINGLE_RANK, ProcessGroup
 
 
 def _sqrt_softplus(logits: torch.Tensor) -> torch.Tensor:
@@ -92,11 +93,15 @@ def switch_load_balancing_loss(
 
 
 def seq_load_balancing_loss(
-    scores: torch.Tensor, indices: torch.Tensor, batch: int, topk: int, coeff: float
+    scores: torch.Tensor, indices: torch.Tensor, batch: int, topk: int, coeff: float,
+    sequence_group: ProcessGroup = SINGLE_RANK,
 ) -> torch.Tensor:
     """Per-sequence Switch loss (DeepSeek-V2), averaged over the ``batch`` sequences.
 
-    ``scores [B*S, E]`` and ``indices [B*S, k]`` are in ``[batch, seq]`` token order.
+    ``scores [B*S, E]`` and ``indices [B*S, k]`` are in ``[batch, seq]`` token order. Under
+    sequence parallelism (``sequence_group``: the ranks holding the other parts of each
+    sequence) each sequence's expert counts are summed over the group and ``S`` is the whole
+    length, so the ranks' losses sum to the single-rank loss.
     """
     num_experts = scores.shape[-1]
     seq = scores.shape[0] // batch
@@ -104,6 +109,11 @@ def seq_load_balancing_loss(
     counts = torch.zeros(batch, num_experts, dtype=scores.dtype, device=scores.device)
     idx = indices.reshape(batch, seq * topk)
     counts.scatter_add_(1, idx, torch.ones_like(idx, dtype=scores.dtype))
+    if sequence_group.active:
+        import torch.distributed as dist
+
+        dist.all_reduce(counts, group=sequence_group.pg)
+        seq *= sequence_group.size
     scale = num_experts * coeff / (topk * seq * seq)
     return torch.sum(s.sum(dim=1) * counts) * scale / batch
 
@@ -125,7 +135,16 @@ class Routing:
 
 
 class TopKRouter(nn.Module):
-    """Gating linear + top-k selection + balancing losses for one MoE layer."""
+    """Gating linear + top-k selection + balancing losses for one MoE layer.
+
+    ``sequence_parallel_group`` (set by the parallelize step under sequence parallelism: the
+    tensor-parallel group, whose ranks route different parts of the same sequences): the
+    balancing losses use the group's summed expert counts and token totals, the z-loss is
+    divided by its size, and the weight's gradient is summed over it -- so the ranks' losses
+    add up to the single-rank ones (Megatron-LM reduces the router statistics over TP x CP).
+    """
+
+    sequence_parallel_group: ProcessGroup = SINGLE_RANK
 
     def __init__(
         self, hidden_size: int, moe: MoEConfig, params_dtype: torch.dtype, init_method: InitMethod
@@ -156,7 +175,13 @@ class TopKRouter(nn.Module):
         """Route ``x [..., hidden]`` (flattened to ``T`` tokens, batch-major)."""
         batch = x.shape[0] if x.dim() == 3 else 1
         flat = x.reshape(-1, x.shape[-1]).float()
-        logits = flat @ self.weight.float().t()  # fp32 router GEMM
+        sp = self.sequence_parallel_group
+        weight = self.weight
+        if sp.active:
+            from lptrain.precision.tensor_parallel import reduce_grad
+
+            weight = reduce_grad(weight, sp)
+        logits = flat @ weight.float().t()  # fp32 router GEMM
         bias = self.expert_bias if self.enable_expert_bias else None
         probs, indices = topk_routing(logits, self.topk, self.score_function, bias)
         tokens_per_expert = torch.bincount(indices.reshape(-1), minlength=self.num_experts)
@@ -165,12 +190,19 @@ class TopKRouter(nn.Module):
         if self.aux_loss_coeff > 0 and self.load_balancing_type != "none":
             scores = scores_for_aux_loss(logits, self.score_function)
             if self.load_balancing_type == "aux_loss":
-                aux = switch_load_balancing_loss(
-                    scores, tokens_per_expert, flat.shape[0], self.topk, self.aux_loss_coeff
-                )
+                counts, tokens = tokens_per_expert, flat.shape[0]
+                if sp.active:
+                    import torch.distributed as dist
+
+                    counts = tokens_per_expert.clone()
+                    dist.all_reduce(counts, group=sp.pg)
+                    tokens *= sp.size
+                aux = switch_load_balancing_loss(scores, counts, tokens, self.topk, self.aux_loss_coeff)
             else:
-                aux = seq_load_balancing_loss(scores, indices, batch, self.topk, self.aux_loss_coeff)
+                aux = seq_load_balancing_loss(scores, indices, batch, self.topk, self.aux_loss_coeff, sp)
         zl = z_loss(logits, self.z_loss_coeff) if self.z_loss_coeff > 0 else zero
+        if sp.active and self.z_loss_coeff > 0:
+            zl = zl / sp.size
         if self.enable_expert_bias and self.training:
             with torch.no_grad():
                 self.local_tokens_per_expert += tokens_per_expert.float()

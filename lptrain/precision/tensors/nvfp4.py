@@ -13,7 +13,7 @@ S_enc; so do we. Packing: two codes per byte, element 2i in the low nibble.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -264,7 +264,11 @@ class NVFP4Tensor(QuantizedTensor):
 
 class NVFP4Quantizer(Quantizer):
     """NVFP4 quantizer; ``with_rht`` applies to the columnwise copy only, ``use_2d`` = 16x16
-    tiles (weights), ``stochastic_rounding`` draws 8 bits per element from ``generator``."""
+    tiles (weights), ``stochastic_rounding`` draws 8 bits per element from ``generator``.
+    ``amax_reduction`` (a process group or a callable, as :func:`scaling.maybe_reduce_amax`):
+    the per-tensor (second-level) amaxes of both orientations are MAX-reduced over it, in one
+    collective, before any scale is computed -- a tensor-parallel shard then gets the whole
+    tensor's global scale."""
 
     tensor_cls = NVFP4Tensor
 
@@ -278,8 +282,10 @@ class NVFP4Quantizer(Quantizer):
         stochastic_rounding: bool = False,
         use_2d: bool = False,
         generator: Optional[torch.Generator] = None,
+        amax_reduction: Optional[Any] = None,
     ) -> None:
         super().__init__(role, rowwise, columnwise)
+        self.amax_reduction = amax_reduction
         if use_2d and with_rht:
             raise ValueError("NVFP4 2D (weight) quantization is not combined with RHT")
         self.with_rht = with_rht
@@ -419,7 +425,7 @@ class NVFP4Quantizer(Quantizer):
         k = xf.shape[1]
         out: dict[str, Optional[torch.Tensor]] = dict.fromkeys(NVFP4Tensor._field_names())
         if self.use_2d:
-            gamax = _scaling.amax(xf).reshape(1)
+            gamax = _scaling.maybe_reduce_amax(_scaling.amax(xf).reshape(1), self.amax_reduction)
             scaler = _scaling.nvfp4_block_scaler(gamax)
             ws = Workspace.shared(xf.device)
 
@@ -449,18 +455,36 @@ class NVFP4Quantizer(Quantizer):
         rotated = rotated_scratch(tuple(xf.shape), xf.device) if rotate else None
         row_bamax, col_bamax, row_nan, col_nan = self._block_amaxes(
             xf, self.rowwise, self.columnwise, rotated)
-        gamax: Optional[torch.Tensor] = None
+        gamax = _global_amax(row_bamax) if row_bamax is not None else None
+        camax: Optional[torch.Tensor] = None
+        if col_bamax is not None and (gamax is None or rotate):
+            camax = _global_amax(col_bamax)
+        if self.amax_reduction is not None:
+            gamax, camax = self._reduced(gamax, camax)
         if row_bamax is not None:
-            gamax = _global_amax(row_bamax)
+            assert gamax is not None
             out["rowwise_data"], out["rowwise_scale_inv"] = self._quantize_blocks(
                 xf, gamax, 1, row_bamax, may_have_nan=row_nan)
             out["amax_rowwise"] = gamax
         if col_bamax is not None:
-            camax = gamax.clone() if gamax is not None and not rotate else _global_amax(col_bamax)
+            camax = gamax.clone() if camax is None and gamax is not None else camax
+            assert camax is not None
             out["columnwise_data"], out["columnwise_scale_inv"] = self._quantize_blocks(
                 xf, camax, 0, col_bamax, rotated=rotated, may_have_nan=col_nan)
             out["amax_columnwise"] = camax
         return out
+
+    def _reduced(self, *amaxes: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
+        """The given (1,) amaxes MAX-reduced over :attr:`amax_reduction` in one collective."""
+        present = [a for a in amaxes if a is not None]
+        if not present:
+            return amaxes
+        packed = _scaling.maybe_reduce_amax(torch.cat(present), self.amax_reduction)
+        out, i = [], 0
+        for a in amaxes:
+            out.append(None if a is None else packed[i : i + 1].clone())
+            i += a is not None
+        return tuple(out)
 
     def __repr__(self) -> str:
         return (

@@ -38,6 +38,7 @@ from torch import nn
 
 from lptrain.precision import autocast as _ac
 from lptrain.precision import linear_ops as _ops
+from lptrain.precision import tensor_parallel as TP
 
 from . import recompute as RC
 from . import tensors as T
@@ -109,7 +110,7 @@ class _TEModule(nn.Module):
     def _state(self, emu_recipe: Any) -> _ops.QuantState:
         st = self._states.get(id(emu_recipe))
         if st is None:
-            st = _ops.QuantState(emu_recipe, self._members)
+            st = _ops.QuantState(emu_recipe, self._members, _sp_amax_reduction(self))
             self._states[id(emu_recipe)] = st
             if self._pending_extra is not None:
                 self._load_scaling(st, self._pending_extra)
@@ -242,6 +243,30 @@ class _Meta:
                              if states else torch.empty(0))
 
 
+def _sp_amax_reduction(module: Any) -> dict[str, Any]:
+    """TE's current-scaling amax reductions of a sequence-parallel layer: the gathered input of
+    a column-parallel one, the output grad of a row-parallel one (not the weight: TE quantizes
+    a weight shard with its own amax); none for any other module."""
+    if not getattr(module, "sequence_parallel", False):
+        return {}
+    return {"input" if module.parallel_mode == "column" else "grad": module.tp_group}
+
+
+def _group_size(pg: Any) -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size(pg)
+
+
+def _tp_view(pg: Any) -> Any:
+    """lptrain's group object (``pg``, ``size``, ``rank``) of a torch process group."""
+    import torch.distributed as dist
+
+    from lptrain.distributed.groups import Group
+
+    return Group(pg, dist.get_world_size(pg), dist.get_rank(pg))
+
+
 def attach_high_precision_init_val(param: torch.Tensor, value: torch.Tensor) -> None:
     """TE's ``_high_precision_init_val`` plus the bound get/clear methods."""
     import types
@@ -264,11 +289,23 @@ class Linear(_TEModule):
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  init_method: Any = None, params_dtype: Any = None,
                  fuse_wgrad_accumulation: bool = False, device: Any = "cuda",
-                 name: Optional[str] = None) -> None:
+                 name: Optional[str] = None, *, sequence_parallel: bool = False,
+                 tp_group: Any = None, tp_size: int = 1, parallel_mode: Optional[str] = None) -> None:
         super().__init__(num_members=1, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
                          name=name, device=device,
                          record={"init_method": init_method, "params_dtype": params_dtype,
-                                 "fuse_wgrad_accumulation": fuse_wgrad_accumulation, "name": name})
+                                 "fuse_wgrad_accumulation": fuse_wgrad_accumulation, "name": name,
+                                 "tp_group": tp_group, "tp_size": tp_size,
+                                 "parallel_mode": parallel_mode, "sequence_parallel": sequence_parallel})
+        # TE's tensor parallelism: the group's size (or tp_size without a group: shapes only),
+        # the shard's features, SP only with more than one rank
+        self.tp_group, self.parallel_mode = tp_group, parallel_mode
+        self.tp_size = _group_size(tp_group) if tp_group is not None else tp_size
+        self.sequence_parallel = self.tp_size > 1 and sequence_parallel
+        if parallel_mode == "column":
+            out_features //= self.tp_size
+        elif parallel_mode == "row":
+            in_features //= self.tp_size
         self.in_features, self.out_features = in_features, out_features
         dtype = params_dtype or torch.float32
         w = torch.empty(out_features, in_features, dtype=dtype, device=_device(device))
@@ -284,12 +321,17 @@ class Linear(_TEModule):
             "bias", nn.Parameter(torch.zeros(out_features, dtype=dtype, device=w.device)) if bias else None)
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
+        group = _tp_view(self.tp_group) if self.tp_group is not None and self.tp_size > 1 else None
+        if group is not None and self.parallel_mode == "column":  # TE: SP along dim 0
+            inp = TP.gather_sequence(inp, group, 0) if self.sequence_parallel else TP.copy_to_tp(inp, group)
         with self._forward_phase() as st:
             y = _ops.quantized_grouped_linear(
                 inp.reshape(-1, inp.shape[-1]), [inp.numel() // inp.shape[-1]], [_operand(self.weight)],
                 st, single=False, out_features=self.out_features,
                 fuse_wgrad=self.fuse_wgrad_accumulation,
             ).reshape(*inp.shape[:-1], self.out_features).to(inp.dtype)
+        if group is not None and self.parallel_mode == "row":
+            y = TP.reduce_scatter_sequence(y, group, 0) if self.sequence_parallel else TP.reduce_from_tp(y, group)
         return y + self.bias.to(y.dtype) if self.bias is not None else y
 
 

@@ -53,6 +53,8 @@ SHRINK: dict[str, Any] = {
     "model.moe.expert_model_parallel_size": 1, "train.micro_batch_size": 4,
     "train.global_batch_size": 8, "precision.backend": "emulated", "run.device": "cpu",
     "ddp.num_distributed_optimizer_instances": 1,
+    # one CPU rank: no tensor parallelism (its effects: tests/dist/test_tensor_parallel.py)
+    "model.tensor_model_parallel_size": 1, "model.sequence_parallel": False,
 }
 MAX_SHRUNK_LAYERS = 3
 STEPS = 1

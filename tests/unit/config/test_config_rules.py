@@ -46,9 +46,12 @@ GROUPED = "model.moe.grouped_gemm=true"
 TENSORWISE = "precision.fp8_recipe=tensorwise"
 LION = "optimizer.muon.scalar_optimizer=lion"
 SGW = "model.moe.single_grouped_weight=true"
+TP2 = "model.tensor_model_parallel_size=2"
+SP = "model.sequence_parallel=true"
 
-# (rule, trigger overrides, expected keys (subset, in order), neighbour overrides, world)
-CASES: list[tuple[str, list[str], tuple[str, ...], list[str], World]] = [
+# (rule, trigger overrides, expected keys (subset, in order), neighbour overrides, world[,
+# the neighbour's world when it differs])
+CASES: list[tuple] = [
     ("PREC-FP8-FP4-EXCLUSIVE", [E4M3, "precision.fp4_format=e2m1"],
      ("precision.fp8_format", "precision.fp4_format"), ["precision.fp4_format=e2m1"], CPU),
     ("PREC-FP8PG-NEEDS-FP8", [FP8PG, DISTOPT], ("precision.fp8_param_gather",),
@@ -174,6 +177,25 @@ CASES: list[tuple[str, list[str], tuple[str, ...], list[str], World]] = [
     ("MOE-EP-DIVIDES", [MOE, "model.moe.expert_model_parallel_size=3", "train.global_batch_size=24"],
      ("model.moe.expert_model_parallel_size",),
      [MOE, "model.moe.expert_model_parallel_size=2", "train.global_batch_size=24"], World(dp=6)),
+    ("LAUNCH-TP-DIVIDES-WORLD", [TP2], ("model.tensor_model_parallel_size",), [TP2],
+     World(ranks=3), World(ranks=4)),
+    ("TP-HEADS", ["model.tensor_model_parallel_size=8"], ("model.num_attention_heads",),
+     ["model.tensor_model_parallel_size=4"], CPU),
+    ("TP-KV-HEADS", [TP2, "model.num_query_groups=1"], ("model.num_query_groups",),
+     [TP2, "model.num_query_groups=2"], CPU),
+    ("TP-FFN", [TP2, "model.ffn_hidden_size=255"], ("model.ffn_hidden_size",),
+     [TP2, "model.ffn_hidden_size=254"], CPU),
+    ("SP-NEEDS-TP", [SP], ("model.sequence_parallel",), [SP, TP2], CPU),
+    ("SP-SEQ-DIVIDES", [TP2, SP, "model.seq_length=127"], ("model.seq_length",),
+     [TP2, SP, "model.seq_length=126"], CPU),
+    ("TP-MOE-NEEDS-SP", [MOE, TP2], ("model.sequence_parallel",), [MOE, TP2, SP], CPU),
+    ("MOE-ETP-ONE", ["model.moe.expert_tensor_parallel_size=2"],
+     ("model.moe.expert_tensor_parallel_size",), [], CPU),
+    ("TP-BLOCK-BOUNDARY", [E4M3, MXFP8, "model.tensor_model_parallel_size=4"],
+     ("model.hidden_size", "precision.fp8_recipe", "model.tensor_model_parallel_size"),
+     [E4M3, MXFP8, TP2], CPU),
+    ("INERT-MUON-TP-MODE", [MUON, "optimizer.muon.tp_mode=distributed"],
+     ("optimizer.muon.tp_mode",), [MUON, "optimizer.muon.tp_mode=distributed", TP2], CPU),
     ("MOE-EXPERT-BIAS-SCORE", [MOE, "model.moe.enable_expert_bias=true"],
      ("model.moe.enable_expert_bias", "model.moe.score_function"),
      [MOE, "model.moe.enable_expert_bias=true", "model.moe.score_function=sqrtsoftplus"], CPU),
@@ -306,10 +328,11 @@ CASES: list[tuple[str, list[str], tuple[str, ...], list[str], World]] = [
 ]
 
 
-@pytest.mark.parametrize(("rule", "trigger", "keys", "neighbour", "world"), CASES,
-                         ids=[c[0] for c in CASES])
+@pytest.mark.parametrize(("rule", "trigger", "keys", "neighbour", "world", "neighbour_world"),
+                         [(*c, c[4]) if len(c) == 5 else c for c in CASES], ids=[c[0] for c in CASES])
 def test_rule_fires_alone_and_neighbour_is_clean(
-    rule: str, trigger: list[str], keys: tuple[str, ...], neighbour: list[str], world: World
+    rule: str, trigger: list[str], keys: tuple[str, ...], neighbour: list[str], world: World,
+    neighbour_world: World,
 ) -> None:
     ignored = {"DATA-UNREADABLE"} if world is CPU_WITH_MISSING_DATA else set()
     found = [v for v in violations(trigger, world) if v.rule not in ignored]
@@ -318,7 +341,7 @@ def test_rule_fires_alone_and_neighbour_is_clean(
     assert set(keys) <= set(v.keys), v.keys
     assert v.message and v.fix
     assert not PLACEHOLDER.search(v.message + v.fix), "unformatted placeholder"
-    assert [v for v in violations(neighbour, world) if v.rule not in ignored] == []
+    assert [v for v in violations(neighbour, neighbour_world) if v.rule not in ignored] == []
 
 
 def test_every_rule_has_a_case() -> None:

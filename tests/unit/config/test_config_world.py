@@ -19,9 +19,27 @@ def test_cpu_target() -> None:
 
 
 def test_dp_from_world_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lptrain.config import compose
+
     monkeypatch.setenv("WORLD_SIZE", "16")
-    assert World.detect(target="cpu").dp == 16
+    launched = World.detect(target="cpu")
+    assert launched.ranks == 16
+    assert launched.for_config(compose(None, [])).dp == 16
     assert World.detect(dp=2, target="cpu").dp == 2
+
+
+def test_dp_and_ranks_under_tensor_parallelism() -> None:
+    """``--dp N`` judges a world of TP x N ranks; a launch's rank count leaves ranks / TP
+    data-parallel ranks; settling twice changes nothing."""
+    from lptrain.config import compose
+
+    tp4 = compose(None, ["model.tensor_model_parallel_size=4"])
+    by_dp = World(dp=2).for_config(tp4)
+    assert (by_dp.dp, by_dp.ranks, by_dp.world_size) == (2, 8, 8)
+    by_ranks = World(ranks=16).for_config(tp4)
+    assert (by_ranks.dp, by_ranks.ranks) == (4, 16)
+    assert by_ranks.for_config(tp4) == by_ranks
+    assert World(ranks=6).for_config(tp4).dp == 1  # LAUNCH-TP-DIVIDES-WORLD reports the rest
 
 
 def test_unknown_target_rejected() -> None:

@@ -144,7 +144,14 @@ def _groups(cfg: Any) -> Any:
 
     moe = cfg.model.moe
     return build_groups(cfg.ddp.num_distributed_optimizer_instances,
-                        ep=moe.expert_model_parallel_size if moe.num_experts else 1)
+                        ep=moe.expert_model_parallel_size if moe.num_experts else 1,
+                        tp=cfg.model.tensor_model_parallel_size)
+
+
+def _tp_orthogonalizer(cfg: Any) -> Any:
+    from lptrain.optim.tp_muon import TPOrthogonalizer
+
+    return TPOrthogonalizer(cfg.optimizer.muon.tp_mode)
 
 
 def _muon(cfg: Any) -> Any:
@@ -275,7 +282,14 @@ SITES: dict[str, ByRule | NotConfig] = {
         NotConfig("the model routes only matrices to Muon (is_muon_param)"),
     "lptrain/optim/muon.py::_validate_param::ValueError: is_qkv param of shape {} needs qkv_split_sh":
         NotConfig("attention sets qkv_split_shapes from the validated head counts"),
+    "lptrain/optim/tp_muon.py::TPOrthogonalizer.__init__::ValueError: optimizer.muon.tp_mode={} must be one of {}":
+        ByRule("OPT-CHOICES", (*MUON, "optimizer.muon.tp_mode=blockwise", "model.tensor_model_parallel_size=2"),
+               build=_tp_orthogonalizer),
+    "lptrain/model/build.py::build_model::ValueError: model.tensor_model_parallel_size={} but the tensor-pa":
+        NotConfig("the engine passes its own tensor-parallel group, of the configured size (build_groups)"),
     # process groups
+    "lptrain/distributed/groups.py::_check_sizes::ConfigError: model.tensor_model_parallel_size={} must divi":
+        ByRule("LAUNCH-TP-DIVIDES-WORLD", ("model.tensor_model_parallel_size=2",), World(ranks=1), build=_groups),
     "lptrain/distributed/groups.py::_check_sizes::ConfigError: ddp.num_distributed_optimizer_instances={} mu":
         ByRule("DDP-INSTANCES-DIVIDE-DP", ("ddp.use_distributed_optimizer=true",
                                            "ddp.num_distributed_optimizer_instances=2"), build=_groups),

@@ -58,7 +58,9 @@ class Recipe:
         self.name = path.stem
         self.cfg = composed.cfg
         self.world = recipe_world(composed.meta.target)
-        self.cluster = composed.meta.target != "cpu"
+        # a GPU recipe, or a tensor-parallel one (its world of several ranks cannot run in
+        # this one process): the engine runs shrunk to one CPU rank (_key_effects.SHRINK)
+        self.cluster = composed.meta.target != "cpu" or composed.cfg.model.tensor_model_parallel_size > 1
         self.derived = derive(self.cfg, self.world)
         self._base: dict[bool, Fingerprint] = {}
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lptrain.distributed import collectives
+from lptrain.precision import collectives
 
 NAMES = {"all_gather_single", "reduce_scatter_single", "all_gather_into_tensor", "reduce_scatter_tensor"}
 

@@ -4,7 +4,9 @@ torch 2.13 added ``all_gather_single`` / ``reduce_scatter_single`` and deprecate
 ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` (same arguments, same semantics); GPU
 installs commonly run an older torch (NVIDIA's containers), which has only the old names.
 Every flat all-gather and reduce-scatter of lptrain goes through these two functions, which
-pick the new name when it exists. The name is looked up at each call, so a test can wrap
+pick the new name when it exists. They live in the lowest package that runs collectives (the
+tensor-parallel layers of :mod:`lptrain.precision.tensor_parallel`; the data-parallel engine
+and the optimizers above it import them from here). The name is looked up at each call, so a test can wrap
 ``torch.distributed``'s functions (the virtual CUDA device checks every collective's tensors).
 """
 

@@ -1,0 +1,215 @@
+"""Tensor- and sequence-parallel rules: what Megatron-LM refuses for TP/SP, and the block
+boundaries a quantized recipe needs at every tensor-parallel split.
+
+The world is judged as ``tensor_model_parallel_size x dp`` ranks (``--dp N``), or a launch's
+rank count is split into ``TP`` consecutive tensor-parallel ranks and ``ranks / TP``
+data-parallel ones (:mod:`lptrain.catalog.parallel_dims`). Which GEMM dimension each split
+cuts (:func:`tp_split_dims`): the column-parallel QKV and fc1 weights by output rows (QKV by
+whole query groups, fc1 as its gate and up halves), the row-parallel proj and fc2 weights and
+inputs by input columns; the embedding and output head by vocab rows (never quantized).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lptrain.catalog import recipes as catalog_recipes
+from lptrain.config.rules import Rule, is_moe, quant_spec, recipe_key, runs
+from lptrain.config.schema import LPTrainConfig
+from lptrain.config.world import World
+
+S = "Tensor and sequence parallelism"
+
+
+def tp_size(c: LPTrainConfig) -> int:
+    return max(1, c.model.tensor_model_parallel_size)
+
+
+def _groups(c: LPTrainConfig) -> int:
+    m = c.model
+    return m.num_query_groups if m.num_query_groups is not None else m.num_attention_heads
+
+
+def tp_split_dims(c: LPTrainConfig) -> list[tuple[str, str, int, str]]:
+    """``(key, what, per-rank size, the whole size that must be a multiple)`` of every
+    quantized GEMM dimension a tensor-parallel split cuts (dense layers; MoE experts are whole
+    on every TP rank)."""
+    m, tp = c.model, tp_size(c)
+    if m.num_attention_heads < 1 or m.hidden_size % m.num_attention_heads or _groups(c) < 1:
+        return []  # MODEL-HEADS reports it
+    head_dim = m.hidden_size // m.num_attention_heads
+    qkv_rows = (m.num_attention_heads + 2 * _groups(c)) * head_dim
+    out = [("model.hidden_size", "linear_proj input columns (hidden_size / TP)", m.hidden_size // tp,
+            "model.hidden_size"),
+           ("model.num_query_groups", "linear_qkv output rows ((heads + 2 kv heads) x head_dim / TP)",
+            qkv_rows // tp, "(num_attention_heads + 2 x num_query_groups) x head_dim")]
+    if m.ffn_hidden_size and has_dense_mlp(c):
+        out.append(("model.ffn_hidden_size", "linear_fc1 gate/up rows and linear_fc2 input columns "
+                    "(ffn_hidden_size / TP)", m.ffn_hidden_size // tp, "model.ffn_hidden_size"))
+    return out
+
+
+def has_dense_mlp(c: LPTrainConfig) -> bool:
+    """Some layer has a dense (tensor-parallel) MLP: a dense model, or MoE every k > 1 layers."""
+    freq = max(1, c.model.moe.moe_layer_freq)
+    return not is_moe(c) or any(i % freq for i in range(c.model.num_layers))
+
+
+def _world_not_divisible(c: LPTrainConfig, w: World) -> bool:
+    return w.ranks is not None and w.ranks % tp_size(c) != 0
+
+
+def _heads_bad(c: LPTrainConfig, w: World) -> bool:
+    return tp_size(c) > 1 and c.model.num_attention_heads % tp_size(c) != 0
+
+
+def _kv_heads_bad(c: LPTrainConfig, w: World) -> dict[str, Any]:
+    tp, g = tp_size(c), _groups(c)
+    if tp <= 1 or g < 1 or g % tp == 0 or c.model.num_attention_heads % tp:
+        return {}  # (heads TP does not divide: TP-HEADS)
+    how = ("fewer kv heads than TP ranks would need each kv head replicated on TP / "
+           "num_query_groups ranks, which lptrain does not build" if tp % g == 0
+           else "the kv heads neither divide over nor replicate evenly across the TP ranks")
+    return {"groups": g, "how": how}
+
+
+def _ffn_bad(c: LPTrainConfig, w: World) -> bool:
+    f = c.model.ffn_hidden_size
+    return tp_size(c) > 1 and f is not None and has_dense_mlp(c) and f % tp_size(c) != 0
+
+
+def _seq_bad(c: LPTrainConfig, w: World) -> bool:
+    return c.model.sequence_parallel and tp_size(c) > 1 and c.model.seq_length % tp_size(c) != 0
+
+
+def _blocks_bad(c: LPTrainConfig, w: World) -> dict[str, Any]:
+    spec = quant_spec(c)
+    tp = tp_size(c)
+    if tp <= 1 or spec is None or not runs(c, spec) or spec.block <= 1:
+        return {}
+    bad = [d for d in tp_split_dims(c) if d[2] % spec.block]
+    if not bad:
+        return {}
+    detail = "; ".join(f"{what} = {n} is not a multiple of {spec.block}" for _, what, n, _ in bad)
+    fixes = ", ".join(dict.fromkeys(f"{whole} a multiple of {spec.block * tp}" for *_, whole in bad))
+    return {"keys": (*dict.fromkeys(k for k, *_ in bad), recipe_key(c), "model.tensor_model_parallel_size"),
+            "detail": detail, "block": spec.block, "recipe": spec.name, "fixes": fixes}
+
+
+_BLOCKED = ", ".join(f"{s.name} {s.block}" for s in catalog_recipes.RECIPES if s.block > 1)
+
+RULES = [
+    Rule(
+        id="LAUNCH-TP-DIVIDES-WORLD", severity="error", keys=("model.tensor_model_parallel_size",),
+        when=_world_not_divisible,
+        message="tensor_model_parallel_size={cfg.model.tensor_model_parallel_size} must divide the "
+                "world of {world.ranks} ranks: each tensor-parallel group is that many consecutive "
+                "ranks and the data-parallel size is world / TP",
+        fix="launch a multiple of {cfg.model.tensor_model_parallel_size} ranks (--nproc-per-node), "
+            "or set model.tensor_model_parallel_size to a divisor of {world.ranks}",
+        condition="world % tensor_model_parallel_size == 0 (a launch's rank count; --dp N judges "
+                  "a world of TP x N ranks)",
+        why="Megatron-LM's initialize_model_parallel refuses the same: every rank is in exactly "
+            "one tensor-parallel group",
+        section=S,
+    ),
+    Rule(
+        id="TP-HEADS", severity="error",
+        keys=("model.num_attention_heads", "model.tensor_model_parallel_size"), when=_heads_bad,
+        message="num_attention_heads={cfg.model.num_attention_heads} must be a multiple of "
+                "tensor_model_parallel_size={cfg.model.tensor_model_parallel_size}: each TP rank "
+                "holds whole attention heads",
+        fix="set model.tensor_model_parallel_size to a divisor of {cfg.model.num_attention_heads}",
+        condition="num_attention_heads % tensor_model_parallel_size == 0",
+        why="Megatron-LM's TransformerConfig refuses the same (heads are split over TP ranks)",
+        section=S,
+    ),
+    Rule(
+        id="TP-KV-HEADS", severity="error",
+        keys=("model.num_query_groups", "model.tensor_model_parallel_size"), when=_kv_heads_bad,
+        message="num_query_groups={groups} is not a multiple of tensor_model_parallel_size="
+                "{cfg.model.tensor_model_parallel_size}: {how}",
+        fix="set model.num_query_groups to a multiple of {cfg.model.tensor_model_parallel_size}, or "
+            "lower model.tensor_model_parallel_size to a divisor of {groups}",
+        condition="num_query_groups % tensor_model_parallel_size == 0",
+        why="each TP rank holds whole query groups (its query heads with their key and value "
+            "head); Megatron-LM also accepts a TP that is a multiple of num_query_groups by "
+            "replicating kv heads, which is not built here",
+        section=S,
+    ),
+    Rule(
+        id="TP-FFN", severity="error",
+        keys=("model.ffn_hidden_size", "model.tensor_model_parallel_size"), when=_ffn_bad,
+        message="ffn_hidden_size={cfg.model.ffn_hidden_size} must be a multiple of "
+                "tensor_model_parallel_size={cfg.model.tensor_model_parallel_size}: fc1's gate and "
+                "up halves and fc2's input columns are split over the TP ranks",
+        fix="set model.ffn_hidden_size to a multiple of {cfg.model.tensor_model_parallel_size}",
+        condition="ffn_hidden_size % tensor_model_parallel_size == 0 (models with a dense MLP)",
+        why="Megatron-LM's ColumnParallelLinear / RowParallelLinear divide the size exactly",
+        section=S,
+    ),
+    Rule(
+        id="SP-NEEDS-TP", severity="error",
+        keys=("model.sequence_parallel", "model.tensor_model_parallel_size"),
+        when=lambda c, w: c.model.sequence_parallel and tp_size(c) <= 1,
+        message="sequence_parallel=true splits the sequence over the tensor-parallel ranks, but "
+                "tensor_model_parallel_size=1: it would have no effect",
+        fix="set model.tensor_model_parallel_size > 1, or model.sequence_parallel=false",
+        condition="sequence_parallel -> tensor_model_parallel_size > 1",
+        why="Megatron-LM refuses it too ('Cannot use sequence parallelism without tensor "
+            "parallelism'); a setting that is accepted must be honoured",
+        section=S,
+    ),
+    Rule(
+        id="SP-SEQ-DIVIDES", severity="error",
+        keys=("model.seq_length", "model.tensor_model_parallel_size", "model.sequence_parallel"),
+        when=_seq_bad,
+        message="seq_length={cfg.model.seq_length} must be a multiple of "
+                "tensor_model_parallel_size={cfg.model.tensor_model_parallel_size} under sequence "
+                "parallelism: each TP rank holds seq_length / TP positions",
+        fix="set model.seq_length to a multiple of {cfg.model.tensor_model_parallel_size}",
+        condition="sequence_parallel -> seq_length % tensor_model_parallel_size == 0",
+        why="the sequence scatter and gather split the sequence into equal parts",
+        section=S,
+    ),
+    Rule(
+        id="TP-MOE-NEEDS-SP", severity="error",
+        keys=("model.moe.num_experts", "model.tensor_model_parallel_size", "model.sequence_parallel"),
+        when=lambda c, w: is_moe(c) and tp_size(c) > 1 and not c.model.sequence_parallel,
+        message="an MoE model with tensor_model_parallel_size={cfg.model.tensor_model_parallel_size} "
+                "needs sequence parallelism: the experts are whole on every TP rank (expert "
+                "TP = 1) and each rank routes its own sequence shard's tokens",
+        fix="set model.sequence_parallel=true",
+        condition="num_experts > 0 and tensor_model_parallel_size > 1 -> sequence_parallel",
+        why="Megatron-LM refuses it too ('When using MoE and tensor parallelism, sequence "
+            "parallelism must be used'); without SP every TP rank would route the same tokens "
+            "and the expert gradients would be counted TP times",
+        section=S,
+    ),
+    Rule(
+        id="MOE-ETP-ONE", severity="error", keys=("model.moe.expert_tensor_parallel_size",),
+        when=lambda c, w: c.model.moe.expert_tensor_parallel_size != 1,
+        message="expert_tensor_parallel_size={cfg.model.moe.expert_tensor_parallel_size}: experts "
+                "split over tensor-parallel ranks are not built",
+        fix="set model.moe.expert_tensor_parallel_size=1 (experts whole on every TP rank, tokens "
+            "on sequence shards; use model.moe.expert_model_parallel_size to spread experts)",
+        condition="expert_tensor_parallel_size == 1",
+        why="only expert TP = 1 is built and tested",
+        section=S,
+    ),
+    Rule(
+        id="TP-BLOCK-BOUNDARY", severity="error",
+        keys=("model.tensor_model_parallel_size", "precision.fp8_recipe", "precision.fp4_recipe"),
+        when=_blocks_bad,
+        message="the {recipe} recipe quantizes in blocks of {block} along each GEMM dimension, and "
+                "a tensor-parallel split must fall on a block boundary or its shards' blocks (and "
+                "so their bytes) differ from the whole tensor's: {detail}",
+        fix="make {fixes}, or lower model.tensor_model_parallel_size",
+        condition=f"for every GEMM dimension a TP split cuts: (size / TP) % block == 0 ({_BLOCKED}; "
+                  "per-tensor recipes reduce their amax over TP instead)",
+        why="a shard boundary inside a quantization block gives that block two scales, so the "
+            "quantized bytes of each shard no longer equal the single-rank bytes of its slice: "
+            "a silent divergence",
+        section=S,
+    ),
+]

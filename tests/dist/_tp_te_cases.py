@@ -1,0 +1,46 @@
+"""Rank side of the Transformer Engine tensor-parallel test (module-level: pickled)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+BASE = ["data.builtin_max_mb=1", "train.eval_iters=1", "logging.progress=false", "run.device=cuda",
+        "optimizer.warmup_iters=0", "train.global_batch_size=4", "train.micro_batch_size=2",
+        "model.seq_length=64", "model.tensor_model_parallel_size=2", "model.sequence_parallel=true",
+        "precision.fp8_format=e4m3", "precision.fp8_recipe=mxfp8"]
+
+
+def te_vs_emulated(rank: int, world: int, cache: str, extra: Sequence[str] = ()) -> dict[str, Any]:
+    """On one virtual sm100 GPU per rank, with the stand-in TE: 3 steps of TP 2 + SP on the TE
+    backend and on the emulated one; the TE layers' constructor arguments as TE received them."""
+    from lptrain.testing.fake_gpu import virtual_gpu
+    from lptrain.testing.parity import train_steps
+
+    seen: dict[str, dict[str, Any]] = {}
+
+    def record(engine: Any, step: int) -> None:
+        if step == 1:
+            for name, m in engine.model.named_modules():
+                kw = getattr(m, "kw", None)
+                if isinstance(kw, dict) and "parallel_mode" in kw:
+                    seen[name] = {k: kw[k] for k in ("tp_size", "parallel_mode", "sequence_parallel")}
+                    seen[name]["tp_group_ranks"] = _ranks(kw["tp_group"])
+                    seen[name]["weight"] = tuple(m.weight.shape)
+
+    out: dict[str, Any] = {}
+    with virtual_gpu("sm100", te=True) as vc:
+        for backend in ("te", "emulated"):
+            r = train_steps("tiny_cpu.yaml", [*BASE, f"data.cache_dir={cache}", f"precision.backend={backend}",
+                                              *extra], steps=3, before_step=record if backend == "te" else None)
+            out[backend] = r["losses"]
+        out["violations"] = list(vc.violations)
+        out["te_backend"] = vc.te_backend
+    out["layers"] = seen
+    return out
+
+
+def _ranks(pg: Any) -> Any:
+    import torch.distributed as dist
+
+    return None if pg is None else list(dist.get_process_group_ranks(pg))

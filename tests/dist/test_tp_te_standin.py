@@ -1,0 +1,47 @@
+"""Tensor + sequence parallelism on the Transformer Engine backend, checked on CPU: two ranks,
+each on a virtual sm100 GPU with the stand-in TE (which behaves like TE where lptrain depends on
+it: TE's TP arguments divide the layer, its sequence-parallel collectives run along the first
+dimension, its current-scaling amax reductions cover the sequence-parallel operands only).
+
+The column- and row-parallel layers must be TE's own ``Linear`` built with TE's ``tp_group``
+(the TP group's ranks), ``tp_size``, ``parallel_mode`` and ``sequence_parallel`` -- TE does the
+collectives, nothing home-made around them -- and must train like the emulated backend's TP
+layers (MXFP8: block scales, no amax reduction, so the two backends run the same numbers in
+another layout; the losses agree within the tolerance of tests/dist/test_tp_training.py).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from lptrain.testing.dist import run_distributed
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _tp_te_cases import te_vs_emulated  # noqa: E402
+
+pytestmark = pytest.mark.dist
+
+LOSS_RTOL = 2e-3  # (see tests/dist/test_tp_training.py)
+
+
+def test_te_layers_get_tes_tensor_parallel_arguments_and_train_like_the_emulation(tmp_path: Path) -> None:
+    results = run_distributed(te_vs_emulated, 2, args=(str(tmp_path / "cache"),), init_process_group=False,
+                              timeout_s=300)
+    for r in results:
+        assert r["te_backend"].startswith("stand-in")
+        assert r["violations"] == []
+        layers = r["layers"]
+        assert sorted(layers) == sorted(f"layers.{i}.{m}" for i in range(2) for m in (
+            "self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2"))
+        for name, kw in layers.items():
+            column = name.endswith(("linear_qkv", "linear_fc1"))
+            assert kw["parallel_mode"] == ("column" if column else "row"), name
+            assert kw["tp_size"] == 2 and kw["sequence_parallel"] is True and kw["tp_group_ranks"] == [0, 1]
+        assert layers["layers.0.self_attention.linear_qkv"]["weight"] == (96, 64)  # 192 rows / 2
+        assert layers["layers.0.mlp.linear_fc2"]["weight"] == (64, 128)  # 256 columns / 2
+        for te, emu in zip(r["te"], r["emulated"], strict=True):
+            assert te == pytest.approx(emu, rel=LOSS_RTOL)
+    assert results[0]["te"] == results[1]["te"]
