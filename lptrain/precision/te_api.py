@@ -107,6 +107,9 @@ TE_CALLS: tuple[TECall, ...] = (
       for kw in ("in_features", "out_features", "bias", "init_method", "params_dtype",
                  "fuse_wgrad_accumulation", "device")),
     TECall(f"{PT}.Linear", "name", "2.3", kind="kwarg", why="dropped where TE lacks it"),
+    *(TECall(f"{PT}.Linear", kw, TE_MIN_VERSION, kind="kwarg", why="tensor parallelism")
+      for kw in ("tp_group", "tp_size", "parallel_mode", "sequence_parallel")),
+    TECall(f"{PT}.Linear", "sequence_parallel", TE_MIN_VERSION, why="sequence-first activations under SP"),
     *(TECall(f"{PT}.GroupedLinear", kw, TE_MIN_VERSION, kind="kwarg")
       for kw in ("num_gemms", "in_features", "out_features", "bias", "init_method", "params_dtype",
                  "fuse_wgrad_accumulation", "device")),
