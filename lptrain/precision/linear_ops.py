@@ -34,6 +34,7 @@ from typing import Any, Optional
 import torch
 
 from lptrain.precision import autocast as _ac
+from lptrain.precision import operand_stats as _stats
 
 ROLES = ("input", "weight", "grad")
 
@@ -62,6 +63,11 @@ class QuantState:
     only cache quantizer objects (an NVFP4 grad quantizer also carries its SR generator,
     which must advance from call to call).
     """
+
+    # Whose operands these are, for the quantization statistics (set by the owning module):
+    # its state-dict name, and for a grouped GEMM the global index of member 0.
+    label: Optional[str] = None
+    member_offset: Optional[int] = None
 
     def __init__(self, recipe: Any, num_members: int) -> None:
         self.recipe = recipe
@@ -247,6 +253,9 @@ class _QuantizedGroupedFn(torch.autograd.Function):
                 saved_w.append(qw if need_dgrad else None)
                 continue
             qx = _quantize(mq.input, xi.detach(), True, need_wgrad)
+            if op.record:
+                op.record_operand("input", i, xi, qx)
+                op.record_operand("weight", i, None if _is_quantized(wi) else wi, qw)
             w_row = op.deq(qw, "rowwise")
             outs.append(op.deq(qx, "rowwise") @ w_row.t())
             saved_x.append(_only_columnwise(qx) if need_wgrad else None)
@@ -284,6 +293,8 @@ class _QuantizedGroupedFn(torch.autograd.Function):
                 dws.append(torch.zeros(n_out, ctx.in_features, dtype=torch.float32, device=dy.device))
                 continue
             qdy = _quantize(mq.grad, dyi.detach(), need_dgrad, need_wgrad)
+            if op.record:
+                op.record_operand("grad", i, dyi, qdy)
             if need_dgrad:
                 dxs.append(op.deq(qdy, "rowwise") @ op.deq(qw, "columnwise"))
             if need_wgrad:
@@ -354,6 +365,12 @@ class _OpContext:
     # quantized weights here, the recompute reuses them
     keep_weights: Optional[list] = None
     reuse_weights: Optional[list] = None
+    record: bool = False  # collect the operands' statistics (lptrain.precision.operand_stats)
+
+    def record_operand(self, role: str, i: int, x: Optional[torch.Tensor], q: Any) -> None:
+        st = self.qstate
+        member = None if st.member_offset is None else st.member_offset + i
+        _stats.record(st.label, role, member, x, None if isinstance(q, _PlainOperand) else q)
 
     @staticmethod
     def deq(q: Any, orientation: str) -> torch.Tensor:
@@ -410,6 +427,7 @@ def quantized_grouped_linear(
         group=_ac.current_group(),
         grad_enabled=torch.is_grad_enabled(),
         keep_weights=entry.weights if entry is not None else None,
+        record=qstate.label is not None and _stats.active() is not None,
     )
     return _QuantizedGroupedFn.apply(x, list(m_splits), op, *weights)
 

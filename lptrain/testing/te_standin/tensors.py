@@ -26,6 +26,7 @@ TE's documented behaviours that lptrain depends on are reproduced, not idealised
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 from collections.abc import Sequence
@@ -105,7 +106,16 @@ class Float8BlockQuantizer(Quantizer):
 
 
 class NVFP4Quantizer(Quantizer):
-    pass
+    @property
+    def stochastic_rounding(self) -> bool:
+        return bool(self.emu.stochastic_rounding)
+
+    @stochastic_rounding.setter
+    def stochastic_rounding(self, enabled: bool) -> None:
+        """TE's attribute: a copy set to False rounds to nearest and draws no bits."""
+        if bool(enabled) != self.stochastic_rounding:
+            self.emu = copy.copy(self.emu)
+            self.emu.stochastic_rounding = bool(enabled)
 
 
 def _field(name: str, emu_name: str) -> property:
@@ -267,6 +277,11 @@ class _BlockScaled(QuantizedTensor):
     _columnwise_data = _field("_columnwise_data", "columnwise_data")
     _rowwise_scale_inv = _field("_rowwise_scale_inv", "rowwise_scale_inv")
     _columnwise_scale_inv = _field("_columnwise_scale_inv", "columnwise_scale_inv")
+
+    @property
+    def _fp8_dtype(self) -> Any:
+        """TE's element dtype of the FP8 families (MXFP8, blockwise): lptrain's format."""
+        return getattr(self._emu, "fp8_format", None)
 
 
 class MXFP8Tensor(_BlockScaled):
