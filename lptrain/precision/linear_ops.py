@@ -253,11 +253,12 @@ class _QuantizedGroupedFn(torch.autograd.Function):
                 saved_w.append(qw if need_dgrad else None)
                 continue
             qx = _quantize(mq.input, xi.detach(), True, need_wgrad)
-            if op.record:
-                op.record_operand("input", i, xi, qx)
-                op.record_operand("weight", i, None if _is_quantized(wi) else wi, qw)
             w_row = op.deq(qw, "rowwise")
-            outs.append(op.deq(qx, "rowwise") @ w_row.t())
+            x_row = op.deq(qx, "rowwise")
+            outs.append(x_row @ w_row.t())
+            if op.record:  # the statistics reuse the GEMM's dequantized operands
+                op.record_operand("input", i, xi, qx, x_row)
+                op.record_operand("weight", i, None if _is_quantized(wi) else wi, qw, w_row)
             saved_x.append(_only_columnwise(qx) if need_wgrad else None)
             whole = _is_quantized(wi) or op.keep_weights is not None
             saved_w.append((qw if whole else _only_columnwise(qw)) if need_dgrad else None)
@@ -293,10 +294,11 @@ class _QuantizedGroupedFn(torch.autograd.Function):
                 dws.append(torch.zeros(n_out, ctx.in_features, dtype=torch.float32, device=dy.device))
                 continue
             qdy = _quantize(mq.grad, dyi.detach(), need_dgrad, need_wgrad)
-            if op.record:
-                op.record_operand("grad", i, dyi, qdy)
+            dy_row = op.deq(qdy, "rowwise") if need_dgrad else None
             if need_dgrad:
-                dxs.append(op.deq(qdy, "rowwise") @ op.deq(qw, "columnwise"))
+                dxs.append(dy_row @ op.deq(qw, "columnwise"))
+            if op.record:
+                op.record_operand("grad", i, dyi, qdy, dy_row)
             if need_wgrad:
                 dws.append(op.col_t(qdy) @ op.col_t(qx).t())
         del operands
@@ -367,10 +369,14 @@ class _OpContext:
     reuse_weights: Optional[list] = None
     record: bool = False  # collect the operands' statistics (lptrain.precision.operand_stats)
 
-    def record_operand(self, role: str, i: int, x: Optional[torch.Tensor], q: Any) -> None:
+    def record_operand(self, role: str, i: int, x: Optional[torch.Tensor], q: Any,
+                       rowwise: Optional[torch.Tensor] = None) -> None:
+        """Add member ``i``'s ``role`` operand to the statistics (``rowwise``: its row-wise
+        dequantized values, already computed for the GEMM)."""
         st = self.qstate
         member = None if st.member_offset is None else st.member_offset + i
-        _stats.record(st.label, role, member, x, None if isinstance(q, _PlainOperand) else q)
+        quantized = None if isinstance(q, _PlainOperand) else q
+        _stats.record(st.label, role, member, x, quantized, rowwise)
 
     @staticmethod
     def deq(q: Any, orientation: str) -> torch.Tensor:

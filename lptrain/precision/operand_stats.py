@@ -85,11 +85,13 @@ def plain_stats(x: torch.Tensor) -> torch.Tensor:
     return _vector(xf.device, {"elements": float(xf.numel()), "nonfinite": nonfinite}, None, a.amax(), None)
 
 
-def quantized_stats(x: Optional[torch.Tensor], q: Any) -> torch.Tensor:
+def quantized_stats(x: Optional[torch.Tensor], q: Any,
+                    rowwise: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The vector of an operand ``x`` (None: no high-precision reference) quantized to ``q``
-    (a quantized tensor of :mod:`lptrain.precision.tensors`); see :func:`blocks_stats`."""
+    (a quantized tensor of :mod:`lptrain.precision.tensors`); ``rowwise``: its row-wise
+    dequantized values when the caller has them; see :func:`blocks_stats`."""
     try:
-        blocks = q.stat_blocks(x)
+        blocks = q.stat_blocks(x, rowwise)
     except ValueError:  # no blocks of the operand's values to compare with (see stat_layout)
         return plain_stats(x if x is not None else q.dequantize())
     return blocks_stats(blocks, q.numel())
@@ -230,9 +232,10 @@ def recording(recorder: OperandRecorder) -> Iterator[OperandRecorder]:
 
 
 def record(module: Optional[str], role: str, member: Optional[int], x: Optional[torch.Tensor],
-           q: Any = None) -> None:
+           q: Any = None, rowwise: Optional[torch.Tensor] = None) -> None:
     """Add one operand's statistics to the active recorder (nothing without one, or for an
-    unnamed module); ``q`` None: an unquantized operand."""
+    unnamed module); ``q`` None: an unquantized operand; ``rowwise``: ``q``'s row-wise
+    dequantized values, when already computed."""
     rec = active()
     if rec is None or module is None or not rec.open:
         return
@@ -241,5 +244,5 @@ def record(module: Optional[str], role: str, member: Optional[int], x: Optional[
             assert x is not None
             vec = plain_stats(x)
         else:
-            vec = quantized_stats(x, q)
+            vec = quantized_stats(x, q, rowwise)
     rec.add(module, role, member, vec)

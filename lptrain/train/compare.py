@@ -2,11 +2,13 @@
 
 Both runs' ``metrics.jsonl`` are read (torch-free); on the steps both have, the loss, the
 grad norm, the learning rate of every param group, the validation loss and every operand's
-quantization statistics (``logging.numerics_interval``) are compared. Two values differ when
+quantization statistics (``logging.numerics_interval``: at the steps where both runs collected
+them, the statistics both report) are compared. Two values differ when
 their relative difference ``|a - b| / max(|a|, |b|)`` is above the tolerance (0: bitwise; a
 value missing or null on one side only differs too). The report names the first step where
 anything differs and what, and -- among the steps with statistics -- the first step and the
-first operand, in forward order, whose statistics differ: for "FP8 against bf16" or "which
+first operand, in the order the step computes them (forward operands, then output grads
+from the last layer back), whose statistics differ: for "FP8 against bf16" or "which
 commit broke it", where the runs part and which layer parts first. The settings that differ
 between the two ``resolved_config.yaml`` are listed too, and :func:`write_overlay` draws the
 loss and grad norm of both runs with the first difference marked.
@@ -101,13 +103,33 @@ def _step_diffs(step: int, a: dict[str, Any], b: dict[str, Any], tol: float) -> 
     return out
 
 
+def execution_order(operands: list[str]) -> list[str]:
+    """Operands (``<module>.<role>[i]``, modules in forward order) in the order a step
+    computes them: the inputs and weights in forward order, then the output grads in
+    backward order (the last module's first)."""
+    modules: dict[str, int] = {}
+    for op in operands:
+        modules.setdefault(op.rpartition(".")[0], len(modules))
+
+    def key(op: str) -> tuple[int, int, str]:
+        module, _, tail = op.rpartition(".")
+        i = modules[module]
+        return (1, -i, tail) if tail.startswith("grad") else (0, i, tail)
+
+    return sorted(dict.fromkeys(operands), key=key)
+
+
 def _layer_diff(step: int, a: dict[str, Any], b: dict[str, Any], tol: float) -> Optional[Difference]:
-    """The first operand (in run A's order, forward order; then B's own) whose statistics
-    differ at ``step``: its statistic with the largest relative difference."""
-    for op in dict.fromkeys([*a, *b]):
-        sa, sb = a.get(op) or {}, b.get(op) or {}
+    """The first operand, in the order the step computes them (:func:`execution_order`),
+    whose statistics differ at ``step``: its statistic with the largest relative difference. Only the
+    statistics both runs report for it are compared (a bf16 GEMM reports its amax, an FP8
+    one its scales and errors too); an operand one run lacks differs."""
+    for op in execution_order([*a, *b]):
+        if (op in a) != (op in b):
+            return Difference(step, f"{op}: present", op in a, op in b, math.inf)
+        sa, sb = a[op] or {}, b[op] or {}
         worst: Optional[Difference] = None
-        for stat in dict.fromkeys([*sa, *sb]):
+        for stat in [k for k in sa if k in sb]:
             r = rel_diff(sa.get(stat), sb.get(stat))
             if r > tol and (worst is None or r > worst.rel):
                 worst = Difference(step, f"{op}: {stat}", sa.get(stat), sb.get(stat), r)
@@ -152,10 +174,10 @@ def compare_runs(run_a: str | Path, run_b: str | Path, tol: float = 0.0) -> Comp
     for step in common:
         na, nb = ra[step].get("numerics"), rb[step].get("numerics")
         layer = None
-        if isinstance(na, dict) or isinstance(nb, dict):
-            ops.update(na or {}, nb or {})
+        if isinstance(na, dict) and isinstance(nb, dict):  # steps where both runs collected
+            ops.update(na, nb)
             if cmp.first_layer is None:
-                layer = cmp.first_layer = _layer_diff(step, na or {}, nb or {}, tol)
+                layer = cmp.first_layer = _layer_diff(step, na, nb, tol)
         if not cmp.first:
             cmp.first = _step_diffs(step, ra[step], rb[step], tol) + ([layer] if layer else [])
         if cmp.first and cmp.first_layer is not None:

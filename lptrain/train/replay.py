@@ -65,7 +65,8 @@ def _run_config(run_dir: Path) -> Any:
 
 
 def _recorded(run_dir: Path, step: int) -> tuple[Optional[dict[str, Any]], Optional[dict[str, Any]]]:
-    """Step ``step``'s metrics line and its (last) anomaly record, if any."""
+    """Step ``step``'s metrics line and its anomaly record, if any (a rolled-back anomaly is
+    not the step of the run's surviving history: that step was taken again)."""
     line = None
     for text in (run_dir / "metrics.jsonl").read_text().splitlines():
         try:
@@ -74,7 +75,8 @@ def _recorded(run_dir: Path, step: int) -> tuple[Optional[dict[str, Any]], Optio
             continue
         if isinstance(rec, dict) and rec.get("step") == step:
             line = rec
-    anomaly = next((r for r in reversed(read_anomalies(run_dir)) if r["step"] == step), None)
+    anomaly = next((r for r in reversed(read_anomalies(run_dir))
+                    if r["step"] == step and r.get("action") != "rollback"), None)
     return line, anomaly
 
 

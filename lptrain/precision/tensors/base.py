@@ -293,15 +293,17 @@ class QuantizedTensor(torch.Tensor):
         (:func:`~lptrain.precision.formats.rounding_limit`: E4M3 464, E5M2 61440, E2M1 7)."""
         raise NotImplementedError
 
-    def stat_blocks(self, x: Optional[torch.Tensor]) -> StatBlocks:
+    def stat_blocks(self, x: Optional[torch.Tensor],
+                    rowwise: Optional[torch.Tensor] = None) -> StatBlocks:
         """``x`` (the high-precision tensor this was quantized from; None when there is none,
         e.g. a quantized primary weight) and these dequantized values, cut into the scaling
         blocks of the orientation the forward GEMM or dgrad reads (row-wise; column-wise when
-        only that one is kept)."""
+        only that one is kept). ``rowwise``: the row-wise dequantized values, when the caller
+        already has them (the GEMM's operand: not dequantized twice)."""
         o: Orientation = "rowwise" if self.has_orientation("rowwise") else "columnwise"
         cut, scales, per_tensor = self.stat_layout(o)
         k = self.shape[-1]
-        deq = self.dequantize(o).reshape(-1, k)
+        deq = (rowwise if rowwise is not None and o == "rowwise" else self.dequantize(o)).reshape(-1, k)
         ref = cut(x.detach().float().reshape(-1, k)) if x is not None else None
         return StatBlocks(ref, cut(deq), scales.float().reshape(-1), self.clamp_limit, per_tensor)
 
