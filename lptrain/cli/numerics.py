@@ -90,6 +90,9 @@ def _print_tables(run: Path, series: object, report: dict, limits: dict[str, flo
         if not rows:
             continue
         direction, default, label = STATISTICS[stat]
+        if direction == "high" and rows[0].value == 0:
+            out.print(f"{stat}: 0 for every operand at every step ({label})", markup=False)
+            continue
         limit = limits.get(stat, default)
         cross = "" if limit is None else f" ({'>' if direction == 'high' else '<'} {limit:g})"
         table = Table(title=f"{stat}: {label}", title_justify="left")

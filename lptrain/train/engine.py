@@ -174,7 +174,8 @@ class TrainEngine:
         lrs = self.lr_for_step(step)
         bad, kind = self._nonfinite(losses, step), "nonfinite"
         if bad is None and spike is not None:
-            bad, kind = spike(float(losses[:, 0].mean())), "spike"
+            why = spike(float(losses[:, 0].mean()))
+            bad, kind = (f"step {step}: {why}" if why else None), "spike"
         self._reduce_router_counts()
         zeros = self.optimizer.count_zeros()  # before the step: reused grad buffers are restaged after it
         if bad is None:

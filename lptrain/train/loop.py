@@ -443,7 +443,8 @@ class _Job:
         if not self.engine.is_main:
             return result
         out = self.out
-        files = [out / "resolved_config.yaml", out / "metrics.jsonl", out / "summary.json"]
+        files = [out / "resolved_config.yaml", out / "metrics.jsonl", out / "summary.json",
+                 out / "anomalies.jsonl"]
         self._try_write(out / "summary.json",
                         lambda: write_atomically(out / "summary.json", json.dumps(result, indent=2) + "\n"))
         if self.cfg.logging.plots and self.outputs.records:

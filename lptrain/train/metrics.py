@@ -105,7 +105,7 @@ class MetricsWriter:
         if path.exists():  # resumed: keep the earlier part of the run (already trimmed)
             for line in path.read_text().splitlines():
                 try:
-                    self.records.append(json.loads(line))
+                    self.records.append(_light(json.loads(line)))
                 except ValueError:
                     continue
         self._f: TextIO = path.open("a")
@@ -113,7 +113,7 @@ class MetricsWriter:
     def write(self, rec: dict[str, Any]) -> None:
         """Append one line; a filesystem error (a full disk) is :class:`RunFailedError`
         naming the file (exit 3), the lines before it stay as written."""
-        self.records.append(rec)
+        self.records.append(_light(rec))
         try:
             self._f.write(json.dumps(rec) + "\n")
             self._f.flush()
@@ -127,6 +127,14 @@ class MetricsWriter:
 
 
 _FS_FIX = "free space on that filesystem or make the run folder writable, then resume"
+
+
+def _light(rec: Any) -> Any:
+    """A line as kept in memory for the summary: without its per-operand statistics (tens of
+    kilobytes per interval on a large model; they stay in the file)."""
+    if isinstance(rec, dict) and "numerics" in rec:
+        return {k: v for k, v in rec.items() if k != "numerics"}
+    return rec
 
 
 @dataclass(frozen=True)

@@ -44,14 +44,15 @@ class RunOutputs:
 
     def write(self, rec: dict[str, Any]) -> None:
         """One step's line: appended to ``metrics.jsonl`` and logged to W&B (there without
-        the per-group ``lrs`` dict -- ``lr`` is the first group's -- and with the
-        quantization statistics as ``numerics/<operand>/<statistic>`` scalars)."""
+        the per-group ``lrs`` dict -- ``lr`` is the first group's --, without the anomaly's
+        kind (a string; ``skipped`` says it), and with the quantization statistics as
+        ``numerics/<operand>/<statistic>`` scalars)."""
         if self.metrics is not None:
             self.metrics.write(rec)
         if self.wandb is not None:
             from lptrain.train.numerics import flat_for_wandb
 
-            logged = {k: v for k, v in rec.items() if k not in ("lrs", "numerics")}
+            logged = {k: v for k, v in rec.items() if k not in ("lrs", "numerics", "anomaly")}
             logged.update(flat_for_wandb(rec.get("numerics") or {}))
             self.wandb.log(logged, step=rec["step"])
 

@@ -35,6 +35,7 @@ class ReplayResult:
     checkpoint: Path
     fast_forwarded: int
     same: bool
+    anomalous: bool = False  # the run recorded an anomaly at this step
     compared: list[str] = field(default_factory=list)  # what was compared (all equal if same)
     differences: list[str] = field(default_factory=list)
 
@@ -42,8 +43,10 @@ class ReplayResult:
         head = (f"step {self.step} replayed from {self.checkpoint} ({self.fast_forwarded} "
                 f"step(s) run again before it)")
         if self.same:
-            return [head, f"bitwise the same: {', '.join(self.compared)} -- a replay reproduces "
-                          "it, so the data or the numerics caused it, not the hardware"]
+            why = ("the anomaly comes back from the same inputs: the data or the numerics "
+                   "caused it, not the hardware" if self.anomalous else
+                   "the step is reproducible from its checkpoint")
+            return [head, f"bitwise the same: {', '.join(self.compared)} -- {why}"]
         return [head, "different: " + "; ".join(self.differences) + " -- the same inputs gave "
                 "another result: suspect the hardware or non-determinism"]
 
@@ -145,7 +148,7 @@ def replay_step(run_dir: str | Path, step: int) -> ReplayResult:
         if res.anomaly is None:
             spikes.observe(s, res.loss)
     assert res is not None
-    out = ReplayResult(step, before[0], step - 1 - start, True)
+    out = ReplayResult(step, before[0], step - 1 - start, True, anomalous=anomaly is not None)
 
     def check(what: str, got: Any, want: Any) -> None:
         out.compared.append(what)

@@ -154,3 +154,26 @@ def test_forensics_rerun_changes_nothing(recipe: str, cache: Path, tmp_path: Pat
     monkeypatch.setattr(loop, "investigate", lambda *a: {"culprit": None, "ranks": [], "numerics": None})
     without = run(tmp_path / "b")
     assert with_rerun == without and with_rerun[3][1] is None  # step 4 skipped in both
+
+
+def test_replay_tells_a_reproduced_step_from_a_changed_one(cache: Path, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Step 4 again from the checkpoint of step 2: bitwise the run's (loss, grad norm, every
+    master against the checkpoint of step 4). With the update changed under it (another lr,
+    standing in for a flaky GPU), the replay says different and names what."""
+    from lptrain.train.engine import TrainEngine
+    from lptrain.train.replay import replay_step
+
+    pretrain(_cfg(cache, tmp_path, "train.train_iters=4", "checkpoint.save_interval=2"), tmp_path / "run")
+    same = replay_step(tmp_path / "run", 4)
+    assert same.same and same.fast_forwarded == 1
+    assert same.compared == ["loss", "grad norm", "15 fp32 master weights (checkpoint iter_0000004)"]
+    assert "the step is reproducible from its checkpoint" in same.lines()[1]
+    real = TrainEngine.lr_for_step
+    monkeypatch.setattr(TrainEngine, "lr_for_step",  # step 4's update only
+                        lambda self, step: {k: (2 if step == 4 else 1) * v
+                                            for k, v in real(self, step).items()})
+    changed = replay_step(tmp_path / "run", 4)
+    assert not changed.same
+    assert [d.split(" ")[0] for d in changed.differences] == ["15"]  # the loss is before the update
+    assert "suspect the hardware or non-determinism" in changed.lines()[1]
