@@ -85,13 +85,14 @@ def _print_tables(run: Path, series: object, report: dict, limits: dict[str, flo
     out = console()
     steps = series.steps  # type: ignore[attr-defined]
     out.print(f"{run}: statistics of {len(series.operands)} operands at {len(steps)} steps "  # type: ignore[attr-defined]
-              f"({steps[0]}..{steps[-1]})", markup=False)
+              f"({steps[0]}..{steps[-1]})", markup=False, soft_wrap=True)
     for stat, rows in report.items():
         if not rows:
             continue
         direction, default, label = STATISTICS[stat]
         if direction == "high" and rows[0].value == 0:
-            out.print(f"{stat}: 0 for every operand at every step ({label})", markup=False)
+            out.print(f"{stat}: 0 for every operand at every step ({label})", markup=False,
+                      soft_wrap=True)
             continue
         limit = limits.get(stat, default)
         cross = "" if limit is None else f" ({'>' if direction == 'high' else '<'} {limit:g})"

@@ -26,8 +26,10 @@ from lptrain.config import World, derive
 from lptrain.config.compose import load
 
 RECIPES = sorted(p.name for p in (Path(__file__).parents[2] / "lptrain" / "_recipes").glob("*_cpu.yaml"))
+# 2 micro-batches of 2 x 32 tokens: 64-row operands, aligned for every recipe (MXFP8: 32)
+SEQ = 32
 SMALL = ["logging.progress=false", "data.builtin_max_mb=1", "train.global_batch_size=4",
-         "train.micro_batch_size=2", "model.seq_length=64", "optimizer.warmup_iters=0",
+         "train.micro_batch_size=2", f"model.seq_length={SEQ}", "optimizer.warmup_iters=0",
          "optimizer.lr=0.01"]
 
 
@@ -43,7 +45,7 @@ def _steps(recipe: str, cache: Path, numerics: bool, steps: int = 2, extra: tupl
 
     cfg = derive(load(recipe, [*SMALL, f"data.cache_dir={cache}", *extra]).cfg, World.detect())
     engine = TrainEngine(cfg)
-    it, _ = build_train_valid_loaders(cfg.data, seq_length=64, micro_batch_size=2, global_batch_size=4,
+    it, _ = build_train_valid_loaders(cfg.data, seq_length=SEQ, micro_batch_size=2, global_batch_size=4,
                                       dp_rank=0, dp_size=1, vocab_size=cfg.model.vocab_size)
     out, stats = [], []
     for step in range(1, steps + 1):
@@ -99,7 +101,7 @@ def test_one_device_read_per_interval_and_none_between(recipe: str, te: bool, ca
     with virtual_gpu(target, te=te) as vc:
         cfg = derive(load(recipe, [*SMALL, f"data.cache_dir={cache}", *extra]).cfg, World.detect())
         engine = TrainEngine(cfg)
-        it, _ = build_train_valid_loaders(cfg.data, seq_length=64, micro_batch_size=2,
+        it, _ = build_train_valid_loaders(cfg.data, seq_length=SEQ, micro_batch_size=2,
                                           global_batch_size=4, dp_rank=0, dp_size=1,
                                           vocab_size=cfg.model.vocab_size)
         _, plain1, armed, plain2 = _step_syncs(vc, engine, it, [False, False, True, False])
