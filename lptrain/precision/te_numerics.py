@@ -165,13 +165,15 @@ class _Probe:
         return self.module.weight  # type: ignore[return-value]
 
     def forward(self, module: nn.Module, args: tuple, output: Any) -> None:
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or not args:
             return
         x = args[0].detach()
         k = x.shape[-1]
         parts = self.splits(x.reshape(-1, k), args)
         quantizers = getattr(module, "quantizers", {}) or {}
         fwd, bwd = quantizers.get("scaling_fwd") or [], quantizers.get("scaling_bwd") or []
+        if not getattr(module, "fp8", True):  # TE ran this forward unquantized (a bf16 layer)
+            fwd, bwd = [], []
         rec = _stats.active()
         if rec is None:
             return

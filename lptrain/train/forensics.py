@@ -28,8 +28,6 @@ from torch import nn
 from lptrain.errors import InputError
 
 if TYPE_CHECKING:
-    import numpy as np
-
     from lptrain.config.schema import LPTrainConfig
     from lptrain.train.engine import TrainEngine
 
@@ -234,6 +232,3 @@ def batch_span(consumed_before: int, global_batch_size: int) -> list[int]:
     """The step's global batch as ``[first, end)`` sample positions."""
     return [consumed_before, consumed_before + global_batch_size]
 
-
-def samples_of(positions: Sequence[np.ndarray] | Sequence[Sequence[int]]) -> list[list[int]]:
-    return [list(map(int, p)) for p in positions]
