@@ -8,7 +8,9 @@ modules, so validation and execution cannot disagree and neither imports the oth
   hardware and Transformer Engine minima, the TE and emulated recipe classes);
 * :mod:`lptrain.catalog.ns_coefficients`: Muon's Newton-Schulz coefficient sets and their
   step-count rules;
-* :mod:`lptrain.catalog.muon_scaling`: Muon's update scale modes and the update RMS they give.
+* :mod:`lptrain.catalog.muon_scaling`: Muon's update scale modes and the update RMS they give;
+* :mod:`lptrain.catalog.gpus`: the GPUs (memory, dense peak FLOP/s per GEMM precision) that the
+  memory planner's targets, the MFU figures and the virtual GPU read.
 
 Nothing here imports torch or any other lptrain package. The readers take what they need when
 they are imported (the schema's value sets, the rules and their documentation texts), so an

@@ -14,6 +14,7 @@ import typer
 from lptrain.cli.config_commands import rules, show_config, validate_config
 from lptrain.cli.errors import LPTrainGroup, root_callback
 from lptrain.cli.estimate_memory import estimate_memory_cmd
+from lptrain.cli.numerics import compare, numerics, replay
 from lptrain.cli.plot import plot
 from lptrain.cli.pretrain import pretrain
 from lptrain.cli.slurm import slurm
@@ -36,6 +37,9 @@ app.command("rules")(rules)
 register_prepare_data(app)  # prepare-data lives with the data pipeline
 app.command("slurm")(slurm)
 app.command("plot")(plot)
+app.command("numerics")(numerics)
+app.command("compare")(compare)
+app.command("replay")(replay)
 app.command("estimate-memory")(estimate_memory_cmd)
 register_export(app)  # export lives with the Hugging Face interop
 

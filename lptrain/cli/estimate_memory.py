@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Optional
 
 import typer
 
+from lptrain.catalog.gpus import GPUS
 from lptrain.cli.common import (
     DP_HELP,
     RECIPE_HELP,
@@ -32,9 +33,10 @@ if TYPE_CHECKING:
 
 GIB = 1024**3
 
-# Device memory per target, GiB (one GPU of the usual part: L40S, H100 SXM, B200).
-# The allocator, CUDA context and NCCL take a few GiB of it: leave headroom.
-GPU_MEMORY_GIB = {"sm89": 48.0, "sm90": 80.0, "sm100": 192.0}
+# Device memory per target, GiB: the target's reference part in the one GPU table
+# (lptrain.catalog.gpus, which the MFU figures read too). The allocator, CUDA context and
+# NCCL take a few GiB of it: leave headroom.
+GPU_MEMORY_GIB = {g.target: g.memory_gib for g in GPUS if g.target is not None}
 
 LABELS = {
     "weights": "weights (high precision)",
@@ -97,8 +99,8 @@ def estimate_memory_cmd(
         help="Hardware to plan for (default: the recipe's meta.target, else cpu)."),
     gpu_memory: Optional[float] = typer.Option(
         None, "--gpu-memory", min=0.0,
-        help="Device memory per rank in GiB (default: the target's: sm89 48, sm90 80, "
-        "sm100 192; cpu: this machine's RAM)."),
+        help="Device memory per rank in GiB (default: the target's reference GPU: "
+        + ", ".join(f"{t} {m:g}" for t, m in GPU_MEMORY_GIB.items()) + "; cpu: this machine's RAM)."),
     as_json: bool = typer.Option(False, "--json", help="Print a machine-readable report."),
     plot_path: Optional[Path] = typer.Option(None, "--plot", help="Write a bar chart (PNG)."),
 ) -> None:

@@ -55,6 +55,10 @@ def derive(cfg: LPTrainConfig, world: World) -> LPTrainConfig:
     if opt.use_layer_wise_optimizer is None:
         opt.use_layer_wise_optimizer = opt.name == "muon" and ddp.use_distributed_optimizer
 
+    # train.on_anomaly=null follows the older train.on_nonfinite (stop, or skip the batch).
+    if out.train.on_anomaly is None:
+        out.train.on_anomaly = "skip_batch" if out.train.on_nonfinite == "skip" else "stop"
+
     if model.ffn_hidden_size is None:
         model.ffn_hidden_size = 4 * model.hidden_size
     if model.num_query_groups is None:

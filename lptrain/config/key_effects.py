@@ -95,6 +95,31 @@ LATER_KEYS: dict[str, LaterEffect] = {
                                             f"{_LATER}::test_exit_duration_stops_the_run"),
     "train.on_nonfinite": LaterEffect("stop or skip a step with a NaN/Inf loss or gradient",
                                       "tests/e2e/test_train_loop.py::test_nan_loss_skipped_with_on_nonfinite_skip"),
+    "train.on_anomaly": LaterEffect(
+        "on a non-finite or spiking step: stop, skip the batch, or roll back to the last "
+        "checkpoint and skip the data since it",
+        "tests/e2e/test_anomalies.py::test_rollback_resumes_skips_the_window_and_finishes"),
+    "train.spike_zscore": LaterEffect(
+        "a loss this many standard deviations above the recent mean is an anomaly",
+        "tests/e2e/test_anomalies.py::test_loss_spike_is_an_anomaly"),
+    "train.spike_window": LaterEffect(
+        "how many steps of loss history a spike is measured against",
+        "tests/unit/train/test_forensics.py::test_spike_detector_window_and_threshold"),
+    "train.max_rollbacks": LaterEffect(
+        "how many rollbacks a job may do before an anomaly stops it",
+        "tests/e2e/test_anomalies.py::test_rollback_budget_then_stop"),
+    "logging.numerics_interval": LaterEffect(
+        "every N steps, the quantization statistics of every GEMM operand in metrics.jsonl",
+        "tests/e2e/test_numerics_runs.py::test_statistics_never_change_the_run"),
+    "debug.nan_sample": LaterEffect(
+        "a NaN in debug.nan_module's output or output grad in the step reading that sample",
+        "tests/e2e/test_anomalies.py::test_injected_nan_stops_naming_layer_step_and_samples"),
+    "debug.nan_module": LaterEffect(
+        "the module debug.nan_sample puts its NaN into",
+        "tests/e2e/test_anomalies.py::test_injected_nan_stops_naming_layer_step_and_samples"),
+    "debug.nan_tensor": LaterEffect(
+        "whether the NaN goes into the module's output or its output grad",
+        "tests/e2e/test_anomalies.py::test_injected_nan_in_the_output_names_the_forward"),
     "checkpoint.save": LaterEffect("where checkpoints are written",
                                    "tests/e2e/test_checkpoint_resume.py::test_exit_interval_then_resume_is_bitwise"),
     "checkpoint.load": LaterEffect("where a run resumes from",

@@ -76,6 +76,8 @@ OPTIMIZERS = ("adamw", "muon")
 LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
 LAYER_WISE_LAYOUTS = ("compact", "padded")
 ON_NONFINITE = ("stop", "skip")
+ON_ANOMALY = (None, "stop", "skip_batch", "rollback")
+NAN_TENSORS = ("output_grad", "output")
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 RECOMPUTE_GRANULARITIES = (None, "selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
@@ -342,6 +344,22 @@ class TrainConfig:
         "stop", ON_NONFINITE, "NaN/Inf loss or grad norm: {choices}.",
         {"stop": "raise, naming step and tensor", "skip": "no optimizer update that step"},
     )
+    on_anomaly: Optional[str] = choice(
+        None, ON_ANOMALY,
+        "A non-finite loss or grad, or a loss spike (train.spike_zscore): {choices}; each is "
+        "logged with its step, rank, sample ids and first non-finite tensor.",
+        {None: "follows train.on_nonfinite: stop or skip_batch",
+         "stop": "raise after the forensics", "skip_batch": "no optimizer update that step",
+         "rollback": "reload the last checkpoint and skip the data since it"},
+    )
+    spike_zscore: Optional[float] = opt(
+        None, "A loss more than this many standard deviations above the mean of the last "
+              "train.spike_window steps is an anomaly (null = no spike detection)."
+    )
+    spike_window: int = opt(100, "Steps of loss history the spike detection compares with.")
+    max_rollbacks: int = opt(
+        3, "train.on_anomaly=rollback: rollbacks allowed in a job; the next anomaly stops the run."
+    )
     gradient_accumulation_fusion: bool = opt(
         True, "Quantized linears accumulate wgrad straight into main_grad."
     )
@@ -382,6 +400,22 @@ class LoggingConfig:
     wandb_mode: str = choice("offline", WANDB_MODES, "W&B mode: {choices}.")
     plots: bool = opt(True, "Write PNG plots (loss curves, memory) into the run folder.")
     progress: bool = opt(True, "Show a rich progress bar.")
+    numerics_interval: int = opt(
+        0, "Every N steps, per-layer quantization statistics of every GEMM operand into "
+           "metrics.jsonl (0 = off; see docs/numerics-debugging.md)."
+    )
+
+
+@dataclass
+class DebugConfig:
+    """Test hooks for the anomaly tooling (never set in a real run)."""
+
+    nan_sample: Optional[int] = opt(
+        None, "Inject a NaN in the step whose batch holds this global sample position, on the "
+              "rank and micro-batch that read it (null = never)."
+    )
+    nan_module: str = opt("", "debug.nan_sample: the module (state-dict name) whose tensor gets the NaN.")
+    nan_tensor: str = choice("output_grad", NAN_TENSORS, "debug.nan_sample: which tensor: {choices}.")
 
 
 @dataclass
@@ -398,6 +432,7 @@ class LPTrainConfig:
     train: TrainConfig = opt_factory(TrainConfig, "Training loop.")
     checkpoint: CheckpointConfig = opt_factory(CheckpointConfig, "Checkpointing.")
     logging: LoggingConfig = opt_factory(LoggingConfig, "Metrics and logging.")
+    debug: DebugConfig = opt_factory(DebugConfig, "Test hooks for the anomaly tooling.")
 
 
 def iter_fields(cls: type = LPTrainConfig, prefix: str = "") -> list[tuple[str, Any, str]]:

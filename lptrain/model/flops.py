@@ -17,6 +17,7 @@ Training FLOPs per token = ``3 x forward`` (forward, input grad, weight grad):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from lptrain.config.schema import ModelConfig
@@ -38,22 +39,31 @@ class FlopsBreakdown:
         return self.gemm_flops + self.attention_flops
 
 
-def active_gemm_params(cfg: ModelConfig) -> int:
-    """``N_active``: GEMM weight elements one token multiplies with (see module docstring)."""
+def layer_gemm_params(cfg: ModelConfig, index: int) -> tuple[int, int]:
+    """GEMM weight elements one token multiplies with in transformer layer ``index``
+    (0-based): ``(linears, router)`` -- the factory's linears (QKV, projection, the dense
+    MLP or the ``k`` routed experts), which run the precision recipe, and the MoE router's
+    gate (``h * E``, a plain GEMM; 0 in a dense layer)."""
     h = cfg.hidden_size
     groups, _, d = attention_shape(h, cfg.num_attention_heads, cfg.num_query_groups)
     heads = cfg.num_attention_heads
-    ffn = ffn_hidden_size(h, cfg.ffn_hidden_size)
     moe = cfg.moe
-    ffn_e = ffn_hidden_size(h, moe.ffn_hidden_size or cfg.ffn_hidden_size)
-    n = 0
-    for i in range(cfg.num_layers):
-        n += h * (heads + 2 * groups) * d + heads * d * h
-        if is_moe_layer(i, moe.moe_layer_freq, moe.num_experts):
-            n += h * moe.num_experts + moe.router_topk * 3 * h * ffn_e
-        else:
-            n += 3 * h * ffn
-    return n + h * padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by)
+    linears = h * (heads + 2 * groups) * d + heads * d * h
+    if is_moe_layer(index, moe.moe_layer_freq, moe.num_experts):
+        ffn_e = ffn_hidden_size(h, moe.ffn_hidden_size or cfg.ffn_hidden_size)
+        return linears + moe.router_topk * 3 * h * ffn_e, h * moe.num_experts
+    return linears + 3 * h * ffn_hidden_size(h, cfg.ffn_hidden_size), 0
+
+
+def head_gemm_params(cfg: ModelConfig) -> int:
+    """The output head's GEMM weight elements (``h * V_padded``)."""
+    return cfg.hidden_size * padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by)
+
+
+def active_gemm_params(cfg: ModelConfig) -> int:
+    """``N_active``: GEMM weight elements one token multiplies with (see module docstring)."""
+    layers = sum(sum(layer_gemm_params(cfg, i)) for i in range(cfg.num_layers))
+    return layers + head_gemm_params(cfg)
 
 
 def flops_per_token(cfg: ModelConfig, seq_length: int | None = None, causal: bool = True) -> FlopsBreakdown:
@@ -64,3 +74,23 @@ def flops_per_token(cfg: ModelConfig, seq_length: int | None = None, causal: boo
     a = cfg.num_attention_heads * d
     attn = 12.0 * cfg.num_layers * s * a * (0.5 if causal else 1.0)
     return FlopsBreakdown(active_params=n, gemm_flops=6 * n, attention_flops=attn)
+
+
+def flops_by_precision(cfg: ModelConfig, layer_precision: Callable[[int], str],
+                       seq_length: int | None = None, causal: bool = True) -> dict[str, float]:
+    """:func:`flops_per_token` split by the precision each GEMM runs in.
+
+    ``layer_precision(i)`` is the precision of transformer layer ``i``'s (0-based) linears
+    (``bf16``, ``fp8`` or ``fp4``: the recipe's, or ``bf16`` for the layers the precision
+    config keeps unquantized). The router gate, the output head and attention's two score
+    GEMMs always run in bf16 (nothing quantizes them). The values sum to the total."""
+    s = seq_length or cfg.seq_length
+    out: dict[str, float] = {"bf16": 0.0}
+    for i in range(cfg.num_layers):
+        linears, router = layer_gemm_params(cfg, i)
+        p = layer_precision(i)
+        out[p] = out.get(p, 0.0) + 6.0 * linears
+        out["bf16"] += 6.0 * router
+    out["bf16"] += 6.0 * head_gemm_params(cfg)
+    out["bf16"] += flops_per_token(cfg, s, causal).attention_flops
+    return out

@@ -10,6 +10,7 @@ All arithmetic is fp32; nothing goes through fp64.
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional
@@ -44,6 +45,14 @@ E8M0_MAX_CODE = 0xFE
 # E2M1 (FP4): magnitude grid indexed by the 3-bit magnitude code; bit 3 is the sign.
 E2M1_MAX = 6.0
 E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def rounding_limit(max_value: float, eps: float) -> float:
+    """The smallest scaled magnitude round-to-nearest cannot bring to the largest finite code:
+    ``max`` plus half the step below it (``eps * 2^floor(log2 max)``): E4M3 464, E5M2 61440,
+    E2M1 7. A value beyond it was clamped (saturated), not rounded."""
+    step = eps * 2.0 ** math.floor(math.log2(max_value))
+    return max_value + step / 2
 
 
 class Format(str, enum.Enum):

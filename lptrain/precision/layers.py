@@ -28,6 +28,7 @@ from torch import nn
 
 from lptrain.precision import autocast as _ac
 from lptrain.precision import linear_ops as _ops
+from lptrain.precision import operand_stats as _stats
 
 InitMethod = Callable[[torch.Tensor], None]
 
@@ -135,11 +136,19 @@ class _QuantizedModuleMixin:
         self._hp_state: Optional[_ops.QuantState] = None
         self._pending_scaling_state: Optional[dict[str, torch.Tensor]] = None
 
+    def _label(self, st: _ops.QuantState) -> _ops.QuantState:
+        """Name ``st``'s operands for the statistics: this module's name, and for a grouped
+        layer the global index of its member 0 (``member_offset``, set by an expert layer)."""
+        st.label = self.name or None
+        if isinstance(self, GroupedLinear):
+            st.member_offset = self.member_offset
+        return st
+
     def quant_state(self, recipe: Any) -> _ops.QuantState:
         """This module's quantizers for ``recipe`` (delayed scaling: its scales/histories)."""
         st = self._qstates.get(id(recipe))
         if st is None or st.recipe is not recipe:
-            st = _ops.QuantState(recipe, self._num_members, self._amax_reduction)
+            st = self._label(_ops.QuantState(recipe, self._num_members, self._amax_reduction))
             self._qstates[id(recipe)] = st
             if self._pending_scaling_state is not None and any(m.states for m in st.members):
                 self._load_states(st, self._pending_scaling_state)
@@ -196,7 +205,7 @@ class _QuantizedModuleMixin:
 
     def _hp(self) -> _ops.QuantState:
         if self._hp_state is None:
-            self._hp_state = _ops.high_precision_state(self._num_members)
+            self._hp_state = self._label(_ops.high_precision_state(self._num_members))
         return self._hp_state
 
     def _maybe_quantize_primary(self, w: torch.Tensor, grouped: bool) -> torch.Tensor:
@@ -249,6 +258,8 @@ class Linear(_QuantizedModuleMixin, nn.Module):
         recipe = _ac.active_recipe()
         if recipe is None:
             y = _HighPrecisionLinearFn.apply(x, self.weight, self.fuse_wgrad_accumulation)
+            if _stats.active() is not None and torch.is_grad_enabled():
+                self._record_high_precision(x, y)
         else:
             try:
                 y = _ops.quantized_linear(
@@ -257,6 +268,16 @@ class Linear(_QuantizedModuleMixin, nn.Module):
             except ValueError as err:
                 raise self._shape_error(recipe, err) from err
         return y + self.bias.to(y.dtype) if self.bias is not None else y
+
+
+    def _record_high_precision(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """The statistics of an unquantized GEMM's operands (amax, non-finite count): input
+        and weight now, the output grad when the backward reaches it."""
+        name = self.name or None
+        _stats.record(name, "input", None, x)
+        _stats.record(name, "weight", None, self.weight)
+        if y.requires_grad:
+            y.register_hook(lambda g: _stats.record(name, "grad", None, g))
 
 
 class GroupedLinear(_QuantizedModuleMixin, nn.Module):
@@ -284,6 +305,7 @@ class GroupedLinear(_QuantizedModuleMixin, nn.Module):
         name: str = "",
     ) -> None:
         super().__init__()
+        self._member_offset = 0
         self.num_gemms = num_gemms
         self.single_grouped_weight = single_grouped_weight
         init = self._init_layer(
@@ -302,6 +324,19 @@ class GroupedLinear(_QuantizedModuleMixin, nn.Module):
                 self.register_parameter(
                     f"weight{i}", nn.Parameter(self._maybe_quantize_primary(w, grouped=False))
                 )
+
+    @property
+    def member_offset(self) -> int:
+        """The global index of member 0 (an expert layer's first local expert under expert
+        parallelism), which names the members' operands in the statistics."""
+        return self._member_offset
+
+    @member_offset.setter
+    def member_offset(self, offset: int) -> None:
+        self._member_offset = int(offset)
+        for st in [*self._qstates.values(), self._hp_state]:
+            if st is not None:
+                st.member_offset = self._member_offset
 
     def member_weight(self, i: int) -> torch.Tensor:
         """Expert ``i``'s weight ``[out, in]`` (a view into the grouped parameter if single)."""

@@ -34,6 +34,7 @@ from typing import Any, Optional
 import torch
 
 from lptrain.precision import autocast as _ac
+from lptrain.precision import operand_stats as _stats
 
 ROLES = ("input", "weight", "grad")
 
@@ -67,6 +68,11 @@ class QuantState:
     (``amax_reduction`` in ``QUANTIZER_OPTIONS``: current per-tensor scales). Delayed scaling
     reduces at the autocast region's update instead, block recipes have no per-tensor amax.
     """
+
+    # Whose operands these are, for the quantization statistics (set by the owning module):
+    # its state-dict name, and for a grouped GEMM the global index of member 0.
+    label: Optional[str] = None
+    member_offset: Optional[int] = None
 
     def __init__(self, recipe: Any, num_members: int, amax_reduction: Optional[Mapping[str, Any]] = None) -> None:
         self.recipe = recipe
@@ -256,7 +262,11 @@ class _QuantizedGroupedFn(torch.autograd.Function):
                 continue
             qx = _quantize(mq.input, xi.detach(), True, need_wgrad)
             w_row = op.deq(qw, "rowwise")
-            outs.append(op.deq(qx, "rowwise") @ w_row.t())
+            x_row = op.deq(qx, "rowwise")
+            outs.append(x_row @ w_row.t())
+            if op.record:  # the statistics reuse the GEMM's dequantized operands
+                op.record_operand("input", i, xi, qx, x_row)
+                op.record_operand("weight", i, None if _is_quantized(wi) else wi, qw, w_row)
             saved_x.append(_only_columnwise(qx) if need_wgrad else None)
             whole = _is_quantized(wi) or op.keep_weights is not None
             saved_w.append((qw if whole else _only_columnwise(qw)) if need_dgrad else None)
@@ -292,8 +302,11 @@ class _QuantizedGroupedFn(torch.autograd.Function):
                 dws.append(torch.zeros(n_out, ctx.in_features, dtype=torch.float32, device=dy.device))
                 continue
             qdy = _quantize(mq.grad, dyi.detach(), need_dgrad, need_wgrad)
+            dy_row = op.deq(qdy, "rowwise") if need_dgrad else None
             if need_dgrad:
-                dxs.append(op.deq(qdy, "rowwise") @ op.deq(qw, "columnwise"))
+                dxs.append(dy_row @ op.deq(qw, "columnwise"))
+            if op.record:
+                op.record_operand("grad", i, dyi, qdy, dy_row)
             if need_wgrad:
                 dws.append(op.col_t(qdy) @ op.col_t(qx).t())
         del operands
@@ -362,6 +375,16 @@ class _OpContext:
     # quantized weights here, the recompute reuses them
     keep_weights: Optional[list] = None
     reuse_weights: Optional[list] = None
+    record: bool = False  # collect the operands' statistics (lptrain.precision.operand_stats)
+
+    def record_operand(self, role: str, i: int, x: Optional[torch.Tensor], q: Any,
+                       rowwise: Optional[torch.Tensor] = None) -> None:
+        """Add member ``i``'s ``role`` operand to the statistics (``rowwise``: its row-wise
+        dequantized values, already computed for the GEMM)."""
+        st = self.qstate
+        member = None if st.member_offset is None else st.member_offset + i
+        quantized = None if isinstance(q, _PlainOperand) else q
+        _stats.record(st.label, role, member, x, quantized, rowwise)
 
     @staticmethod
     def deq(q: Any, orientation: str) -> torch.Tensor:
@@ -418,6 +441,7 @@ def quantized_grouped_linear(
         group=_ac.current_group(),
         grad_enabled=torch.is_grad_enabled(),
         keep_weights=entry.weights if entry is not None else None,
+        record=qstate.label is not None and _stats.active() is not None,
     )
     return _QuantizedGroupedFn.apply(x, list(m_splits), op, *weights)
 

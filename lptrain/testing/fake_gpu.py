@@ -20,13 +20,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-# target -> (compute capability, device name the MFU table knows)
-GPUS = {
-    "sm89": ((8, 9), "NVIDIA L40S"),
-    "sm90": ((9, 0), "NVIDIA H100 80GB HBM3"),
-    "sm100": ((10, 0), "NVIDIA B200"),
-    "sm120": ((12, 0), "NVIDIA RTX PRO 6000 Blackwell"),
-}
+from lptrain.catalog.gpus import GPUS as CATALOG_GPUS
+
+# target -> (compute capability, device name): each target's reference part in the one GPU
+# table (lptrain.catalog.gpus), whose peaks the MFU figures read
+GPUS = {g.target: (g.capability, g.device_name) for g in CATALOG_GPUS if g.target is not None}
 
 
 @contextlib.contextmanager

@@ -47,6 +47,11 @@ class RunLog:
             desc = f"training loss {loss:.3f}" if loss is not None else "training"
             self.progress.update(self.task, advance=1, description=desc)
 
+    def rewind(self, done: int) -> None:
+        """A rollback: the bar goes back to ``done`` steps."""
+        if self.progress is not None and self.task is not None:
+            self.progress.update(self.task, completed=done)
+
     def line(self, text: str) -> None:
         if not self.main:
             return

@@ -31,9 +31,9 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -71,6 +71,10 @@ class StepResult:
     skipped: bool = False  # step skipped on a non-finite loss or grad norm
     note: str = ""  # why it was skipped: step, rank and first non-finite tensor (for the log)
     extra: dict[str, float] = field(default_factory=dict)  # e.g. MoE aux losses, Muon update RMS
+    # the anomaly that skipped the step ("nonfinite" or "spike"), when the caller handles it
+    anomaly: Optional[str] = None
+    # per operand, the quantization statistics of this step (when asked for: numerics=True)
+    numerics: Optional[dict[str, dict[str, Optional[float]]]] = None
 
 
 class TrainEngine:
@@ -111,6 +115,12 @@ class TrainEngine:
         self.optimizer = build_optimizer(self.ddp.buffers, cfg.optimizer, ep=self.groups.ep,
                                          tp=self.groups.tp)
         self.ddp.release_sharded_params()  # ZeRO-3: the masters hold the values now
+        # Set by a caller that decides what an anomalous step does (the loop's
+        # train.on_anomaly): a non-finite or spiking step is then returned skipped, with its
+        # kind, instead of following train.on_nonfinite here.
+        self.returns_anomalies = False
+        # Called with each micro-batch's index before its forward (the debug NaN injection).
+        self.before_micro_batch: Optional[Callable[[int], None]] = None
 
     def _build_model(self) -> GPTModel:
         """The run's model with this rank's experts, its quantizers' random streams seeded
@@ -155,25 +165,71 @@ class TrainEngine:
             )
         return out
 
-    def train_step(self, micro_batches: Sequence[dict[str, torch.Tensor]], step: int) -> StepResult:
-        """One optimizer step over this rank's micro-batches (see the module doc)."""
+    def train_step(self, micro_batches: Sequence[dict[str, torch.Tensor]], step: int, *,
+                   numerics: bool = False,
+                   spike: Optional[Callable[[float], Optional[str]]] = None) -> StepResult:
+        """One optimizer step over this rank's micro-batches (see the module doc).
+
+        ``numerics``: collect the quantization statistics of every GEMM operand of this step
+        (:mod:`lptrain.train.numerics`; one device-to-host read at the end of the step).
+        ``spike(loss)``: a note when the step's mean loss is a spike (then the step is not
+        taken, like a non-finite one), else None."""
         from lptrain.model.recompute import take_region_count
+        from lptrain.train.numerics import collecting
 
         take_region_count()  # counted from here: this step's checkpointed regions
-        self.ddp.begin_step(self.optimizer.stage)
-        local = self._forward_backward(micro_batches)
-        losses = self._gather_losses(local, self.ddp.finish_grad_sync())
+        with collecting(self, numerics) as stats:
+            self.ddp.begin_step(self.optimizer.stage)
+            local = self._forward_backward(micro_batches)
+            losses = self._gather_losses(local, self.ddp.finish_grad_sync())
         moe_metrics = self._moe_metrics()
         lrs = self.lr_for_step(step)
-        bad = self._nonfinite(losses, step)
+        bad, kind = self._nonfinite(losses, step), "nonfinite"
+        if bad is None and spike is not None:
+            why = spike(float(losses[:, 0].mean()))
+            bad, kind = (f"step {step}: {why}" if why else None), "spike"
         self._reduce_router_counts()
         zeros = self.optimizer.count_zeros()  # before the step: reused grad buffers are restaged after it
         if bad is None:
             outcome = self.optimizer.step(lrs)
             if not outcome.skipped:
-                return self._finish_step(outcome, lrs, losses, moe_metrics, zeros)
+                res = self._finish_step(outcome, lrs, losses, moe_metrics, zeros)
+                res.numerics = stats.result()
+                return res
             bad = self._nonfinite_grad(step) or f"step {step}: global gradient norm is {outcome.grad_norm}"
-        return self._skip_step(bad, losses, lrs)
+            kind = "nonfinite"
+        res = self._skip_step(bad, losses, lrs, kind)
+        res.numerics = stats.result()
+        return res
+
+    def rerun_without_update(self, micro_batches: Sequence[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """Run a step's forwards and backwards again and take no update: the per-rank
+        ``[dp, 3]`` losses (see :meth:`_gather_losses`). Everything a step changes besides the
+        weights -- delayed-scaling state, random streams, router counts, the MoE metrics --
+        is put back afterwards, so the run continues as if it had not happened (the anomaly
+        forensics re-run an anomalous step with hooks armed, :mod:`lptrain.train.forensics`).
+        Collective: every rank runs it."""
+        from lptrain.model.recompute import take_region_count
+
+        scaling = scaling_state(self.model)
+        streams = rank_state(self.model, self.model.quantizer_recipe(), self.device)
+        counts = [c.clone() for c in self.model.expert_bias_counts()]
+        try:
+            self.ddp.begin_step(self.optimizer.stage)
+            local = self._forward_backward(micro_batches)
+            losses = self._gather_losses(local, self.ddp.finish_grad_sync())
+            self.ddp.end_step(self.optimizer.stage)
+        finally:
+            if self.has_moe:
+                for m in self.model.modules():
+                    if hasattr(m, "reset_metrics"):
+                        m.reset_metrics()
+            for live, c in zip(self.model.expert_bias_counts(), counts, strict=True):
+                live.copy_(c)
+            load_scaling_state(self.model, scaling)
+            load_rank_state(self.model, streams, self.model.quantizer_recipe())
+            take_region_count()
+        return losses
 
     def _nonfinite_grad(self, step: int) -> str | None:
         """After a non-finite grad norm, the parameter to blame when the grad check was left
@@ -205,6 +261,8 @@ class TrainEngine:
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)
         for i, b in enumerate(micro_batches):
             b = self._to_device(b)
+            if self.before_micro_batch is not None:
+                self.before_micro_batch(i)
             ctx = ddp.no_sync() if i < n - 1 else contextlib.nullcontext()
             with ctx:
                 with model.autocast():
@@ -251,9 +309,16 @@ class TrainEngine:
             return f"step {step}, rank {r}: loss is {float(losses[r, 1])}"
         return None
 
-    def _skip_step(self, bad: str, losses: torch.Tensor, lrs: dict[str, float]) -> StepResult:
+    def _skip_step(self, bad: str, losses: torch.Tensor, lrs: dict[str, float],
+                   kind: str = "nonfinite") -> StepResult:
         """``train.on_nonfinite``: stop with :class:`TrainingDivergedError`, or skip the
-        update (the params keep their values, restaged and gathered as after any step)."""
+        update (the params keep their values, restaged and gathered as after any step).
+        With :attr:`returns_anomalies` the step is skipped and its ``kind`` returned: the
+        caller decides (stop, skip, roll back)."""
+        if self.returns_anomalies:
+            self.ddp.end_step(self.optimizer.stage)
+            return StepResult(loss=float(losses[:, 0].mean()), grad_norm=float("nan"), lrs=lrs,
+                              skipped=True, note=bad, anomaly=kind)
         if self.cfg.train.on_nonfinite != "skip":
             raise TrainingDivergedError(
                 f"{bad}; stopping (train.on_nonfinite=stop; 'skip' skips such steps)"

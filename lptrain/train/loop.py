@@ -42,12 +42,27 @@ from lptrain.config.schema import LPTrainConfig
 from lptrain.data.loader import BatchIterator, data_state, eval_micro_batches, load_data_state
 from lptrain.distributed.progress import mark_step
 from lptrain.errors import RunFailedError
-from lptrain.model.flops import flops_per_token
+from lptrain.train.anomalies import AnomalyLog, AnomalyPolicy, RollBack, action_text
 from lptrain.train.console import LogWindow, RunLog
-from lptrain.train.engine import TrainEngine, TrainingDivergedError
-from lptrain.train.metrics import StepMeter, compute_class, format_log_line, peak_flops
+from lptrain.train.engine import StepResult, TrainEngine, TrainingDivergedError
+from lptrain.train.forensics import (
+    NaNInjector,
+    SpikeDetector,
+    batch_span,
+    describe,
+    investigate,
+    micro_batch_samples,
+)
+from lptrain.train.metrics import StepMeter, finite_or_none, format_log_line
 from lptrain.train.outputs import RunOutputs
-from lptrain.train.policies import EvalPolicy, LogPolicy, SavePolicy, StopPolicy, StopReason
+from lptrain.train.policies import (
+    EvalPolicy,
+    LogPolicy,
+    NumericsPolicy,
+    SavePolicy,
+    StopPolicy,
+    StopReason,
+)
 from lptrain.train.run_dir import RunPlan, plan_run, rebase_on_output_dir, start_run
 from lptrain.train.run_lock import run_lock
 from lptrain.train.signals import StopWatcher, TrainingInterrupted
@@ -207,14 +222,22 @@ class _Job:
         self.train_it, self.valid_it = loaders
         self.num_micro = t.global_batch_size // (t.micro_batch_size * engine.dp_size)
         self.device = next(engine.model.parameters()).device
-        self.meter = StepMeter(t.global_batch_size * cfg.model.seq_length,
-                               flops_per_token(cfg.model).total,
-                               peak_flops(self.device, compute_class(cfg)), engine.world_size,
-                               self.device)
+        self.meter = StepMeter.for_run(cfg, self.device, engine.world_size)
         self.evals = EvalPolicy.from_config(cfg, has_valid_split=self.valid_it is not None)
         self.console_lines = LogPolicy.from_config(cfg)
         self.saves = SavePolicy.from_config(cfg)
         self.stops = StopPolicy.from_config(cfg)
+        self.numerics = NumericsPolicy.from_config(cfg)
+        self.spikes = SpikeDetector(t.spike_zscore, t.spike_window)
+        self.anomaly_policy = AnomalyPolicy(cfg)
+        self.anomalies = AnomalyLog(out, engine.is_main)
+        engine.returns_anomalies = True  # this loop applies train.on_anomaly
+        # per-micro-batch callbacks (the NaN injection, the forensic hooks of a re-run)
+        self.dispatch: list[Any] = []
+        engine.before_micro_batch = self._before_micro_batch
+        self.injector = NaNInjector(cfg, engine.model) if cfg.debug.nan_sample is not None else None
+        if self.injector is not None:
+            self.dispatch.append(self.injector)
         self.window = LogWindow()
         self.unwritten: list[str] = []  # files of the run's end that could not be written
         self.unwritten_paths: set[str] = set()
@@ -248,8 +271,11 @@ class _Job:
         with StopWatcher(self.cfg.train.exit_duration_mins) as watcher:
             try:
                 while state.step < self.cfg.train.train_iters:
-                    if self._step(watcher) is not None:
-                        break
+                    try:
+                        if self._step(watcher) is not None:
+                            break
+                    except RollBack as rb:
+                        self._rollback(rb)
             except TrainingDivergedError as e:
                 state.status, state.error = "diverged", str(e)
                 raise
@@ -296,17 +322,75 @@ class _Job:
             state.saved = self._save(state.step)
         return stop
 
+    def _before_micro_batch(self, i: int) -> None:
+        for callback in self.dispatch:
+            callback.on_micro_batch(i)
+
     def _train_step(self, step: int) -> tuple[dict[str, Any], float]:
-        """The engine's step on this rank's micro-batches; its metrics line and step time."""
+        """The engine's step on this rank's micro-batches; its metrics line and step time.
+        An anomalous step is investigated and ``train.on_anomaly`` applied (a stop raises
+        :class:`TrainingDivergedError`, a rollback :class:`RollBack`)."""
         t0 = time.perf_counter()
         mark_step(step)  # progress, for the launcher's hung-rank watchdog
+        before = self.train_it.consumed_samples
         micro = [next(self.train_it) for _ in range(self.num_micro)]
-        res = self.engine.train_step(micro, step)
+        samples = micro_batch_samples(self.train_it.sampler, before, self.num_micro)
+        if self.injector is not None:
+            self.injector.arm(samples)
+        res = self.engine.train_step(micro, step, numerics=self.numerics.due(step),
+                                     spike=self.spikes.check if self.spikes.enabled else None)
         dt = time.perf_counter() - t0
         rec = self.meter.record(step, res, dt, self.train_it.consumed_samples)
+        if res.numerics is not None:
+            rec["numerics"] = res.numerics
+        if res.anomaly is not None:
+            self._on_anomaly(step, res, micro, samples, before)
+            rec["anomaly"] = res.anomaly
+        else:
+            self.spikes.observe(step, res.loss)
         if res.skipped:
             self.log.line(f"warning: {res.note}")
         return rec, dt
+
+    def _on_anomaly(self, step: int, res: StepResult, micro: list[Any], samples: list[list[int]],
+                    before: int) -> None:
+        """Investigate (re-run with hooks), record, then stop, skip the batch or roll back."""
+        t = self.cfg.train
+        found = investigate(self.engine, micro, samples, self.dispatch)
+        decision = self.anomaly_policy.decide(step)
+        skip_to = self.train_it.consumed_samples
+        action = action_text(decision, skip_to, t.on_anomaly or "stop")
+        culprit = found["culprit"]
+        record: dict[str, Any] = {
+            "step": step, "kind": res.anomaly, "note": res.note,
+            "rank": culprit["rank"] if culprit else None,
+            "samples": culprit["samples"] if culprit else [s for m in samples for s in m],
+            "batch": batch_span(before, t.global_batch_size), "culprit": culprit,
+            "ranks": found["ranks"], "loss": finite_or_none(res.loss),
+            "action": decision.action, "action_text": action,
+        }
+        if decision.action == "rollback":
+            record.update(to_step=decision.to_step, skipped_samples=[decision.from_samples, skip_to])
+        record["numerics"] = found["numerics"]
+        self.anomalies.write(record)
+        res.note = f"{res.note}; {describe(culprit)}; {action}"
+        if decision.action == "stop":
+            raise TrainingDivergedError(res.note)
+        if decision.action == "rollback":
+            self.log.line(f"warning: {res.note}")
+            raise RollBack(decision, skip_to)
+
+    def _rollback(self, rb: RollBack) -> None:
+        """Reload the checkpoint before the anomaly and skip the data since it: the step
+        count, metrics and loss history go back to that step, the data position does not."""
+        d = rb.decision
+        train_state = _resume(self.engine, [d.folder], self.log, True)
+        load_data_state(train_state["data"], self.train_it, self.valid_it)
+        self.train_it.load_state_dict({"consumed_samples": rb.skip_to})
+        self.state.step = d.to_step
+        self.outputs.rewind(d.to_step)
+        self.spikes.forget_after(d.to_step)
+        self.log.rewind(d.to_step)
 
     def _print(self, rec: dict[str, Any], dt: float) -> None:
         """Advance the progress bar; every ``train.log_interval`` steps a console line."""
@@ -341,9 +425,10 @@ class _Job:
         elapsed = time.perf_counter() - self.t_job
         self.outputs.close_metrics()
         memory = self.engine.memory_breakdown()  # local arithmetic on live buffers, no collective
-        return self._finish(RunSummary.of_job(self.state, self.outputs.records, elapsed,
-                                              self.meter.tokens_per_step, self.outputs.wandb_id,
-                                              memory))
+        summary = RunSummary.of_job(self.state, self.outputs.records, elapsed,
+                                    self.meter.tokens_per_step, self.outputs.wandb_id, memory)
+        summary.anomalies = self.anomalies.summary()
+        return self._finish(summary)
 
     def _try_write(self, path: Path, write: Any) -> None:
         """Run ``write``; a filesystem error becomes a line (and exit 3 once the rest of
@@ -362,7 +447,8 @@ class _Job:
         if not self.engine.is_main:
             return result
         out = self.out
-        files = [out / "resolved_config.yaml", out / "metrics.jsonl", out / "summary.json"]
+        files = [out / "resolved_config.yaml", out / "metrics.jsonl", out / "summary.json",
+                 out / "anomalies.jsonl"]
         self._try_write(out / "summary.json",
                         lambda: write_atomically(out / "summary.json", json.dumps(result, indent=2) + "\n"))
         if self.cfg.logging.plots and self.outputs.records:

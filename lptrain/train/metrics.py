@@ -6,8 +6,11 @@ the current step's line, and ``tail -f metrics.jsonl`` must show the run as it g
 written whole with one ``write`` call, so a kill leaves at most one torn last line, which the
 resume path drops (:func:`lptrain.train.run_dir.trim_metrics`).
 
-MFU is reported only where the device's peak is known for the compute dtype (a small table of
-datacenter GPUs); on CPU and unknown devices it is ``null`` rather than a made-up number.
+Two MFU figures (``lptrain.catalog.gpus`` holds the peaks): ``mfu``, model FLOPs against the
+device's bf16 peak, and ``mfu_precision``, each GEMM's FLOPs against the peak of the precision
+it runs in (``sum_p flops_p / peak_p`` seconds per token at peak, over the measured time), so
+a run mixing bf16, FP8 and FP4 GEMMs has a meaningful utilisation. Both are ``null`` on CPU
+and on devices without a known peak, rather than a made-up number.
 """
 
 from __future__ import annotations
@@ -17,30 +20,23 @@ import json
 import math
 import resource
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, TextIO
 
 import torch
 
+from lptrain.catalog.gpus import GPU, gpu_for_device
 from lptrain.errors import RunFailedError
 
 if TYPE_CHECKING:
     from lptrain.train.engine import StepResult
 
-# Dense peak TFLOP/s per device name fragment and compute class (bf16, fp8, fp4).
-_PEAK_TFLOPS: dict[str, dict[str, float]] = {
-    "H100": {"bf16": 989.0, "fp8": 1979.0},
-    "H200": {"bf16": 989.0, "fp8": 1979.0},
-    "B200": {"bf16": 2250.0, "fp8": 4500.0, "fp4": 9000.0},
-    "GB200": {"bf16": 2500.0, "fp8": 5000.0, "fp4": 10000.0},
-    "A100": {"bf16": 312.0},
-}
-
-
 def compute_class(cfg: Any) -> str:
-    """Which peak applies: fp4 and fp8 GEMM recipes, else bf16 (fp32 params still run bf16-class
-    peaks only on tensor cores; MFU is then an upper-bound convention)."""
+    """The precision of the recipe's GEMMs: fp4 and fp8 recipes, else bf16 (the linears of
+    layers kept in bf16, attention, router and head run bf16 whatever the recipe:
+    :func:`layer_precision`)."""
     p = cfg.precision
     if p.fp4_format is not None:
         return "fp4"
@@ -49,17 +45,42 @@ def compute_class(cfg: Any) -> str:
     return "bf16"
 
 
-def peak_flops(device: torch.device, klass: str) -> float | None:
-    """Peak FLOP/s of ``device`` for ``klass``, or None (CPU, unknown GPU)."""
+def layer_precision(cfg: Any) -> Callable[[int], str]:
+    """Precision of transformer layer ``i``'s (0-based) linears: the recipe's, except the
+    first/last layers ``precision.first_last_layers_bf16`` keeps in bf16."""
+    klass, p, n = compute_class(cfg), cfg.precision, cfg.model.num_layers
+    start = p.num_layers_at_start_in_bf16 if p.first_last_layers_bf16 else 0
+    end = p.num_layers_at_end_in_bf16 if p.first_last_layers_bf16 else 0
+    return lambda i: "bf16" if i < start or i >= n - end else klass
+
+
+def device_gpu(device: torch.device) -> Optional[GPU]:
+    """The catalog entry of ``device`` (:mod:`lptrain.catalog.gpus`), or None (CPU, unknown)."""
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
-    name = torch.cuda.get_device_name(device)
-    for frag in sorted(_PEAK_TFLOPS, key=len, reverse=True):
-        if frag in name:
-            table = _PEAK_TFLOPS[frag]
-            value = table.get(klass)
-            return value * 1e12 if value is not None else None
-    return None
+    return gpu_for_device(torch.cuda.get_device_name(device))
+
+
+def peak_flops(device: torch.device, klass: str) -> float | None:
+    """Dense peak FLOP/s of ``device`` for ``klass`` GEMMs, or None (CPU, unknown GPU)."""
+    gpu = device_gpu(device)
+    return gpu.peak_flops(klass) if gpu is not None else None
+
+
+def seconds_at_peak(flops: dict[str, float], gpu: Optional[GPU]) -> float | None:
+    """Seconds per token if every GEMM ran at the peak of its own precision
+    (``sum_p flops_p / peak_p``), or None when a precision in use has no known peak."""
+    if gpu is None:
+        return None
+    total = 0.0
+    for precision, f in flops.items():
+        if not f:
+            continue
+        peak = gpu.peak_flops(precision)
+        if peak is None:
+            return None
+        total += f / peak
+    return total
 
 
 def memory_gib(device: torch.device) -> float:
@@ -84,7 +105,7 @@ class MetricsWriter:
         if path.exists():  # resumed: keep the earlier part of the run (already trimmed)
             for line in path.read_text().splitlines():
                 try:
-                    self.records.append(json.loads(line))
+                    self.records.append(_light(json.loads(line)))
                 except ValueError:
                     continue
         self._f: TextIO = path.open("a")
@@ -92,7 +113,7 @@ class MetricsWriter:
     def write(self, rec: dict[str, Any]) -> None:
         """Append one line; a filesystem error (a full disk) is :class:`RunFailedError`
         naming the file (exit 3), the lines before it stay as written."""
-        self.records.append(rec)
+        self.records.append(_light(rec))
         try:
             self._f.write(json.dumps(rec) + "\n")
             self._f.flush()
@@ -108,6 +129,14 @@ class MetricsWriter:
 _FS_FIX = "free space on that filesystem or make the run folder writable, then resume"
 
 
+def _light(rec: Any) -> Any:
+    """A line as kept in memory for the summary: without its per-operand statistics (tens of
+    kilobytes per interval on a large model; they stay in the file)."""
+    if isinstance(rec, dict) and "numerics" in rec:
+        return {k: v for k, v in rec.items() if k != "numerics"}
+    return rec
+
+
 @dataclass(frozen=True)
 class StepMeter:
     """Turns one step's result and time into its ``metrics.jsonl`` line; the keys and their
@@ -115,9 +144,22 @@ class StepMeter:
 
     tokens_per_step: int
     flops_per_token: float
-    peak_flops: Optional[float]  # of the device, for the compute class; None: no MFU
+    peak_flops: Optional[float]  # the device's bf16 peak; None: no MFU
     world_size: int
     device: torch.device
+    seconds_at_peak: Optional[float] = None  # per token, each GEMM at its precision's peak
+
+    @classmethod
+    def for_run(cls, cfg: Any, device: torch.device, world_size: int) -> StepMeter:
+        """The meter of a run of ``cfg`` on ``device``: its FLOPs per token (in total and
+        by GEMM precision) against the catalog's peaks for that device."""
+        from lptrain.model.flops import flops_by_precision, flops_per_token
+
+        t, m = cfg.train, cfg.model
+        gpu = device_gpu(device)
+        return cls(t.global_batch_size * m.seq_length, flops_per_token(m).total,
+                   gpu.peak_flops("bf16") if gpu is not None else None, world_size, device,
+                   seconds_at_peak(flops_by_precision(m, layer_precision(cfg)), gpu))
 
     def record(self, step: int, res: StepResult, step_time_s: float,
                consumed_samples: int) -> dict[str, Any]:
@@ -133,6 +175,8 @@ class StepMeter:
             "step_time_s": step_time_s,
             "mem_gib": memory_gib(self.device),
             "mfu": self.flops_per_token * tps / (peak * self.world_size) if peak else None,
+            "mfu_precision": (self.seconds_at_peak * tps / self.world_size
+                              if self.seconds_at_peak else None),
             "consumed_samples": consumed_samples,
             **res.extra,
         }
@@ -154,6 +198,8 @@ def format_log_line(rec: dict[str, Any], total_steps: int, tokens_per_s: float, 
     parts.append(f"mem {rec.get('mem_gib', 0.0):.2f} GiB")
     if rec.get("mfu") is not None:
         parts.append(f"MFU {100 * rec['mfu']:.1f}%")
+    if rec.get("mfu_precision") is not None:
+        parts.append(f"MFU at GEMM precision {100 * rec['mfu_precision']:.1f}%")
     if "val_loss" in rec:
         parts.append(f"val loss {rec['val_loss']:.4f}")
     if rec.get("skipped"):

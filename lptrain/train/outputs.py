@@ -44,11 +44,29 @@ class RunOutputs:
 
     def write(self, rec: dict[str, Any]) -> None:
         """One step's line: appended to ``metrics.jsonl`` and logged to W&B (there without
-        the per-group ``lrs`` dict; ``lr`` is the first group's)."""
+        the per-group ``lrs`` dict -- ``lr`` is the first group's --, without the anomaly's
+        kind (a string; ``skipped`` says it), and with the quantization statistics as
+        ``numerics/<operand>/<statistic>`` scalars)."""
         if self.metrics is not None:
             self.metrics.write(rec)
         if self.wandb is not None:
-            self.wandb.log({k: v for k, v in rec.items() if k != "lrs"}, step=rec["step"])
+            from lptrain.train.numerics import flat_for_wandb
+
+            logged = {k: v for k, v in rec.items() if k not in ("lrs", "numerics", "anomaly")}
+            logged.update(flat_for_wandb(rec.get("numerics") or {}))
+            self.wandb.log(logged, step=rec["step"])
+
+    def rewind(self, step: int) -> None:
+        """A rollback to ``step``: ``metrics.jsonl`` keeps the lines up to it (the later
+        steps are redone), reopened for appending."""
+        if self.metrics is None:
+            return
+        from lptrain.train.metrics import MetricsWriter
+        from lptrain.train.run_dir import trim_metrics
+
+        self.metrics.close()
+        trim_metrics(self.metrics.path, step)
+        self.metrics = MetricsWriter(self.metrics.path)
 
     def close_metrics(self) -> None:
         if self.metrics is not None:

@@ -26,9 +26,10 @@ def _records(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def write_plots(run_dir: str | Path) -> list[Path]:
-    """Write loss.png, lr.png, grad_norm.png and memory.png (when the summary has the memory
-    breakdown, bytes by category of this run's buffers and optimizer) into ``run_dir``;
-    returns the paths written."""
+    """Write loss.png, lr.png, grad_norm.png, memory.png (when the summary has the memory
+    breakdown, bytes by category of this run's buffers and optimizer) and the quantization
+    statistics' heatmaps ``numerics_<statistic>.png`` (when the run logged them) into
+    ``run_dir``; returns the paths written."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -50,6 +51,10 @@ def write_plots(run_dir: str | Path) -> list[Path]:
         fig.savefig(run_dir / name, dpi=110)
         plt.close(fig)
         written.append(run_dir / name)
+    if any(isinstance(r.get("numerics"), dict) for r in recs):
+        from lptrain.train.numerics_report import write_heatmaps
+
+        written.extend(write_heatmaps(run_dir))
     return written
 
 

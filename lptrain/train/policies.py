@@ -51,6 +51,20 @@ class LogPolicy:
 
 
 @dataclass(frozen=True)
+class NumericsPolicy:
+    """Quantization statistics every ``logging.numerics_interval`` steps (0: never)."""
+
+    interval: int
+
+    @classmethod
+    def from_config(cls, cfg: LPTrainConfig) -> NumericsPolicy:
+        return cls(cfg.logging.numerics_interval)
+
+    def due(self, step: int) -> bool:
+        return self.interval > 0 and step % self.interval == 0
+
+
+@dataclass(frozen=True)
 class StopPolicy:
     """Why the job stops after this step, if it does. A signal comes first (every rank got
     it, the watcher all-reduced it), then the last step, then ``train.exit_duration_mins``

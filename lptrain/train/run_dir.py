@@ -36,9 +36,11 @@ from lptrain.checkpoint.atomic import remove_stale_temps, write_atomically
 from lptrain.checkpoint.compat import check_resume_compatible
 from lptrain.checkpoint.store import LATEST, find_checkpoints, read_train_state, step_dirs, validate
 from lptrain.errors import OutputDirError
+from lptrain.train.anomalies import trim_anomalies
 
-RUN_FILES = ("metrics.jsonl", "summary.json")
+RUN_FILES = ("metrics.jsonl", "summary.json", "anomalies.jsonl")
 PLOT_FILES = ("loss.png", "lr.png", "grad_norm.png", "memory.png")
+NUMERICS_PLOTS = "numerics_*.png"  # the heatmaps of lptrain.train.numerics_report
 RESOLVED_CONFIG = "resolved_config.yaml"
 OUTPUT_DIR_KEY = "run.output_dir"
 OUTPUT_DIR_FIX = "choose a writable folder with --output-dir (or run.output_dir)"
@@ -147,6 +149,8 @@ def _start_run(plan: RunPlan, cfg: Any, resumed_iteration: int, config_yaml: str
     if plan.overwrite:
         for name in (*RUN_FILES, *PLOT_FILES):
             (out / name).unlink(missing_ok=True)
+        for path in out.glob(NUMERICS_PLOTS):
+            path.unlink(missing_ok=True)
         shutil.rmtree(out / "wandb", ignore_errors=True)
         save = cfg.checkpoint.save
         if save and plan.source != "explicit":
@@ -159,6 +163,7 @@ def _start_run(plan: RunPlan, cfg: Any, resumed_iteration: int, config_yaml: str
                 shutil.rmtree(p, ignore_errors=True)
     _remove_killed_writers_temps(out, cfg.checkpoint.save)
     trim_metrics(out / "metrics.jsonl", resumed_iteration)
+    trim_anomalies(out, resumed_iteration)
     write_resolved_config(out, config_yaml)
 
 

@@ -51,6 +51,9 @@ class RunSummary:
     memory_breakdown_bytes: Optional[dict[str, int]]  # this rank's buffers and optimizer
     error: Optional[str] = None
     signal: Optional[str] = None
+    # every anomaly of the run and what was done about it (anomalies.jsonl, without the
+    # statistics); [] when there was none
+    anomalies: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     @classmethod
     def of_job(cls, job: JobState, records: list[dict[str, Any]], seconds: float,

@@ -119,8 +119,8 @@ def test_sigterm_mid_run_saves_every_line_and_resumes_bitwise(
 ) -> None:
     real_step = TrainEngine.train_step
 
-    def step_then_sigterm(self, micro_batches, step):
-        result = real_step(self, micro_batches, step)
+    def step_then_sigterm(self, micro_batches, step, **kw):
+        result = real_step(self, micro_batches, step, **kw)
         if step == 2:  # arrives mid-run; the loop must finish this step, save, then exit
             os.kill(os.getpid(), signal.SIGTERM)
         return result

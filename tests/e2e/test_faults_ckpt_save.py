@@ -131,10 +131,10 @@ def test_checkpoint_folder_made_read_only_mid_run(
     real_step = TrainEngine.train_step
     out = tmp_path / "run"
 
-    def step_then_chmod(self: TrainEngine, micro: Any, step: int) -> Any:
+    def step_then_chmod(self: TrainEngine, micro: Any, step: int, **kw: Any) -> Any:
         if step == 3:
             (out / "ckpt").chmod(0o555)
-        return real_step(self, micro, step)
+        return real_step(self, micro, step, **kw)
 
     monkeypatch.setattr(TrainEngine, "train_step", step_then_chmod)
     try:

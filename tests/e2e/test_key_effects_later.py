@@ -146,8 +146,8 @@ def test_save_on_interrupt_saves_on_sigint(cache_dir: Path, tmp_path: Path,
     only with checkpoint.save_on_interrupt=true."""
     step = TrainEngine.train_step
 
-    def interrupted(self, micro_batches, n):
-        out = step(self, micro_batches, n)
+    def interrupted(self, micro_batches, n, **kw):
+        out = step(self, micro_batches, n, **kw)
         signal.raise_signal(signal.SIGINT)
         return out
 

@@ -33,6 +33,7 @@ MOE_CHOICES = choice_table("model.moe.load_balancing_type", "model.moe.score_fun
 MODEL_CHOICES = choice_table("model.recompute_granularity", "model.recompute_method")
 DDP_CHOICES = choice_table("ddp.data_parallel_sharding_strategy")
 RUN_CHOICES = choice_table("run.device", "logging.wandb_mode")
+TRAIN_CHOICES = choice_table("train.on_anomaly", "debug.nan_tensor")
 
 
 def _opt_values_bad(c: LPTrainConfig, w: World) -> dict[str, Any]:
@@ -81,6 +82,7 @@ RULES = [
     _choices_rule("MODEL-CHOICES", MODEL_CHOICES, "model (recompute)"),
     _choices_rule("DDP-CHOICES", DDP_CHOICES, "data-parallel"),
     _choices_rule("RUN-CHOICES", RUN_CHOICES, "run/logging"),
+    _choices_rule("TRAIN-CHOICES", TRAIN_CHOICES, "anomaly handling"),
     Rule(
         id="OPT-VALUES", severity="error",
         keys=("optimizer.lr", "optimizer.min_lr", "optimizer.adam_beta1", "optimizer.adam_beta2",

@@ -366,6 +366,27 @@ GATES: tuple[Gate, ...] = (
         because="logging.wandb=false starts no W&B run", fix="set logging.wandb=true",
     ),
     Gate(
+        rule_id="INERT-SPIKE-WINDOW", keys=("train.spike_window",),
+        context=("train.spike_zscore",), idle=lambda c, w: c.train.spike_zscore is None,
+        condition="spike_zscore null -> spike_window at its default",
+        because="train.spike_zscore=null detects no loss spikes",
+        fix="set train.spike_zscore (e.g. 6) to detect loss spikes",
+    ),
+    Gate(
+        rule_id="INERT-MAX-ROLLBACKS", keys=("train.max_rollbacks",),
+        context=("train.on_anomaly",), idle=lambda c, w: c.train.on_anomaly != "rollback",
+        condition="on_anomaly != rollback -> max_rollbacks at its default",
+        because="train.on_anomaly={cfg.train.on_anomaly} never rolls back",
+        fix="set train.on_anomaly=rollback",
+    ),
+    Gate(
+        rule_id="INERT-DEBUG-NAN", keys=("debug.nan_module", "debug.nan_tensor"),
+        context=("debug.nan_sample",), idle=lambda c, w: c.debug.nan_sample is None,
+        condition="nan_sample null -> nan_module and nan_tensor at their defaults",
+        because="debug.nan_sample=null injects no NaN",
+        fix="set debug.nan_sample=<a global sample position>",
+    ),
+    Gate(
         rule_id="INERT-RECOMPUTE-FULL", keys=("model.recompute_method", "model.recompute_num_layers"),
         context=("model.recompute_granularity",),
         idle=lambda c, w: c.model.recompute_granularity != "full",

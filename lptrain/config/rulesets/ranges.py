@@ -84,6 +84,11 @@ TRAIN_RANGES: tuple[Spec, ...] = (
     ("train.global_batch_size", _size()),
     ("train.eval_iters", _count()),
     ("train.seed", _seed()),
+    ("train.spike_zscore", ((lambda v: v is None or 0 < v < math.inf), "> 0 and finite (or null)")),
+    ("train.spike_window", ((lambda v: 2 <= v <= MAX_SIZE), f"in [2, {MAX_SIZE}]")),
+    ("train.max_rollbacks", _size()),
+    ("logging.numerics_interval", _count()),
+    ("debug.nan_sample", ((lambda v: v is None or 0 <= v <= MAX_SEED), "in [0, 2^63) (or null)")),
     ("checkpoint.keep_latest", ((lambda v: 2 <= v <= MAX_SIZE), f"in [2, {MAX_SIZE}] (the newest may be half-written)")),
     ("dist.distributed_timeout_minutes", _positive()),
 )

@@ -56,6 +56,8 @@ class GroupedMLP(nn.Module):
             init_method=ctx.grouped_init(f"{prefix}linear_fc2.weight", ctx.output_std, expert_offset),
             name=f"{prefix}linear_fc2",
         )
+        # the members' operands are named by global expert index in the numerics statistics
+        self.linear_fc1.member_offset = self.linear_fc2.member_offset = expert_offset
 
     def forward(self, x: torch.Tensor, m_splits: Sequence[int]) -> torch.Tensor:
         return self.linear_fc2(activation(self.recompute_act, self.linear_fc1(x, m_splits)), m_splits)

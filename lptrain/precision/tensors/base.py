@@ -15,13 +15,14 @@ from __future__ import annotations
 import copy
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Optional
 
 import torch
 from torch.utils._pytree import tree_map
 
-from ..formats import FP8Format
+from ..formats import FP8Format, rounding_limit
 
 if TYPE_CHECKING:
     from .grouped import GroupedQuantizedTensor
@@ -32,6 +33,21 @@ ROLES: tuple[str, ...] = ("input", "weight", "grad")
 _ORIENTATIONS = ("rowwise", "columnwise")
 
 aten = torch.ops.aten
+BlockCut = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class StatBlocks:
+    """An operand cut into its scaling blocks, for the quantization statistics: ``values``
+    (the high-precision input, or None) and ``dequantized`` ``[B, E]``, ``scales`` ``[B]``
+    (each block's dequantization scale), the format's clamp limit (a value beyond
+    ``clamp_limit * scale`` was clamped), and whether the format has one scale per tensor."""
+
+    values: Optional[torch.Tensor]
+    dequantized: torch.Tensor
+    scales: torch.Tensor
+    clamp_limit: float
+    per_tensor: bool
 
 
 def _check_orientation(orientation: str) -> None:
@@ -262,6 +278,35 @@ class QuantizedTensor(torch.Tensor):
             t.numel() * t.element_size() for k in names if (t := self._fields.get(k)) is not None
         )
 
+    # ---- quantization statistics (lptrain.precision.operand_stats) ---------------------------
+
+    def stat_layout(self, orientation: Orientation) -> tuple[BlockCut, torch.Tensor, bool]:
+        """How ``orientation`` is scaled: ``(cut, scales, per_tensor)``. ``cut`` turns a
+        logical ``[M, K]`` fp32 tensor into that orientation's scaling blocks ``[B, E]``
+        (edge blocks zero-padded), ``scales`` are the B fp32 dequantization scales in the same
+        order (per family; the scale of an E8M0/E4M3 code, or ``scale_inv``)."""
+        raise NotImplementedError(f"{type(self).__name__} has no statistics layout")
+
+    @property
+    def clamp_limit(self) -> float:
+        """The smallest scaled magnitude the element format cannot round to its largest code
+        (:func:`~lptrain.precision.formats.rounding_limit`: E4M3 464, E5M2 61440, E2M1 7)."""
+        raise NotImplementedError
+
+    def stat_blocks(self, x: Optional[torch.Tensor],
+                    rowwise: Optional[torch.Tensor] = None) -> StatBlocks:
+        """``x`` (the high-precision tensor this was quantized from; None when there is none,
+        e.g. a quantized primary weight) and these dequantized values, cut into the scaling
+        blocks of the orientation the forward GEMM or dgrad reads (row-wise; column-wise when
+        only that one is kept). ``rowwise``: the row-wise dequantized values, when the caller
+        already has them (the GEMM's operand: not dequantized twice)."""
+        o: Orientation = "rowwise" if self.has_orientation("rowwise") else "columnwise"
+        cut, scales, per_tensor = self.stat_layout(o)
+        k = self.shape[-1]
+        deq = (rowwise if rowwise is not None and o == "rowwise" else self.dequantize(o)).reshape(-1, k)
+        ref = cut(x.detach().float().reshape(-1, k)) if x is not None else None
+        return StatBlocks(ref, cut(deq), scales.float().reshape(-1), self.clamp_limit, per_tensor)
+
     # ---- sharded primary weights (ZeRO-3): the data bytes exist only around their uses -----
 
     DATA_FIELDS: ClassVar[tuple[str, ...]] = ("rowwise_data", "columnwise_data")
@@ -436,6 +481,11 @@ class FP8QuantizedTensor(QuantizedTensor):
     @property
     def fp8_format(self) -> FP8Format:
         return self._quantizer.fp8_format  # type: ignore[attr-defined]
+
+    @property
+    def clamp_limit(self) -> float:
+        fmt = self.fp8_format
+        return rounding_limit(fmt.max, float(torch.finfo(fmt.torch_dtype).eps))
 
 
 class FP8Quantizer(Quantizer):

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from .. import scaling as _scaling
 from ..formats import FP8Format, cast_to_fp8, fp8_to_float
 from ._chunks import map_row_chunks
-from .base import FP8QuantizedTensor, FP8Quantizer, Orientation, Role
+from .base import BlockCut, FP8QuantizedTensor, FP8Quantizer, Orientation, Role
 
 BLOCK = 128
 
@@ -123,6 +123,24 @@ class BlockwiseFP8Tensor(FP8QuantizedTensor):
         rows = qb.view(grid.shape[0], nk * BLOCK)[:, :k].reshape(-1)
         start = lo - r0 * k
         return rows[start : start + (hi - lo)]
+
+    def stat_layout(self, orientation: Orientation) -> tuple[BlockCut, torch.Tensor, bool]:
+        """128x128 tiles (2D, either orientation: transposes of each other), or 1x128 blocks
+        along K (row-wise) / along M (column-wise); edge blocks zero-padded."""
+        sinv = self._buffers(orientation)[1]
+        if self.is_2d:
+
+            def tiles(t: torch.Tensor) -> torch.Tensor:
+                nm, nk = _ceil_div(t.shape[0], BLOCK), _ceil_div(t.shape[1], BLOCK)
+                p = _pad_to(t, nm * BLOCK, nk * BLOCK).view(nm, BLOCK, nk, BLOCK)
+                return p.permute(0, 2, 1, 3).reshape(-1, BLOCK * BLOCK)
+
+            return tiles, sinv if orientation == "rowwise" else sinv.t(), False
+        if orientation == "rowwise":
+            return (lambda t: _pad_to(t, t.shape[0], _ceil_div(t.shape[1], BLOCK) * BLOCK)
+                    .reshape(-1, BLOCK)), sinv, False
+        return (lambda t: _pad_to(t.t(), t.shape[1], _ceil_div(t.shape[0], BLOCK) * BLOCK)
+                .reshape(-1, BLOCK)), sinv, False
 
     def _dequantize_2d(self, orientation: Orientation) -> torch.Tensor:
         data, sinv = self._buffers(orientation)

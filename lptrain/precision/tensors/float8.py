@@ -15,7 +15,7 @@ from .. import scaling as _scaling
 from ..byte_transpose import transposed_bytes
 from ..formats import FLT_MAX, FP8Format, cast_to_fp8, fp8_to_float
 from ._chunks import map_row_chunks
-from .base import FP8QuantizedTensor, FP8Quantizer, Orientation, Role
+from .base import BlockCut, FP8QuantizedTensor, FP8Quantizer, Orientation, Role
 
 if TYPE_CHECKING:
     from ..recipes import DelayedScalingState
@@ -62,6 +62,10 @@ class Float8Tensor(FP8QuantizedTensor):
         if x is None:
             return None
         return cast_to_fp8(x.float() * s, q.fp8_format, inplace=True)
+
+    def stat_layout(self, orientation: Orientation) -> tuple[BlockCut, torch.Tensor, bool]:
+        """One block: the whole tensor, scaled by ``scale_inv``."""
+        return (lambda t: t.reshape(1, -1)), self.scale_inv, True
 
     def _dequantize_2d(self, orientation: Orientation) -> torch.Tensor:
         data = self._fields[f"{orientation}_data"]

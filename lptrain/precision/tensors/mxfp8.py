@@ -20,7 +20,7 @@ from .. import scaling as _scaling
 from ..formats import FP8Format, cast_to_fp8, fp8_to_float
 from ..scratch import Workspace
 from ._chunks import map_row_chunks
-from .base import FP8QuantizedTensor, FP8Quantizer, Orientation, Role, rows_of
+from .base import BlockCut, FP8QuantizedTensor, FP8Quantizer, Orientation, Role, rows_of
 
 MX_BLOCK = 32
 
@@ -58,6 +58,20 @@ class MXFP8Tensor(FP8QuantizedTensor):
             o.view((r1 - r0) // MX_BLOCK, MX_BLOCK, k).mul_(s)
 
         return fp8_to_float(data, self.fp8_format, cols, MX_BLOCK)
+
+
+    def stat_layout(self, orientation: Orientation) -> tuple[BlockCut, torch.Tensor, bool]:
+        """1x32 blocks along K (row-wise) or 32x1 along M (column-wise, same [M, K] layout),
+        each scaled by 2^(code - 127)."""
+        scales = _scaling.e8m0_to_dequant_scale(self._buffers(orientation)[1])
+        if orientation == "rowwise":
+            return (lambda t: t.reshape(-1, MX_BLOCK)), scales, False
+
+        def cols(t: torch.Tensor) -> torch.Tensor:
+            m, k = t.shape
+            return t.view(m // MX_BLOCK, MX_BLOCK, k).transpose(1, 2).reshape(-1, MX_BLOCK)
+
+        return cols, scales, False
 
 
 class MXFP8Quantizer(FP8Quantizer):

@@ -20,18 +20,20 @@ import torch
 from .. import scaling as _scaling
 from ..byte_transpose import transposed_copy
 from ..formats import (
+    E2M1_MAX,
     GATHER_DECODE_ELEMS,
     draw_rbits,
     e2m1_codes_i32,
     pack_fp4_col_words,
     pack_fp4_i32,
     pack_fp4_rows,
+    rounding_limit,
     sr_e2m1_codes_i32,
 )
 from ..rht import rht_rows_from_chunks, rotate_group_rows_keep, rotated_scratch
 from ..scratch import Workspace, operand
 from ._chunks import map_row_chunks, row_ranges
-from .base import Orientation, QuantizedTensor, Quantizer, Role, rows_of
+from .base import BlockCut, Orientation, QuantizedTensor, Quantizer, Role, rows_of
 
 NV_BLOCK = 16
 
@@ -247,6 +249,25 @@ class NVFP4Tensor(QuantizedTensor):
     def columnwise_rht_operand(self) -> torch.Tensor:
         """The columnwise [K, M] fp32 GEMM operand as stored (rotated when RHT is on)."""
         return self._values("columnwise")
+
+    @property
+    def clamp_limit(self) -> float:
+        return rounding_limit(E2M1_MAX, 0.5)  # E2M1: one mantissa bit, 7
+
+    def stat_layout(self, orientation: Orientation) -> tuple[BlockCut, torch.Tensor, bool]:
+        """1x16 blocks along K (row-wise; a 16x16 weight tile's scale is stored per row) or
+        16 tokens of x^T (column-wise), each scaled by e4m3(scale byte) * amax / 2688. A
+        column-wise copy quantized after the Hadamard rotation has no blocks of x."""
+        sbytes = self._buffers(orientation)[1]
+        gamax = self._fields[f"amax_{orientation}"]
+        assert gamax is not None
+        scales = _scaling.nvfp4_dequant_block_scale(sbytes, gamax)
+        if orientation == "rowwise":
+            return (lambda t: t.reshape(-1, NV_BLOCK)), scales, False
+        if self.with_rht:
+            raise ValueError("an NVFP4 column-wise copy quantized after the random Hadamard "
+                             "transform has no blocks of the untransformed values")
+        return (lambda t: t.t().reshape(-1, NV_BLOCK)), scales, False
 
     def _dequantize_2d(self, orientation: Orientation) -> torch.Tensor:
         if orientation == "columnwise" and self.with_rht:

@@ -180,6 +180,22 @@ class _TEModule(nn.Module):
         return param
 
     @property
+    def quantizers(self) -> dict[str, list[Any]]:
+        """TE's ``quantizers`` lists of the active recipe: forward [input, weight, output]
+        and backward [grad_output, grad_input] per member (the outputs' ``None``: lptrain
+        asks no quantized outputs); empty outside a quantized autocast, as before TE's
+        first quantized forward."""
+        recipe = _ac.active_recipe()
+        if recipe is None:
+            return {"scaling_fwd": [], "scaling_bwd": []}
+        fwd: list[Any] = []
+        bwd: list[Any] = []
+        for m in self._state(recipe).members:
+            fwd += [T.quantizer_for(m.input), T.quantizer_for(m.weight), None]
+            bwd += [T.quantizer_for(m.grad), None]
+        return {"scaling_fwd": fwd, "scaling_bwd": bwd}
+
+    @property
     def fp8_meta(self) -> dict[str, Any]:
         """TE's slots: forward [input, weight, output] (one triple per member), backward
         [grad_output, grad_input]; scale and amax_history per slot."""

@@ -26,6 +26,7 @@ TE's documented behaviours that lptrain depends on are reproduced, not idealised
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 from collections.abc import Sequence
@@ -110,6 +111,17 @@ class Float8BlockQuantizer(Quantizer):
 
 class NVFP4Quantizer(Quantizer):
     copy = Quantizer._copy
+
+    @property
+    def stochastic_rounding(self) -> bool:
+        return bool(self._emu_quantizer.stochastic_rounding)
+
+    @stochastic_rounding.setter
+    def stochastic_rounding(self, enabled: bool) -> None:
+        """TE's attribute: a copy set to False rounds to nearest and draws no bits."""
+        if bool(enabled) != self.stochastic_rounding:
+            self._emu_quantizer = copy.copy(self._emu_quantizer)
+            self._emu_quantizer.stochastic_rounding = bool(enabled)
 
 
 def _field(name: str, emu_name: str) -> property:
@@ -277,6 +289,11 @@ class _BlockScaled(QuantizedTensor):
     _rowwise_scale_inv = _field("_rowwise_scale_inv", "rowwise_scale_inv")
     _columnwise_scale_inv = _field("_columnwise_scale_inv", "columnwise_scale_inv")
     update_usage = _update_usage
+
+    @property
+    def _fp8_dtype(self) -> Any:
+        """TE's element dtype of the FP8 families (MXFP8, blockwise): lptrain's format."""
+        return getattr(self._emu, "fp8_format", None)
 
 
 class MXFP8Tensor(_BlockScaled):

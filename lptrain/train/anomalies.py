@@ -1,0 +1,137 @@
+"""``train.on_anomaly``: what an anomalous step leads to, and its record.
+
+:class:`AnomalyPolicy` decides, for an anomaly at step N: ``stop`` (the run fails, exit 3,
+naming the step, rank, samples and tensor), ``skip_batch`` (no update for that batch; the
+run goes on) or ``rollback`` -- reload the newest checkpoint before N and skip the data the
+run read since it (the batches of the steps after the checkpoint up to N), as PaLM did for
+loss spikes, at most ``train.max_rollbacks`` times in a job; without such a checkpoint, or
+past the limit, the anomaly stops the run. Every decision is the same on every rank.
+
+Each anomaly is one line of ``anomalies.jsonl`` in the run folder (:class:`AnomalyLog`:
+step, kind, rank, sample ids, the first non-finite tensor, that step's quantization
+statistics and the action), and appears, without the statistics, in ``summary.json``.
+``lptrain replay`` reads the file to re-run an anomalous step and to follow the data skips of
+rollbacks.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from lptrain.checkpoint import find_checkpoints
+from lptrain.checkpoint.atomic import write_atomically
+from lptrain.checkpoint.store import read_train_state
+from lptrain.config.schema import LPTrainConfig
+
+ANOMALIES_FILE = "anomalies.jsonl"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """``action`` (stop, skip_batch, rollback); for a rollback the checkpoint folder, its
+    step and consumed samples; ``why`` when a configured rollback became a stop."""
+
+    action: str
+    folder: Optional[Path] = None
+    to_step: int = 0
+    from_samples: int = 0
+    why: str = ""
+
+
+class AnomalyPolicy:
+    """``train.on_anomaly`` with its rollback budget (counted per job)."""
+
+    def __init__(self, cfg: LPTrainConfig) -> None:
+        t = cfg.train
+        self.action = t.on_anomaly or ("skip_batch" if t.on_nonfinite == "skip" else "stop")
+        self.max_rollbacks = t.max_rollbacks
+        self.save = cfg.checkpoint.save
+        self.rollbacks = 0
+
+    def decide(self, step: int) -> Decision:
+        if self.action != "rollback":
+            return Decision(self.action)
+        if self.rollbacks >= self.max_rollbacks:
+            return Decision("stop", why=f"train.max_rollbacks={self.max_rollbacks} reached")
+        found = [f for f in find_checkpoints(self.save).valid if _iteration(f) < step] if self.save else []
+        if not found:
+            return Decision("stop", why=f"no checkpoint before step {step} to roll back to")
+        folder = found[0]
+        state = read_train_state(folder)
+        self.rollbacks += 1
+        return Decision("rollback", folder, int(state["iteration"]), int(state["consumed_samples"]))
+
+
+def _iteration(folder: Path) -> int:
+    return int(folder.name.rsplit("_", 1)[-1])
+
+
+class RollBack(Exception):
+    """Raised by the step to make the loop roll back (see :class:`Decision`)."""
+
+    def __init__(self, decision: Decision, skip_to: int) -> None:
+        super().__init__(f"roll back to step {decision.to_step}")
+        self.decision = decision
+        self.skip_to = skip_to
+
+
+def action_text(d: Decision, skip_to: int, on_anomaly: str) -> str:
+    """The action as the log line and the record say it."""
+    if d.action == "rollback":
+        return (f"rolled back to step {d.to_step} ({d.folder}), skipping samples "
+                f"{d.from_samples}-{skip_to - 1}")
+    if d.action == "skip_batch":
+        return "batch skipped (no update)"
+    why = f"; {d.why}" if d.why else ""
+    return f"stopping (train.on_anomaly={on_anomaly}{why})"
+
+
+class AnomalyLog:
+    """``anomalies.jsonl`` (main rank; one flushed line per anomaly) and the records of
+    the whole run (a resumed job's earlier ones included)."""
+
+    def __init__(self, out: Path, main: bool) -> None:
+        self.path = out / ANOMALIES_FILE
+        self.main = main
+        self.records = read_anomalies(out)
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+        if self.main:
+            with self.path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def summary(self) -> list[dict[str, Any]]:
+        """The records without their statistics (for ``summary.json``)."""
+        return [{k: v for k, v in r.items() if k != "numerics"} for r in self.records]
+
+
+def read_anomalies(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The anomaly records of a run folder (a torn last line is skipped)."""
+    path = Path(run_dir) / ANOMALIES_FILE
+    out = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict) and "step" in rec:
+                out.append(rec)
+    return out
+
+
+def trim_anomalies(run_dir: Path, last_step: int) -> None:
+    """A resume at ``last_step``: drop the records of steps it redoes, keeping a rollback
+    whose target is at or before it (its data skip is part of the history that goes on)."""
+    path = Path(run_dir) / ANOMALIES_FILE
+    if not path.exists():
+        return
+    keep = [r for r in read_anomalies(run_dir)
+            if int(r["step"]) <= last_step or int(r.get("to_step", last_step + 1)) <= last_step]
+    text = "".join(json.dumps(r) + "\n" for r in keep)
+    if text != path.read_text():
+        write_atomically(path, text)

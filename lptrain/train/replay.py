@@ -1,0 +1,183 @@
+"""``lptrain replay RUN_DIR --step N``: run step N again and say whether it came out bitwise
+the same -- the question Megatron's rerun state machine answers.
+
+The run's ``resolved_config.yaml`` builds the engine; the newest valid checkpoint before step
+N is loaded with its data position, the steps between it and N are run again (the data
+skips of recorded rollbacks followed, an anomalous step skipped as the run skipped it), then
+step N with its statistics and, when it is anomalous, the forensic re-run. The result is
+compared with what the run recorded for step N: its ``metrics.jsonl`` line (loss, grad norm,
+statistics), or its ``anomalies.jsonl`` record (loss, kind, first non-finite tensor), and
+when a checkpoint of step N exists, every fp32 master weight after the step (``torch.equal``).
+
+Bitwise the same points at the data or the numerics (a replay reproduces it); different
+points at the hardware or at non-determinism. Nothing is written into the run folder.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from lptrain.checkpoint import find_checkpoints, load_checkpoint
+from lptrain.errors import InputError
+from lptrain.train.anomalies import read_anomalies
+from lptrain.train.forensics import NaNInjector, SpikeDetector, investigate, micro_batch_samples
+
+
+@dataclass
+class ReplayResult:
+    step: int
+    checkpoint: Path
+    fast_forwarded: int
+    same: bool
+    anomalous: bool = False  # the run recorded an anomaly at this step
+    compared: list[str] = field(default_factory=list)  # what was compared (all equal if same)
+    differences: list[str] = field(default_factory=list)
+
+    def lines(self) -> list[str]:
+        head = (f"step {self.step} replayed from {self.checkpoint} ({self.fast_forwarded} "
+                f"step(s) run again before it)")
+        if self.same:
+            why = ("the anomaly comes back from the same inputs: the data or the numerics "
+                   "caused it, not the hardware" if self.anomalous else
+                   "the step is reproducible from its checkpoint")
+            return [head, f"bitwise the same: {', '.join(self.compared)} -- {why}"]
+        return [head, "different: " + "; ".join(self.differences) + " -- the same inputs gave "
+                "another result: suspect the hardware or non-determinism"]
+
+
+def _run_config(run_dir: Path) -> Any:
+    from lptrain.config import World, derive
+    from lptrain.config.compose import load
+
+    path = run_dir / "resolved_config.yaml"
+    if not path.is_file():
+        raise InputError(f"{path} not found: not a run folder written by lptrain pretrain",
+                         file=str(path), fix="pass the run folder (it holds resolved_config.yaml)")
+    cfg = derive(load(path).cfg, World.detect())
+    cfg.logging.progress = False
+    save = Path(cfg.checkpoint.save) if cfg.checkpoint.save else None
+    if save is None or not save.exists():  # a relative path from elsewhere: the run's own folder
+        cfg.checkpoint.save = str(run_dir / "checkpoints")
+    return cfg
+
+
+def _recorded(run_dir: Path, step: int) -> tuple[Optional[dict[str, Any]], Optional[dict[str, Any]]]:
+    """Step ``step``'s metrics line and its anomaly record, if any (a rolled-back anomaly is
+    not the step of the run's surviving history: that step was taken again)."""
+    line = None
+    for text in (run_dir / "metrics.jsonl").read_text().splitlines():
+        try:
+            rec = json.loads(text)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and rec.get("step") == step:
+            line = rec
+    anomaly = next((r for r in reversed(read_anomalies(run_dir))
+                    if r["step"] == step and r.get("action") != "rollback"), None)
+    return line, anomaly
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return a == b
+
+
+def replay_step(run_dir: str | Path, step: int) -> ReplayResult:
+    """Replay ``step`` of the run in ``run_dir`` (see the module doc)."""
+    from lptrain.data.loader import load_data_state
+    from lptrain.train.engine import TrainEngine
+    from lptrain.train.loop import _open_data, _resume
+    from lptrain.train.metrics import finite_or_none
+
+    run_dir = Path(run_dir)
+    cfg = _run_config(run_dir)
+    line, anomaly = _recorded(run_dir, step)
+    if line is None and anomaly is None:
+        raise InputError(f"{run_dir} recorded no step {step} (metrics.jsonl and anomalies.jsonl)",
+                         fix="pass a step the run took: see metrics.jsonl")
+    found = find_checkpoints(cfg.checkpoint.save)
+    before = [f for f in found.valid if int(f.name.rsplit("_", 1)[-1]) < step]
+    if not before:
+        raise InputError(f"no valid checkpoint before step {step} in {cfg.checkpoint.save}",
+                         key="checkpoint.save",
+                         fix="replay a step after the first checkpoint (checkpoint.save_interval)")
+    engine = TrainEngine(cfg)
+    engine.returns_anomalies = True
+    train_it, valid_it = _open_data(cfg, engine)
+
+    class _Quiet:
+        def line(self, text: str) -> None:
+            pass
+
+    state = _resume(engine, before[:1], _Quiet(), True)  # type: ignore[arg-type]
+    load_data_state(state["data"], train_it, valid_it)
+    start = int(state["iteration"])
+    if state.get("world_size", engine.world_size) != engine.world_size:
+        raise InputError(f"the run's checkpoint was written by {state.get('world_size')} ranks, this "
+                         f"replay runs {engine.world_size}: a step is bitwise only at the same size",
+                         fix="replay under torchrun with the run's number of ranks")
+    jumps = {int(r["to_step"]): int(r["skipped_samples"][1])
+             for r in read_anomalies(run_dir) if r.get("action") == "rollback"}
+    t = cfg.train
+    num_micro = t.global_batch_size // (t.micro_batch_size * engine.dp_size)
+    dispatch: list[Any] = []
+    injector = NaNInjector(cfg, engine.model) if cfg.debug.nan_sample is not None else None
+    if injector is not None:
+        dispatch.append(injector)
+    engine.before_micro_batch = lambda i: [c.on_micro_batch(i) for c in dispatch]  # type: ignore[func-returns-value]
+    spikes = SpikeDetector(t.spike_zscore, t.spike_window)
+    res = None
+    for s in range(start + 1, step + 1):
+        if s - 1 in jumps:
+            train_it.load_state_dict({"consumed_samples": jumps[s - 1]})
+        before_samples = train_it.consumed_samples
+        micro = [next(train_it) for _ in range(num_micro)]
+        samples = micro_batch_samples(train_it.sampler, before_samples, num_micro)
+        if injector is not None:
+            injector.arm(samples)
+        want_stats = s == step and line is not None and "numerics" in line
+        res = engine.train_step(micro, s, numerics=want_stats,
+                                spike=spikes.check if spikes.enabled else None)
+        if res.anomaly is None:
+            spikes.observe(s, res.loss)
+    assert res is not None
+    out = ReplayResult(step, before[0], step - 1 - start, True, anomalous=anomaly is not None)
+
+    def check(what: str, got: Any, want: Any) -> None:
+        out.compared.append(what)
+        if not _same(got, want):
+            out.same = False
+            out.differences.append(f"{what} {got!r} (replay) vs {want!r} (run)")
+
+    if line is not None:
+        check("loss", finite_or_none(res.loss), line.get("loss"))
+        check("grad norm", finite_or_none(res.grad_norm), line.get("grad_norm"))
+        if "numerics" in line:
+            check(f"{len(line['numerics'])} operands' statistics", res.numerics, line["numerics"])
+    if anomaly is not None:
+        check("anomaly", res.anomaly, anomaly.get("kind"))
+        check("loss", finite_or_none(res.loss), anomaly.get("loss"))
+        if res.anomaly is not None:
+            found_now = investigate(engine, micro, samples, dispatch)
+            check("first non-finite tensor", found_now["culprit"], anomaly.get("culprit"))
+    at_step = [f for f in found.valid if int(f.name.rsplit("_", 1)[-1]) == step]
+    if at_step and res.anomaly is None:
+        _compare_weights(engine, at_step[0], check)
+    return out
+
+
+def _compare_weights(engine: Any, folder: Path, check: Any) -> None:
+    """Every fp32 master after the replayed step against the run's checkpoint of that step."""
+    saved, _ = load_checkpoint(folder, engine.rank, engine.world_size)
+    with engine.params_synced():
+        now = engine.checkpoint_state()["global"]["model"]
+    want = saved["global"]["model"]
+    differ = [n for n in want if n not in now or not torch.equal(now[n], want[n])]
+    check(f"{len(want)} fp32 master weights (checkpoint {folder.name})", differ, [])
