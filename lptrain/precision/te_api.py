@@ -149,4 +149,23 @@ TE_CALLS: tuple[TECall, ...] = (
                                    "columnwise_scale_inv", "amax", "columnwise_amax")),
     TECall(f"{RECIPE}.Float8CurrentScaling", "fp8_quant_fwd_inp", GROUPED_AMAX_EPSILON_MIN_TE,
            why="amax_epsilon in grouped expert GEMMs"),
+    # quantization statistics (te_numerics): the modules' quantizers, copied and re-run
+    *(TECall(f"{PT}.{m}", a, TE_MIN_VERSION, why="statistics probe")
+      for m in ("Linear", "GroupedLinear") for a in ("quantizers", "fp8")),
+    *(TECall(f"{TENSOR}.{mod}.{q}", a, since, why="statistics probe: a row-wise copy")
+      for mod, q, since in (("float8_tensor", "Float8Quantizer", TE_MIN_VERSION),
+                            ("float8_tensor", "Float8CurrentScalingQuantizer", TE_MIN_VERSION),
+                            ("mxfp8_tensor", "MXFP8Quantizer", TE_MIN_VERSION),
+                            ("float8_blockwise_tensor", "Float8BlockQuantizer", _min_te("blockwise")),
+                            ("nvfp4_tensor", "NVFP4Quantizer", _min_te("nvfp4")))
+      for a in ("copy", "set_usage")),
+    *(TECall(f"{TENSOR}.{mod}.{q}", "optimize_for_gemm", "2.12", why="set off where it exists")
+      for mod, q in (("float8_tensor", "Float8Quantizer"), ("mxfp8_tensor", "MXFP8Quantizer"),
+                     ("nvfp4_tensor", "NVFP4Quantizer"))),
+    TECall(f"{TENSOR}.nvfp4_tensor.NVFP4Quantizer", "stochastic_rounding", _min_te("nvfp4"),
+           why="the probe rounds to nearest: no SR bits drawn"),
+    *(TECall(cls, "_fp8_dtype", since, why="statistics: the clamp limit")
+      for cls, since in ((F8, TE_MIN_VERSION), (MX, TE_MIN_VERSION), (BW, _min_te("blockwise")))),
+    TECall(MX, "_with_gemm_swizzled_scales", "2.12", why="swizzled scales are not read"),
+    TECall(F8, "_scale_inv", TE_MIN_VERSION),
 )

@@ -265,6 +265,7 @@ def _undeclared(calls: Any) -> list[str]:
     """TE-specific names (on a TE class lptrain reaches, not on torch.Tensor / nn.Module) the
     TE-facing modules touch without a declaration in ``calls``."""
     import lptrain.precision.te_adapter as adapter
+    import lptrain.precision.te_numerics as numerics
     import lptrain.precision.te_storage as storage
 
     generic = set(dir(torch.Tensor)) | set(dir(nn.Module)) | set(dir(object))
@@ -275,7 +276,8 @@ def _undeclared(calls: Any) -> list[str]:
     te_names |= {p.rpartition(".")[2] for p in M.manifest()["functions"]}
     te_names |= set(M.manifest()["parameter_attributes"])
     te_names -= generic
-    touched = _names_touched(adapter.__file__) | _names_touched(storage.__file__)
+    touched = (_names_touched(adapter.__file__) | _names_touched(storage.__file__)
+               | _names_touched(numerics.__file__))
     return sorted((touched & te_names) - {c.member for c in calls})
 
 
