@@ -22,7 +22,7 @@ def te_vs_emulated(rank: int, world: int, cache: str, extra: Sequence[str] = ())
     def record(engine: Any, step: int) -> None:
         if step == 1:
             for name, m in engine.model.named_modules():
-                kw = getattr(m, "kw", None)
+                kw = getattr(m, "_lptrain_kw", None)  # (the stand-in's record of its constructor arguments)
                 if isinstance(kw, dict) and "parallel_mode" in kw:
                     seen[name] = {k: kw[k] for k in ("tp_size", "parallel_mode", "sequence_parallel")}
                     seen[name]["tp_group_ranks"] = _ranks(kw["tp_group"])

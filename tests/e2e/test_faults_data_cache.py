@@ -35,10 +35,10 @@ _WAIT_AT_STEP_2 = """
 import os, time
 from lptrain.train.engine import TrainEngine
 _real = TrainEngine.train_step
-def _step(self, micro, step):
+def _step(self, micro, step, **kw):
     while step == 2 and not os.path.exists(os.environ["GO_ON"]):
         time.sleep(0.02)
-    return _real(self, micro, step)
+    return _real(self, micro, step, **kw)
 TrainEngine.train_step = _step
 """
 
