@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from lptrain.catalog.recipes import (
+    SINGLE_GROUPED_WEIGHT_MIN_TE,
+    grouped_tensor_path_refusal,
+    parse_version,
+)
 from lptrain.config.rules import (
     INDEPENDENT_SCORE_FUNCTIONS,
     Rule,
@@ -11,13 +16,28 @@ from lptrain.config.rules import (
     fp8_on,
     is_moe,
     is_mxfp8,
+    quant_recipe,
+    quant_spec,
     sharded_optimizer,
 )
-from lptrain.config.rulesets.precision import te_grouped_path_refusal
 from lptrain.config.schema import LPTrainConfig
 from lptrain.config.world import World
 
 S = "MoE"
+
+
+def te_grouped_path_refusal(c: LPTrainConfig, w: World) -> str:
+    """Why TE's native grouped-tensor path -- the only one TE (2.19+) runs a single grouped
+    expert weight on -- would refuse this run in ``w`` (empty: it would run it)."""
+    moe = c.model.moe
+    if not (moe.num_experts > 0 and moe.single_grouped_weight and w.cuda):
+        return ""
+    if w.te_version is not None and parse_version(w.te_version) < parse_version(SINGLE_GROUPED_WEIGHT_MIN_TE):
+        return ""  # PREC-TE-VERSION says it
+    spec = quant_spec(c) if quant_recipe(c) is not None else None
+    why = grouped_tensor_path_refusal(
+        spec, w.sm, w.cublaslt_version, c.precision.params_dtype, c.precision.nvfp4_rht)
+    return why or ""
 
 
 def _te_sgw_path(c: LPTrainConfig, w: World) -> dict[str, Any]:

@@ -133,20 +133,6 @@ def _te_version_needs(c: LPTrainConfig, w: World) -> list[tuple[str, str, str]]:
     return needs
 
 
-def te_grouped_path_refusal(c: LPTrainConfig, w: World) -> str:
-    """Why TE's native grouped-tensor path -- the only one TE (2.19+) runs a single grouped
-    expert weight on -- would refuse this run in ``w`` (empty: it would run it)."""
-    moe = c.model.moe
-    if not (moe.num_experts > 0 and moe.single_grouped_weight and w.cuda):
-        return ""
-    if w.te_version is not None and parse_version(w.te_version) < parse_version(SINGLE_GROUPED_WEIGHT_MIN_TE):
-        return ""  # PREC-TE-VERSION says it
-    spec = quant_spec(c) if quant_recipe(c) is not None else None
-    why = catalog_recipes.grouped_tensor_path_refusal(
-        spec, w.sm, w.cublaslt_version, c.precision.params_dtype, c.precision.nvfp4_rht)
-    return why or ""
-
-
 def _te_rht_needs_bf16(c: LPTrainConfig, w: World) -> bool:
     return fp4_on(c) and c.precision.nvfp4_rht and c.precision.params_dtype != "bf16"
 
@@ -170,6 +156,8 @@ def te_refusals(c: LPTrainConfig, w: World) -> list[str]:
     if cuda:
         out.append(f"{cuda['recipe']} needs CUDA >= {cuda['need']}")
     out.extend(n[1] for n in _te_version_needs(c, w))
+    from lptrain.config.rulesets.moe import te_grouped_path_refusal
+
     grouped = te_grouped_path_refusal(c, w)
     if grouped:
         out.append(f"TE's grouped-tensor path for single_grouped_weight {grouped}")

@@ -41,6 +41,7 @@ import types
 from collections.abc import Iterator
 from typing import Any
 
+from . import grouped as G
 from . import modules as M
 from . import recipe as R
 from . import recompute as RC
@@ -99,8 +100,8 @@ def _grouped_cls(v: tuple[int, ...]) -> type:
     since = {"name": (2, 11), "single_grouped_weight": (2, 14), "use_grouped_tensor": (2, 19)}
     attrs: dict[str, Any] = {"_env_gated": v >= (2, 15), "_gemm_on_param": v >= (2, 19)}
     if v >= (2, 13):
-        attrs["make_grouped_weights"] = M.GroupedLinear._make_grouped_weights
-    return _restrict_init(M.GroupedLinear, v, since, attrs)
+        attrs["make_grouped_weights"] = G.GroupedLinear._make_grouped_weights
+    return _restrict_init(G.GroupedLinear, v, since, attrs)
 
 
 def make(version: str) -> dict[str, types.ModuleType]:
@@ -158,7 +159,7 @@ def make(version: str) -> dict[str, types.ModuleType]:
         mods[mod.__name__] = mod
     pt.checkpoint, pt.distributed = distributed.checkpoint, distributed
     mods[distributed.__name__] = distributed
-    for cls in (M.Linear, M.GroupedLinear):
+    for cls in (M.Linear, G.GroupedLinear):
         cls.__module__ = "transformer_engine.pytorch"
     pt.tensor, te.common, te.pytorch = tensor, common, pt
     te._lptrain_version = v
