@@ -55,6 +55,12 @@ def derive(cfg: LPTrainConfig, world: World) -> LPTrainConfig:
     if opt.use_layer_wise_optimizer is None:
         opt.use_layer_wise_optimizer = opt.name == "muon" and ddp.use_distributed_optimizer
 
+    # The pipeline schedule follows the virtual chunks (Megatron picks the interleaved
+    # schedule exactly when virtual_pipeline_model_parallel_size is set).
+    if model.pipeline_schedule is None:
+        vpp = model.virtual_pipeline_model_parallel_size
+        model.pipeline_schedule = "interleaved_1f1b" if vpp is not None and vpp > 1 else "1f1b"
+
     if model.ffn_hidden_size is None:
         model.ffn_hidden_size = 4 * model.hidden_size
     if model.num_query_groups is None:

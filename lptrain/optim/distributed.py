@@ -38,6 +38,7 @@ from lptrain.optim.fp64_scratch import fp64_copy
 from lptrain.optim.lion import scalar_optimizer
 from lptrain.optim.muon import Muon, build_muon
 from lptrain.optim.param_groups import copy_param_attributes
+from lptrain.precision.collectives import all_gather_uneven
 from lptrain.precision.param_storage import (
     StageEntry,
     StagePlan,
@@ -124,11 +125,15 @@ class ShardedMasterOptimizer(MasterOptimizer):
         *,
         label: str,
         tp: Group = SINGLE,
+        pp: Group = SINGLE,
     ) -> None:
         self.buffers = list(buffers)
         # Tensor parallelism: the grad norm sums the tensor-parallel shards over ``tp`` and
         # counts a replicated param (a norm, the router) once, on TP rank 0.
         self.tp = tp
+        # Pipeline parallelism: the stages' per-piece terms of the norm are summed as one
+        # list over ``pp`` (the unpipelined sum of the same terms).
+        self.pp = pp
         # The shard group of these buffers (all of one optimizer share it: dense or expert).
         self.group: Group = self.buffers[0].groups.intra if self.buffers else SINGLE
         # where this optimizer's scalars live: its buffers' device (NCCL reduces CUDA tensors)
@@ -190,8 +195,12 @@ class ShardedMasterOptimizer(MasterOptimizer):
                 mine = [v for pc, g in zip(self.pieces, grads, strict=True)
                         if bool(pc.buffer.sharded) == want and self._counted(pc) for v in norm_views(pc, g)]
                 norms = torch._foreach_norm(mine, 2, dtype=torch.float64) if mine else []
-            if norms:
-                acc += torch.stack(norms).square().sort().values.sum()
+            squares = (torch.stack(norms).square() if norms
+                       else torch.zeros(0, dtype=torch.float64, device=self.device))
+            if self.pp.active:  # every stage's terms, summed as the unpipelined list
+                squares = torch.cat(all_gather_uneven(squares, self.pp.pg))
+            if squares.numel():
+                acc += squares.sort().values.sum()
         if self.group.active and any(b.sharded for b in self.buffers):
             dist.all_reduce(sharded, group=self.group.pg)
         total = sharded + replicated
@@ -202,7 +211,11 @@ class ShardedMasterOptimizer(MasterOptimizer):
     def _counted(self, pc: MasterPiece) -> bool:
         """Whether ``pc``'s gradient enters this rank's norm: always without tensor
         parallelism; under it a tensor-parallel shard always (the shards are disjoint) and a
-        param replicated over the TP ranks (identical grads there) only on TP rank 0."""
+        param replicated over the TP ranks (identical grads there) only on TP rank 0. A
+        pipeline stage's copy of a tied embedding (``pipeline_copy``) never: the first
+        stage's table counts it."""
+        if getattr(pc.param, "pipeline_copy", False):
+            return False
         return not self.tp.active or self.tp.rank == 0 or getattr(pc.param, "tp_shard", None) is not None
 
     @functools.cached_property
@@ -385,9 +398,10 @@ class ExpertShardedMasterOptimizer(ShardedMasterOptimizer):
     rank holds different experts)."""
 
     def __init__(
-        self, buffers: Sequence[ParamAndGradBuffer], cfg: OptimizerConfig, *, label: str, ep: Group = SINGLE
+        self, buffers: Sequence[ParamAndGradBuffer], cfg: OptimizerConfig, *, label: str, ep: Group = SINGLE,
+        pp: Group = SINGLE,
     ) -> None:
-        super().__init__(buffers, cfg, label=label)
+        super().__init__(buffers, cfg, label=label, pp=pp)
         self.ep = ep
 
     def grad_norm_sq(self) -> torch.Tensor:
