@@ -15,7 +15,7 @@ final norm, the output head and the loss on the last chunk (pipeline rank ``PP -
 **In-flight micro-batches** (the activation memory of a stage): under 1F1B pipeline rank ``r``
 runs ``min(m, PP - r)`` forwards before its first backward, so the first stage holds the most
 (``min(m, PP)``); interleaving multiplies a stage's activations by Megatron's penalty
-``1 + (PP - 1) / (PP x VPP)`` (``megatron/training/theoretical_memory_usage.py``).
+``1 + (PP - 1) / (PP x VPP)`` (Megatron-LM's theoretical memory usage report).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from lptrain.catalog.pipeline import PipelineLayout
-from lptrain.config.rules import Rule
+from lptrain.config.rules import Rule, is_moe
 from lptrain.config.schema import LPTrainConfig
 from lptrain.config.world import World
 
@@ -67,6 +67,16 @@ def _interleaved_not_divisible(c: LPTrainConfig, w: World) -> Any:
     if pp_size(c) <= 1 or c.model.pipeline_schedule != "interleaved_1f1b" or m < pp_size(c):
         return False  # (fewer than PP: PP-MICRO-BATCHES)
     return {"m": m} if m % pp_size(c) else False
+
+
+def _stages_without_moe(c: LPTrainConfig, w: World) -> Any:
+    lay = layout(c)
+    if lay.pp <= 1 or not is_moe(c) or not lay.divides():
+        return False
+    moe = c.model.moe
+    freq = max(1, moe.moe_layer_freq)
+    dense = [r for r in range(lay.pp) if not any(i % freq == 0 for i in lay.rank_layers(r))]
+    return {"stages": ", ".join(map(str, dense))} if dense else False
 
 
 RULES = [
@@ -150,6 +160,22 @@ RULES = [
         condition="interleaved_1f1b -> micro-batches per step % pipeline_model_parallel_size == 0",
         why="Megatron-LM's interleaved schedule refuses the same ('number of microbatches is not "
             "divisible by pipeline-model-parallel-size when using interleaved schedule')",
+        section=S,
+    ),
+    Rule(
+        id="PP-MOE-EVERY-STAGE", severity="error",
+        keys=("model.moe.moe_layer_freq", "model.pipeline_model_parallel_size"),
+        when=_stages_without_moe,
+        message="pipeline stage(s) {stages} hold no MoE layer (moe_layer_freq="
+                "{cfg.model.moe.moe_layer_freq} over {cfg.model.num_layers} layers cut into "
+                "{cfg.model.pipeline_model_parallel_size} stages): stages with and without experts "
+                "would run different optimizer parts, which is not built",
+        fix="choose model.moe.moe_layer_freq (or the pipeline size) so that every stage holds an "
+            "MoE layer",
+        condition="pipeline_model_parallel_size > 1 and num_experts > 0 -> every stage holds a "
+                  "layer with i % moe_layer_freq == 0",
+        why="each stage's optimizer joins the others' in the gradient norm child by child "
+            "(dense, expert): every stage must have the same children",
         section=S,
     ),
 ]
