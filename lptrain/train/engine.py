@@ -130,13 +130,18 @@ class TrainEngine:
 
         cfg = self.cfg
         factory = default_factory(cfg)
-        stream_rank = self.rank % self.groups.everyone.size if self.groups.pp.size > 1 else self.rank
+        stream_rank = self.stream_rank()
         if factory.recipe is not None and hasattr(factory.recipe, "seed"):  # SR recipes only
             factory.recipe.seed = cfg.train.seed * 65_537 + stream_rank
         seed_device_rng(cfg.train.seed, stream_rank, self.device)  # TE draws its SR bits there
         return build_model(cfg, factory, expert_model_parallel_rank=self.groups.ep.rank,
                            expert_parallel_group=self.groups.ep, tensor_parallel_group=self.groups.tp,
                            device=self.device, part=model_part(cfg.model, self.groups.pp.rank))
+
+    def stream_rank(self) -> int:
+        """The rank whose random streams this rank draws (see :meth:`_build_model`): its
+        place inside its pipeline stage (the stage's ranks are consecutive)."""
+        return self.rank % self.groups.everyone.size if self.groups.pp.size > 1 else self.rank
 
     def _build_pipeline(self) -> Any:
         """This rank's pipeline stages and schedule (:mod:`lptrain.distributed.pipeline`)."""
