@@ -151,7 +151,10 @@ class Patches:
         for name in TENSOR_COLLECTIVES:
             fn = getattr(dist, name, None)
             if fn is not None:
-                self._set(dist, name, self._checked_collective(name, fn))
+                checked = self._checked_collective(name, fn)
+                self._set(dist, name, checked)
+                if name in ("isend", "irecv"):  # P2POp accepts only c10d's own isend/irecv
+                    self._set(dist.distributed_c10d, name, checked)
         for name in OBJECT_COLLECTIVES:
             fn = getattr(dist, name, None)
             if fn is not None:
