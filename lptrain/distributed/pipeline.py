@@ -62,6 +62,13 @@ class EngineStage:
 
     @classmethod
     def make(cls, runner: PipelineRunner, *args: Any, **kwargs: Any) -> Any:
+        stage = cls.stage_class()(*args, **kwargs)
+        stage.lptrain_runner = runner
+        return stage
+
+    @classmethod
+    def stage_class(cls) -> type:
+        """The ``PipelineStage`` subclass (made once: torch's pipelining is imported lazily)."""
         if cls._cls is None:
             base = _pipelining().PipelineStage
 
@@ -76,9 +83,7 @@ class EngineStage:
                         return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
 
             cls._cls = _Stage
-        stage = cls._cls(*args, **kwargs)
-        stage.lptrain_runner = runner
-        return stage
+        return cls._cls
 
 
 class PipelineRunner:
