@@ -101,7 +101,6 @@ def _p2p_seconds(rank: int, nbytes: int) -> float:
 def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
-
     from harness import rounds
 
     engines = {name: _engine(ov) for name, (ov, _m, _v) in _variants().items()}
