@@ -117,6 +117,26 @@ def streams_seeded_by_global_rank() -> Any:
         TrainEngine.stream_rank = unpatched  # type: ignore[method-assign]
 
 
+def nonfinite_note(rank: int) -> str:
+    """The error of a run whose second stage's final-norm gradient turns NaN at step 2 (a hook
+    on rank 1 only): every rank stops with the same line, naming the rank, stage and tensor."""
+    import torch
+
+    from lptrain.testing.parity import train_steps
+    from lptrain.train.engine import TrainingDivergedError
+
+    def poison(engine: Any, step: int) -> None:
+        if step == 2 and rank == 1:
+            w = engine.model.final_norm.weight
+            w.register_hook(lambda g: torch.full_like(g, float("nan")))
+
+    try:
+        train_steps("tiny_cpu.yaml", [*SMALL, *PP2], steps=2, before_step=poison)
+    except TrainingDivergedError as e:
+        return str(e)
+    return "no error"
+
+
 def world2(rank: int, world: int, root: str) -> dict[str, Any]:
     """PP 2: every recipe, interleaving, the regressions, train-eval-train, tied embeddings,
     the DP 2 baselines of the 4-rank world, and the checkpoint runs."""
@@ -138,6 +158,7 @@ def world2(rank: int, world: int, root: str) -> dict[str, Any]:
     plain = train_steps("fp8_delayed_cpu.yaml", [*SMALL, *PP2], steps=3)
     evald = train_steps("fp8_delayed_cpu.yaml", [*SMALL, *PP2], steps=3, eval_every=1, sync_after=[2])
     out["eval_bitwise"] = first_difference(plain, evald)
+    out["nonfinite"] = nonfinite_note(rank)
     # checkpoints at PP 2: straight, split (bitwise), a copy of the first half for the PP 1
     # and PP 2 x DP 2 resumes, and the resume of the parent's PP 1 save
     half = f"train.exit_interval={CKPT_STEPS // 2}"

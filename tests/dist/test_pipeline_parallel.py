@@ -165,6 +165,14 @@ def test_train_eval_train_is_bitwise_under_pp(runs: dict[str, Any]) -> None:
         assert r["eval_bitwise"] is None, r["eval_bitwise"]
 
 
+def test_nonfinite_gradient_names_the_stage_rank_and_tensor(runs: dict[str, Any]) -> None:
+    """A NaN gradient on the second stage stops every rank with one line naming the step, the
+    rank, its pipeline stage and the parameter (named by the rank that holds it)."""
+    want = "step 2, rank 1 (pipeline stage 1): gradient of 'final_norm.weight' is not finite"
+    for r in runs["two"]:
+        assert r["nonfinite"].startswith(want), r["nonfinite"]
+
+
 def test_tied_embeddings_stay_in_sync_within_tolerance(runs: dict[str, Any]) -> None:
     """Tied embeddings at PP 2: the first stage's table and the last stage's copy get the
     same summed gradient and stay equal (``_joined`` checks the copies bitwise); the run
