@@ -138,23 +138,26 @@ class PipelineRunner:
         return stages
 
     def schedule(self, n: int, train: bool) -> Any:
-        """The schedule for ``n`` micro-batches (training: with the backward), built once per
-        kind and count. Evaluation runs the training schedule's kind forward-only; with fewer
+        """The schedule for ``n`` micro-batches (training: with the backward; kept, with its
+        stages' receive buffers, for the next steps). Evaluation runs the training schedule's
+        kind forward-only (built per evaluation: its buffers are freed after it); with fewer
         micro-batches than 1F1B accepts, GPipe's order (all forwards), which is the same order
         for a forward-only step."""
         key = (n, train)
-        if key not in self._schedules:
-            p = _pipelining()
-            stages = self._stages()
-            loss_fn = self._loss if train else self._eval_loss
-            if self.interleaved:
-                sched = p.ScheduleInterleaved1F1B(stages, n, loss_fn=loss_fn, scale_grads=False)
-            elif train or n >= self.layout.pp:
-                sched = p.Schedule1F1B(stages[0], n, loss_fn=loss_fn, scale_grads=False)
-            else:
-                sched = p.ScheduleGPipe(stages[0], n, loss_fn=loss_fn, scale_grads=False)
+        if key in self._schedules:
+            return self._schedules[key]
+        p = _pipelining()
+        stages = self._stages()
+        loss_fn = self._loss if train else self._eval_loss
+        if self.interleaved:
+            sched = p.ScheduleInterleaved1F1B(stages, n, loss_fn=loss_fn, scale_grads=False)
+        elif train or n >= self.layout.pp:
+            sched = p.Schedule1F1B(stages[0], n, loss_fn=loss_fn, scale_grads=False)
+        else:
+            sched = p.ScheduleGPipe(stages[0], n, loss_fn=loss_fn, scale_grads=False)
+        if train:
             self._schedules[key] = sched
-        return self._schedules[key]
+        return sched
 
     # ---- a training step ------------------------------------------------------------------
 

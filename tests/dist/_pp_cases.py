@@ -39,6 +39,9 @@ DP_CASES = {
               "ddp.overlap_param_gather=true", "ddp.bucket_size=20000"],
 }
 DP_SMALL = ["train.micro_batch_size=1"]
+# PP 2 x TP 2 (+ SP) against TP 2: the hidden states between stages are sequence shards
+TP_CASES = {"tiny_cpu.yaml": [], "moe_mxfp8_cpu.yaml": []}
+TP2 = ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"]
 TIED = ["model.tie_embeddings=true"]
 # NVFP4 on both layers (the recipe keeps the last one in BF16): stage 1 rounds stochastically
 NVFP4_ALL = ["precision.num_layers_at_end_in_bf16=0"]
@@ -139,7 +142,7 @@ def nonfinite_note(rank: int) -> str:
 
 def world2(rank: int, world: int, root: str) -> dict[str, Any]:
     """PP 2: every recipe, interleaving, the regressions, train-eval-train, tied embeddings,
-    the DP 2 baselines of the 4-rank world, and the checkpoint runs."""
+    the DP 2 and TP 2 baselines of the 4-rank world, and the checkpoint runs."""
     from lptrain.testing.parity import first_difference, train_steps
 
     base = Path(root)
@@ -147,6 +150,7 @@ def world2(rank: int, world: int, root: str) -> dict[str, Any]:
         "pp2": {r: run(r, PP2) for r in RECIPES},
         "interleaved": {r: run(r, [*FOUR_LAYERS, *VPP2]) for r in INTERLEAVED},
         "dp2": {c: run(recipe_of(c), [*DP_SMALL, *ov]) for c, ov in DP_CASES.items()},
+        "tp2": {c: run(c, [*TP2, *ov]) for c, ov in TP_CASES.items()},
         "tied": run("tiny_cpu.yaml", [*TIED, *PP2]),
     }
     with one_region_per_step():
@@ -172,9 +176,11 @@ def world2(rank: int, world: int, root: str) -> dict[str, Any]:
 
 
 def world4(rank: int, world: int, root: str) -> dict[str, Any]:
-    """PP 2 x DP 2 against the DP 2 baselines, and the resumes across DP at PP 2."""
+    """PP 2 x DP 2 and PP 2 x TP 2 against the DP 2 and TP 2 baselines, and the resumes across
+    DP at PP 2."""
     base = Path(root)
-    out: dict[str, Any] = {"pp2dp2": {c: run(recipe_of(c), [*DP_SMALL, *ov, *PP2]) for c, ov in DP_CASES.items()}}
+    out: dict[str, Any] = {"pp2dp2": {c: run(recipe_of(c), [*DP_SMALL, *ov, *PP2]) for c, ov in DP_CASES.items()},
+                           "pp2tp2": {c: run(c, [*TP2, *ov, *PP2]) for c, ov in TP_CASES.items()}}
     half = f"train.exit_interval={CKPT_STEPS // 2}"
     pretrain_run(base / "pp2dp2_straight", *PP2)
     pretrain_run(base / "from_pp2", *PP2)  # the PP 2 half run, resumed at PP 2 x DP 2

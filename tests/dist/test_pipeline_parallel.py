@@ -48,6 +48,7 @@ from _pp_cases import (
     NVFP4_ALL,
     RECIPES,
     TIED,
+    TP_CASES,
     metrics,
     pretrain_run,
     run,
@@ -133,6 +134,16 @@ def test_pp2_dp2_matches_dp2_bitwise(runs: dict[str, Any], case: str) -> None:
     reports = [r["pp2dp2"][case] for r in runs["four"]]  # ranks 0, 1: stage 0; 2, 3: stage 1
     for dp in (0, 1):  # each data-parallel replica of the pipeline holds the whole model
         _assert_bitwise([reports[dp], reports[2 + dp]], want, case)
+
+
+@pytest.mark.parametrize("recipe", sorted(TP_CASES))
+def test_pp2_tp2_matches_tp2_bitwise(runs: dict[str, Any], recipe: str) -> None:
+    """PP 2 x TP 2 with sequence parallelism against TP 2: the stages pass sequence shards, the
+    delayed-scaling amaxes reduce over each stage's TP group, the MoE router runs on shards."""
+    want = runs["two"][0]["tp2"][recipe]
+    reports = [r["pp2tp2"][recipe] for r in runs["four"]]  # ranks 0, 1: stage 0; 2, 3: stage 1
+    for tp in (0, 1):  # (each TP rank reports the whole masters: its shards joined)
+        _assert_bitwise([reports[tp], reports[2 + tp]], want, recipe)
 
 
 def test_delayed_scaling_advanced_per_step_breaks_the_equality(runs: dict[str, Any]) -> None:
