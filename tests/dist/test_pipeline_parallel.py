@@ -1,8 +1,8 @@
 """Pipeline parallelism through the real engine and ``torch.distributed.pipelining``: bitwise
 equal to the unpipelined run at the same data-parallel size.
 
-Worlds: this process runs PP 1 (one rank), one spawned 2-rank world PP 2 (and the DP 2
-baselines), one 4-rank world PP 2 x DP 2 (every case of a size in one world). Each step is
+Worlds (``model.pipeline_model_parallel_size`` 1 or 2): this process runs PP 1 (one rank), one
+spawned 2-rank world PP 2 (and the DP 2 and TP 2 baselines), one 4-rank world PP 2 x DP 2 (every case of a size in one world). Each step is
 the same global batch of 4 sequences at every size, :data:`_pp_cases.STEPS` steps.
 
 **Bitwise, and why it can be.** Pipelining is a schedule: every micro-batch runs the
