@@ -250,3 +250,18 @@ class PipelineRunner:
             name[0] = found[1] if found is not None else "<unknown>"
         dist.broadcast_object_list(name, src=bad, group=world.pg)
         return bad, self.groups.dims.coords(bad)["pp"], str(name[0])
+
+
+def whole_model_parameters(model: torch.nn.Module, groups: ParallelGroups, device: torch.device) -> int:
+    """The whole model's parameter count from this rank's part: tensor-parallel shards counted
+    whole, the pipeline stages' counts added over the pipeline group (a tied embedding's copy
+    on the last stage once). Collective over the pipeline group."""
+    from lptrain.model.tensor_parallel import whole_parameter_count
+
+    copies = [p for p in model.parameters() if getattr(p, "pipeline_copy", False)]
+    n = whole_parameter_count(model) - whole_parameter_count(torch.nn.ParameterList(copies))
+    if groups.pp.active:
+        t = torch.tensor([n], dtype=torch.int64, device=device)
+        dist.all_reduce(t, group=groups.pp.pg)
+        n = int(t)
+    return n

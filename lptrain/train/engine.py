@@ -480,20 +480,10 @@ class TrainEngine:
         load_rank_state(self.model, local, self.model.quantizer_recipe())
 
     def parameter_count(self) -> int:
-        """The whole model's parameter count: tensor-parallel shards counted whole, the
-        pipeline stages' counts added (a tied embedding's copy once). Collective over the
-        pipeline group."""
-        import torch.distributed as dist
+        """The whole model's parameter count (collective over the pipeline group)."""
+        from lptrain.distributed.pipeline import whole_model_parameters
 
-        from lptrain.model.tensor_parallel import whole_parameter_count
-
-        copies = [p for p in self.model.parameters() if getattr(p, "pipeline_copy", False)]
-        n = whole_parameter_count(self.model) - whole_parameter_count(torch.nn.ParameterList(copies))
-        if self.groups.pp.active:
-            t = torch.tensor([n], dtype=torch.int64, device=self.device)
-            dist.all_reduce(t, group=self.groups.pp.pg)
-            n = int(t)
-        return n
+        return whole_model_parameters(self.model, self.groups, self.device)
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds, measured on the live buffers and optimizer
