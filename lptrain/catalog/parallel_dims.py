@@ -1,7 +1,7 @@
 """Parallel dimensions and the rank arithmetic of every process group (torch-free).
 
 One place computes which global ranks form each group, for the rules (``validate-config``
-judges the world as TP x DP), the engine's process groups
+judges the world as TP x DP x PP), the engine's process groups
 (:func:`lptrain.distributed.groups.build_groups`), the model's tensor-parallel shards, the
 memory planner and the checkpoint code. Nothing else does rank arithmetic.
 
@@ -24,8 +24,10 @@ parallel group (ranks holding the same experts) spans the tensor-parallel ranks 
 experts are replicated over TP and each TP rank routes its own sequence shard's tokens, so
 their gradients sum over TP x DP (:mod:`lptrain.model.tensor_parallel`).
 
-Pipeline and context parallelism are fields of :class:`ParallelDims` with size 1: the order
-above already places them, so the later work adds groups, not a new layout.
+Pipeline parallelism is outermost: a pipeline stage is the ``TP x CP x DP`` consecutive ranks
+of one pipeline rank, and every other group lies inside one stage (the split of the layers
+over stages is :mod:`lptrain.catalog.pipeline`'s). Context parallelism is a field with size 1:
+the order above already places it, so the later work adds groups, not a new layout.
 """
 
 from __future__ import annotations
@@ -47,8 +49,8 @@ class ParallelDims:
     """The sizes of every parallel dimension of one run, and its rank arithmetic.
 
     ``tp``: tensor-model-parallel size; ``sequence_parallel``: activations outside the
-    tensor-parallel GEMMs are split along the sequence over the ``tp`` ranks; ``cp`` and
-    ``pp``: context and pipeline parallel sizes (1: not built yet); ``dp``: data-parallel
+    tensor-parallel GEMMs are split along the sequence over the ``tp`` ranks; ``cp``: context
+    parallel size (1: not built yet); ``pp``: pipeline-parallel size; ``dp``: data-parallel
     size; ``ep``: expert-model-parallel size; ``etp``: expert tensor-parallel size (1: the
     experts are not split over TP).
     """

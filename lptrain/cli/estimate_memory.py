@@ -49,6 +49,7 @@ LABELS = {
     "weight_copies": "transient weight copies",
     "sharded_buckets": "full buckets in use (ZeRO-2/3)",
     "activations": "activations (1 micro-batch)",
+    "pipeline_buffers": "pipeline receive buffers",
 }
 
 
@@ -137,8 +138,9 @@ def estimate_memory_cmd(
         return
     typer.echo(f"{Path(recipe).name}: {est.params / 1e6:.2f}M params, dp {dp}, target {tgt}; "
                f"rank {w.rank} (the most loaded)")
+    labels = {**LABELS, "activations": "activations (in flight)"} if est.pp > 1 else LABELS
     for k, v in w.bytes.items():
-        typer.echo(f"  {LABELS[k]:<30} {v / GIB:10.3f} GiB")
+        typer.echo(f"  {labels[k]:<30} {v / GIB:10.3f} GiB")
     typer.echo(f"  {'total':<30} {w.total / GIB:10.3f} GiB")
     rc = cfg.model.recompute_granularity
     typer.echo(f"  (activations with full recompute: {est.activations_recompute / GIB:.3f} GiB; "

@@ -58,6 +58,11 @@ def derive(cfg: LPTrainConfig, world: World) -> LPTrainConfig:
     # train.on_anomaly=null follows the older train.on_nonfinite (stop, or skip the batch).
     if out.train.on_anomaly is None:
         out.train.on_anomaly = "skip_batch" if out.train.on_nonfinite == "skip" else "stop"
+    # The pipeline schedule follows the virtual chunks (Megatron picks the interleaved
+    # schedule exactly when virtual_pipeline_model_parallel_size is set).
+    if model.pipeline_schedule is None:
+        vpp = model.virtual_pipeline_model_parallel_size
+        model.pipeline_schedule = "interleaved_1f1b" if vpp is not None and vpp > 1 else "1f1b"
 
     if model.ffn_hidden_size is None:
         model.ffn_hidden_size = 4 * model.hidden_size

@@ -58,6 +58,10 @@ LATER_KEYS: dict[str, LaterEffect] = {
         "with TP > 1: norms and residuals on sequence shards, all-gather / reduce-scatter "
         "around the TP GEMMs",
         "tests/dist/test_tensor_parallel.py::test_tp2_forward_backward_matches_tp1"),
+    "model.pipeline_model_parallel_size": LaterEffect(
+        "cuts the layers into that many pipeline stages on as many ranks (a world of one rank "
+        "cannot build it)",
+        "tests/dist/test_pipeline_parallel.py::test_pp2_matches_pp1_bitwise"),
     "optimizer.muon.tp_mode": LaterEffect(
         "with TP > 1: how Newton-Schulz gets whole matrices (the same update either way)",
         "tests/dist/test_tp_training.py::test_duplicated_and_distributed_modes_give_identical_updates"),

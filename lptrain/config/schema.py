@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Optional
 
-from lptrain.catalog import muon_scaling, ns_coefficients
+from lptrain.catalog import muon_scaling, ns_coefficients, pipeline
 from lptrain.catalog import recipes as catalog_recipes
 
 
@@ -84,6 +84,7 @@ RECOMPUTE_METHODS = ("uniform", "block")
 RECOMPUTE_MODULES = ("core_attn", "mlp_act", "mlp")
 SHARDING_TYPES = ("dp_reshardable", "fully_reshardable", "fully_sharded_model_space")
 MUON_TP_MODES = ("duplicated", "distributed")
+PIPELINE_SCHEDULES = pipeline.SCHEDULES
 WANDB_MODES = ("online", "offline", "disabled")
 
 
@@ -157,6 +158,21 @@ class ModelConfig:
         False, "Sequence parallelism (needs tensor_model_parallel_size > 1): norms, residuals "
         "and the MoE router run on 1/TP of the sequence; all-gather / reduce-scatter around "
         "the tensor-parallel GEMMs instead of all-reduces."
+    )
+    pipeline_model_parallel_size: int = opt(
+        1, "Pipeline-parallel size: the layers cut into this many stages in layer order, the "
+        "embedding on the first and the output head and loss on the last (the world is "
+        "tensor x data x this many ranks; pipeline ranks are outermost)."
+    )
+    virtual_pipeline_model_parallel_size: Optional[int] = opt(
+        None, "Model chunks per pipeline rank for the interleaved schedule (null = 1: each rank "
+        "runs one contiguous stage); num_layers must divide into pipeline x virtual chunks."
+    )
+    pipeline_schedule: Optional[str] = choice(
+        None, (None, *PIPELINE_SCHEDULES), "Pipeline schedule (torch.distributed.pipelining): {choices}.",
+        {None: "derived: interleaved_1f1b with virtual chunks, else 1f1b",
+         "1f1b": "one forward, one backward (Schedule1F1B)",
+         "interleaved_1f1b": "virtual chunks per rank (ScheduleInterleaved1F1B)"},
     )
     recompute_granularity: Optional[str] = choice(
         None, RECOMPUTE_GRANULARITIES, "Activation recompute: {choices}.",

@@ -96,6 +96,9 @@ class DataParallel:
             nxt.prev_in_forward = prev
         self.shards_params = any(b.shards_params for b in self.buffers)
         self._in_backward = False
+        # params whose gradient is summed with another pipeline stage's copy before the
+        # reduction (a tied embedding: share_over_pipeline); their buckets wait for it
+        self._pipeline_shared: dict[str, tuple[nn.Parameter, Any]] = {}
         self.grad_scale = 1.0 / groups.dp.size
         # With a grad buffer reused as the gather area and gathers overlapped with the next
         # forward, masters can only be staged after that step has zeroed the grad buffer.
@@ -256,10 +259,45 @@ class DataParallel:
             p.grad_added_to_main_grad = False
             if shards_params:
                 bucket.grad_done(name)  # (the last grad frees the bucket)
-            if overlap and self._is_last_microbatch:
+            if overlap and self._is_last_microbatch and name not in self._pipeline_shared:
                 bucket.register_grad_ready(*ready_args)
 
         return hook
+
+    def share_over_pipeline(self, module: Optional[nn.Module], group: Any, runner: Any) -> None:
+        """Tied embeddings under pipeline parallelism (Megatron-LM's embedding group): the
+        first stage's table and the last stage's copy of it (the head) sum their local
+        gradients over ``group`` before the data-parallel reduction, so both copies take
+        the same update and stay equal. Their buckets are reduced in
+        :meth:`finish_grad_sync`, after that sum, never early by the hooks. The copy on
+        the last stage is marked ``pipeline_copy`` (the grad norm counts the first stage's
+        only), and the last stage's head gathers it before reading it."""
+        if module is None or not group.active:
+            return
+        p = module.weight
+        name = self.param_names[id(p)]
+        self._pipeline_shared[name] = (p, group)
+        p.pipeline_copy = not runner.first
+        if runner.last and not runner.first:
+            bucket = self.bucket_of[name]
+
+            def gather() -> None:
+                if not self._pre_hooks_enabled:
+                    return
+                if bucket.full_param is not None:
+                    bucket.ensure_params(async_op=False)
+                elif bucket.param_state is not ParamState.READY:
+                    bucket.finish_param_sync()
+
+            runner.chunks[-1].before_tied_head = gather
+
+    def _sum_pipeline_shared(self) -> None:
+        """The gradient sums of :meth:`share_over_pipeline` (local, before any reduction)."""
+        import torch.distributed as dist
+
+        for name, (p, group) in self._pipeline_shared.items():
+            self.bucket_of[name].acquire_grads()
+            dist.all_reduce(p.main_grad, group=group.pg)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -282,6 +320,7 @@ class DataParallel:
         off; else 1 + the position of its first bad element). The caller exchanges the codes
         with its other per-step scalars, so the check costs no collective of its own."""
         self._collect_unhooked()  # (a caller that ran its backward outside backward_phase)
+        self._sum_pipeline_shared()
         cfg = self.cfg
         check = bool(cfg.check_for_nan_in_grad) and not self.norm_finds_nonfinite
         avg = bool(cfg.average_in_collective)

@@ -10,8 +10,14 @@ the engine, the model's parallelize step, the optimizers and the checkpoint code
   copy (the model's tensor-parallel collectives and the TP amax reductions run over it);
 * ``dp``: the data-parallel ranks at this tensor-parallel rank (gradients of dense params are
   averaged over it; the whole world without tensor parallelism);
-* ``tp_dp``: tensor x data parallel (the whole world while pipeline and context parallelism
-  are 1): per-step decisions every rank must take alike (a non-finite gradient, the loss);
+* ``tp_dp``: tensor x data parallel: the ranks of one pipeline stage (the whole world without
+  pipeline parallelism). Per-step decisions every rank must take alike (a non-finite
+  gradient, the loss) are exchanged over it, and over ``world`` under pipeline parallelism;
+* ``pp``: the pipeline group, the ``PP`` stages of one model copy (the schedule's P2P runs
+  over it; the gradient norm adds the stages' parts over it);
+* ``embedding``: under pipeline parallelism with tied embeddings, the first and the last
+  stage of one pipeline (the lookup table and the head's copy of it: their gradients are
+  summed over it, as Megatron-LM's embedding group);
 * ``intra``: the ranks of one distributed-optimizer instance (``ddp.num_distributed_optimizer_
   instances`` splits ``dp`` into that many consecutive blocks); buckets are reduce-scattered
   and params all-gathered inside it.
@@ -29,6 +35,9 @@ the engine, the model's parallelize step, the optimizers and the checkpoint code
 The MoE layers get the EP group when the model is built
 (``build_model(..., expert_parallel_group=groups.ep)``): a process group cannot travel
 through a config, and the model never looks one up.
+
+Pipeline parallelism is outermost in the rank order, so every group above except ``pp``,
+``embedding`` and ``world`` lies inside one stage.
 
 Without an initialised ``torch.distributed`` world everything is a single-rank group
 (``None``) and collectives are skipped, so world size 1 runs the same engine code.
@@ -87,6 +96,9 @@ class ParallelGroups:
     tp: Group = field(default_factory=lambda: SINGLE)  # tensor-parallel group (shards of one copy)
     tp_dp: Optional[Group] = None  # None: dp (no tensor parallelism)
     dims: ParallelDims = field(default_factory=ParallelDims)
+    pp: Group = field(default_factory=lambda: SINGLE)  # the pipeline stages of one model copy
+    embedding: Group = field(default_factory=lambda: SINGLE)  # first + last stage (tied embeddings)
+    world: Optional[Group] = None  # None: everyone (no pipeline parallelism)
 
     @property
     def instances(self) -> int:
@@ -94,8 +106,14 @@ class ParallelGroups:
 
     @property
     def everyone(self) -> Group:
-        """The tensor x data parallel group (``dp`` without tensor parallelism)."""
+        """The tensor x data parallel group: the ranks of this pipeline stage (``dp`` without
+        tensor parallelism; the whole world without pipeline parallelism)."""
         return self.tp_dp if self.tp_dp is not None else self.dp
+
+    @property
+    def all_ranks(self) -> Group:
+        """Every rank of the run (:attr:`everyone` without pipeline parallelism)."""
+        return self.world if self.world is not None else self.everyone
 
     def for_buffer(self, is_expert: bool) -> BufferGroups:
         """Dense buffers reduce over the data-parallel groups, expert buffers over the
@@ -105,7 +123,7 @@ class ParallelGroups:
         return BufferGroups(self.intra, self.inter, self.dp.size)
 
 
-def _check_sizes(world: int, num_instances: int, ep: int, tp: int = 1) -> ParallelDims:
+def _check_sizes(world: int, num_instances: int, ep: int, tp: int = 1, pp: int = 1) -> ParallelDims:
     """The dims of this world; a :class:`ConfigError` naming the key when the sizes do not
     tile it (the rules report the same before a run starts)."""
     from lptrain.config.errors import ConfigError
@@ -116,7 +134,14 @@ def _check_sizes(world: int, num_instances: int, ep: int, tp: int = 1) -> Parall
             key="model.tensor_model_parallel_size",
             fix=f"set it to a divisor of {world} (rule LAUNCH-TP-DIVIDES-WORLD)",
         )
-    dp = world // tp
+    if pp < 1 or world % (tp * pp):
+        raise ConfigError(
+            f"tensor x pipeline parallel = {tp} x {pp} must divide the world size {world}",
+            key="model.pipeline_model_parallel_size",
+            fix=f"launch a multiple of {tp * pp} ranks (rule LAUNCH-PP-DIVIDES-WORLD)",
+        )
+    stage = world // pp
+    dp = stage // tp
     if num_instances < 1 or dp % num_instances:
         raise ConfigError(
             f"ddp.num_distributed_optimizer_instances={num_instances} must divide the "
@@ -124,20 +149,20 @@ def _check_sizes(world: int, num_instances: int, ep: int, tp: int = 1) -> Parall
             key="ddp.num_distributed_optimizer_instances",
             fix=f"set it to a divisor of {dp}",
         )
-    if ep < 1 or world % ep:
+    if ep < 1 or stage % ep:
         raise ConfigError(
-            f"model.moe.expert_model_parallel_size={ep} must divide the world size {world}",
+            f"model.moe.expert_model_parallel_size={ep} must divide the {stage} ranks of a stage",
             key="model.moe.expert_model_parallel_size",
-            fix=f"set it to a divisor of {world} (rule LAUNCH-EP-DIVIDES-WORLD)",
+            fix=f"set it to a divisor of {stage} (rule LAUNCH-EP-DIVIDES-WORLD)",
         )
-    if (world // num_instances) % ep:
+    if (stage // num_instances) % ep:
         raise ConfigError(
             f"expert_model_parallel_size={ep} x num_distributed_optimizer_instances="
-            f"{num_instances} must divide the world size {world}",
+            f"{num_instances} must divide the {stage} ranks of a stage",
             key="model.moe.expert_model_parallel_size",
             fix="lower one of them (rule EP-INSTANCES-DIVIDE-WORLD)",
         )
-    return ParallelDims.from_world(world, tp=tp, ep=ep)  # (the checks above cover its refusals)
+    return ParallelDims.from_world(world, tp=tp, pp=pp, ep=ep)  # (the checks above cover its refusals)
 
 
 def _new_groups(rank: int, all_ranks: list[list[int]]) -> Group:
@@ -154,24 +179,34 @@ def _new_groups(rank: int, all_ranks: list[list[int]]) -> Group:
 
 
 def build_groups(num_instances: int = 1, ep: int = 1, tp: int = 1,
-                 sequence_parallel: bool = False) -> ParallelGroups:
+                 sequence_parallel: bool = False, pp: int = 1,
+                 tied_embeddings: bool = False) -> ParallelGroups:
     """Create (collectively, on every rank) the groups described in the module doc."""
     if not (dist.is_available() and dist.is_initialized()):
-        dims = _check_sizes(1, num_instances, ep, tp)
+        dims = _check_sizes(1, num_instances, ep, tp, pp)
         return ParallelGroups(0, 1, SINGLE, SINGLE, SINGLE, SINGLE, dims=dims)
     world, rank = dist.get_world_size(), dist.get_rank()
-    dims = _check_sizes(world, num_instances, ep, tp)
-    dims = ParallelDims(tp=dims.tp, dp=dims.dp, ep=dims.ep, sequence_parallel=sequence_parallel)
+    dims = _check_sizes(world, num_instances, ep, tp, pp)
+    dims = ParallelDims(tp=dims.tp, dp=dims.dp, pp=dims.pp, ep=dims.ep,
+                        sequence_parallel=sequence_parallel)
     tp_group = _new_groups(rank, dims.group_ranks("tp")) if tp > 1 else SINGLE
     dp = _new_groups(rank, dims.group_ranks("dp"))
     tp_dp = _new_groups(rank, dims.group_ranks("tp", "dp")) if tp > 1 else None
+    pipeline: dict[str, Any] = {}
+    if pp > 1:
+        if tp_dp is None:
+            tp_dp = dp
+        pipeline["pp"] = _new_groups(rank, dims.group_ranks("pp"))
+        pipeline["world"] = Group(dist.group.WORLD, world, rank)
+        if tied_embeddings:  # the first and the last stage of each pipeline
+            pipeline["embedding"] = _new_groups(rank, [[g[0], g[-1]] for g in dims.group_ranks("pp")])
     if num_instances == 1:
         intra, inter = dp, SINGLE
     else:
         intra_sets, inter_sets = dims.instance_groups(num_instances)
         intra, inter = _new_groups(rank, intra_sets), _new_groups(rank, inter_sets)
     if ep == 1 and tp == 1:
-        return ParallelGroups(rank, world, dp, intra, inter, dp, dims=dims)
+        return ParallelGroups(rank, world, dp, intra, inter, dp, tp_dp=tp_dp, dims=dims, **pipeline)
     ep_group = _new_groups(rank, dims.group_ranks("ep", order=EXPERT_ORDER)) if ep > 1 else SINGLE
     expert_dp = _new_groups(rank, dims.group_ranks("edp", order=EXPERT_ORDER))
     expert_intra, expert_inter = expert_dp, SINGLE
@@ -181,5 +216,5 @@ def build_groups(num_instances: int = 1, ep: int = 1, tp: int = 1,
     return ParallelGroups(
         rank, world, dp, intra, inter, expert_dp,
         expert_intra=expert_intra, expert_inter=expert_inter, ep=ep_group,
-        tp=tp_group, tp_dp=tp_dp, dims=dims,
+        tp=tp_group, tp_dp=tp_dp, dims=dims, **pipeline,
     )

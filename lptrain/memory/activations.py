@@ -18,6 +18,11 @@ groups, f SwiGLU width):
   dtype ``a*f`` (the fc2 input);
 * head: final norm ``8h``, the head input ``a*h``, fp32 log-softmax over the vocabulary.
 
+A pipeline stage counts its own layers (the model part it builds), the head only on the last
+stage, and the kept tensors of every micro-batch it has in flight (Megatron's count: the
+first stage holds ``min(m, PP)`` under 1F1B; interleaving multiplies that by
+``1 + (PP - 1) / (PP x VPP)``).
+
 MoE layers use the same SwiGLU terms for ``router_topk`` expert passes per token (balanced
 routing) plus the permuted tokens and fp32 router scores. With full recomputation only each
 layer's input (``a*h``) stays, plus one layer's activations while it is recomputed;
@@ -149,7 +154,8 @@ def _layers(cfg: LPTrainConfig, model: torch.nn.Module, a: int, quantizers: Opti
 
 
 def _peak_per_token(cfg: LPTrainConfig, a: int, per_layer: list[float], savings: list[float],
-                    granularity: Optional[str], method: str, num_layers: int) -> float:
+                    granularity: Optional[str], method: str, num_layers: int, head_here: bool = True,
+                    in_flight: float = 1.0) -> float:
     """Peak bytes per token: the larger of the two moments a step's activations peak at.
 
     * the end of the forward: every kept tensor, the head's, and the loss's fp32 gradient of
@@ -158,11 +164,17 @@ def _peak_per_token(cfg: LPTrainConfig, a: int, per_layer: list[float], savings:
       region just recomputed (the head and every layer above it are freed by then) -- plus
       the layer's largest activation gradient, the SwiGLU's fp32 ``[gate|up]`` gradient
       (``8f``; ``router_topk`` of them in an MoE layer).
+
+    A pipeline stage without the head (``head_here`` false) has no head terms; one with
+    ``in_flight`` micro-batches in flight (:meth:`lptrain.catalog.pipeline.PipelineLayout.
+    in_flight`) keeps the others' kept tensors too, ``(in_flight - 1) x kept``.
     """
     m = cfg.model
     tp = TPShares(cfg)
     vocab = 4 * m.vocab_size * tp.sharded  # fp32 logits over this rank's vocab columns
     head = 8 * m.hidden_size * tp.sequence + a * m.hidden_size * tp.gathered + vocab
+    if not head_here:
+        head = vocab = 0.0
     f = m.ffn_hidden_size or 4 * m.hidden_size
     grad = 8 * f * tp.sharded
     if m.moe.num_experts:
@@ -183,22 +195,28 @@ def _peak_per_token(cfg: LPTrainConfig, a: int, per_layer: list[float], savings:
         recompute = kept + max(savings)
     else:
         kept = sum(per_layer)
-    return max(kept + head + vocab, max(kept, recompute) + grad)
+    return max(kept + head + vocab, max(kept, recompute) + grad) + max(0.0, in_flight - 1) * kept
+
+
+def _holds_head(model: torch.nn.Module) -> bool:
+    return getattr(model, "final_norm", None) is not None
 
 
 def activation_bytes(
-    cfg: LPTrainConfig, model: torch.nn.Module, a: int, quantizers: Optional[Any]
+    cfg: LPTrainConfig, model: torch.nn.Module, a: int, quantizers: Optional[Any], in_flight: float = 1.0
 ) -> tuple[int, int]:
-    """(no recompute, full per-layer recompute) peak bytes of one micro-batch's activations."""
+    """(no recompute, full per-layer recompute) peak bytes of one micro-batch's activations
+    (of ``in_flight`` micro-batches on a pipeline stage: :func:`_peak_per_token`)."""
     tokens = cfg.train.micro_batch_size * cfg.model.seq_length
     per_layer, savings = _layers(cfg, model, a, quantizers, ())
-    none = _peak_per_token(cfg, a, per_layer, savings, None, "uniform", 1)
-    full = _peak_per_token(cfg, a, per_layer, savings, "full", "uniform", 1)
+    head = _holds_head(model)
+    none = _peak_per_token(cfg, a, per_layer, savings, None, "uniform", 1, head, in_flight)
+    full = _peak_per_token(cfg, a, per_layer, savings, "full", "uniform", 1, head, in_flight)
     return int(tokens * none), int(tokens * full)
 
 
 def configured_activation_bytes(
-    cfg: LPTrainConfig, model: torch.nn.Module, a: int, quantizers: Optional[Any]
+    cfg: LPTrainConfig, model: torch.nn.Module, a: int, quantizers: Optional[Any], in_flight: float = 1.0
 ) -> int:
     """Peak bytes of one micro-batch's activations under the run's recompute settings
     (``model.recompute_*``), at the larger of the end of the forward and a recompute
@@ -219,4 +237,4 @@ def configured_activation_bytes(
     tokens = cfg.train.micro_batch_size * cfg.model.seq_length
     per_layer, savings = _layers(cfg, model, a, quantizers, plan.modules)
     return int(tokens * _peak_per_token(cfg, a, per_layer, savings, plan.granularity, plan.method,
-                                        plan.num_layers))
+                                        plan.num_layers, _holds_head(model), in_flight))

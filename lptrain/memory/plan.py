@@ -30,6 +30,9 @@ Categories (bytes on one rank; ``ranks`` holds every rank, ``worst`` the largest
 * ``activations``: tensors one micro-batch keeps for backward under the run's recompute
   settings, plus the region being recomputed (see :mod:`lptrain.memory.activations`);
   ``activations_recompute`` is the figure with full per-layer recompute, for comparison.
+  Under pipeline parallelism: the stage's layers, times the micro-batches it holds in flight;
+* ``pipeline_buffers`` (pipeline parallelism only): the schedule's receive buffers, one
+  hidden-state tensor per micro-batch for each chunk's input and output gradient.
 """
 
 from __future__ import annotations
@@ -76,7 +79,8 @@ class MemoryEstimate:
     params: int
     layout_report: str
     notes: list[str] = field(default_factory=list)
-    tp: int = 1  # tensor-parallel size (the world is tp x dp ranks)
+    tp: int = 1  # tensor-parallel size (the world is tp x pp x dp ranks)
+    pp: int = 1  # pipeline-parallel size (ranks of every stage are in ``ranks``)
 
     @property
     def worst(self) -> RankMemory:
@@ -87,6 +91,7 @@ class MemoryEstimate:
         return {
             "dp": self.dp,
             "tp": self.tp,
+            "pp": self.pp,
             "params": self.params,
             "worst_rank": w.rank,
             "bytes": dict(w.bytes),
@@ -186,18 +191,19 @@ class _Param:
     gemm_weight: bool
 
 
-def meta_model(cfg: LPTrainConfig, ep_rank: int = 0, tp_rank: int = 0) -> torch.nn.Module:
+def meta_model(cfg: LPTrainConfig, ep_rank: int = 0, tp_rank: int = 0, pp_rank: int = 0) -> torch.nn.Module:
     """The run's model on the meta device (shapes and tags, no memory): tensor-parallel rank
     ``tp_rank``'s shards under ``model.tensor_model_parallel_size`` (every TP rank has the
-    same shapes)."""
+    same shapes), pipeline rank ``pp_rank``'s stage under ``model.pipeline_model_parallel_size``."""
     from lptrain.model.build import build_model
+    from lptrain.model.pipeline import model_part
     from lptrain.model.process_group import SINGLE_RANK, ShapeOnlyGroup
 
     tp = max(1, cfg.model.tensor_model_parallel_size)
     group = ShapeOnlyGroup(tp, tp_rank) if tp > 1 else SINGLE_RANK
     with torch.device("meta"):
         return build_model(_planning_cfg(cfg), expert_model_parallel_rank=ep_rank,
-                           tensor_parallel_group=group)
+                           tensor_parallel_group=group, part=model_part(cfg.model, pp_rank))
 
 
 def _gemm_weights(model: torch.nn.Module) -> set[int]:
@@ -256,11 +262,12 @@ def engine_layout(cfg: LPTrainConfig, specs: Sequence[ParamSpec], intra: int,
 
 def parallel_dims(cfg: LPTrainConfig, dp: int) -> Any:
     """The run's :class:`~lptrain.catalog.parallel_dims.ParallelDims` at data-parallel size
-    ``dp`` (the world is ``tensor_model_parallel_size x dp``)."""
+    ``dp`` (the world is ``tensor_model_parallel_size x pipeline_model_parallel_size x dp``)."""
     from lptrain.catalog.parallel_dims import ParallelDims
 
     moe = cfg.model.moe
     return ParallelDims(tp=max(1, cfg.model.tensor_model_parallel_size), dp=dp,
+                        pp=max(1, cfg.model.pipeline_model_parallel_size),
                         ep=moe.expert_model_parallel_size if moe.num_experts else 1,
                         sequence_parallel=cfg.model.sequence_parallel)
 
@@ -274,8 +281,9 @@ def _group_sizes(cfg: LPTrainConfig, dp: int) -> tuple[int, int]:
 
 
 def _sharding(cfg: LPTrainConfig, dp: int, rank: int) -> Sharding:
-    """Data-parallel rank ``rank`` (at tensor-parallel rank 0): its index in the dense and the
-    expert shard groups, from the rank arithmetic of :mod:`lptrain.catalog.parallel_dims`."""
+    """Data-parallel rank ``rank`` (at tensor-parallel rank 0, on the first pipeline stage:
+    every stage's shards lie alike): its index in the dense and the expert shard groups, from
+    the rank arithmetic of :mod:`lptrain.catalog.parallel_dims`."""
     from lptrain.catalog.parallel_dims import EXPERT_ORDER
 
     dense_n, expert_n = _group_sizes(cfg, dp)
@@ -306,9 +314,14 @@ def _stored(info: Sequence[_Param]) -> dict[str, StoredParam]:
 
 def _transient_weight_copies(
     cfg: LPTrainConfig, model: torch.nn.Module, info: Sequence[_Param], quantizers: Optional[_Quantizers],
-    act_bytes: int,
+    act_bytes: int, in_flight: float = 1.0,
 ) -> int:
+    """Quantized weight copies a forward keeps for its backward: once per micro-batch in
+    flight (a pipeline stage's), except on Transformer Engine with full recompute, whose
+    forward keeps none (the recompute quantizes again, one layer at a time)."""
     total = 0
+    te_recompute = cfg.precision.backend == "te" and cfg.model.recompute_granularity == "full"
+    per_micro_batch = 1.0 if te_recompute else in_flight
     if quantizers is not None and not _quantized_primary(cfg):
         # Every quantized GEMM keeps its weight's column-wise copy until its backward;
         # layers kept in bf16 (precision.first_last_layers_bf16) keep none.
@@ -319,7 +332,9 @@ def _transient_weight_copies(
             m = re.match(r"layers\.(\d+)\.", p.name)
             if m and factory is not None and factory.is_bf16_layer(int(m.group(1)) + 1):
                 continue
-            total += quantizers.weight_copy_bytes(p.shape, p.dtype)
+            total += int(per_micro_batch * quantizers.weight_copy_bytes(p.shape, p.dtype))
+    if getattr(model, "final_norm", None) is None:
+        return total  # a pipeline stage without the head
     head = model.output_weight
     if act_bytes == 4 and head.dtype != torch.float32:
         total += head.numel() * 4  # head_logits upcasts the weight for an fp32 GEMM
@@ -359,21 +374,105 @@ def activation_dtype_bytes(cfg: LPTrainConfig, target: str) -> int:
 
 
 def estimate_memory(cfg: LPTrainConfig, dp: int, target: str = "cpu") -> MemoryEstimate:
-    """Per-rank bytes of a derived ``cfg`` at data-parallel size ``dp`` on ``target``."""
-    from lptrain.memory.activations import activation_bytes, configured_activation_bytes
-    from lptrain.model.tensor_parallel import whole_parameter_count
+    """Per-rank bytes of a derived ``cfg`` at data-parallel size ``dp`` on ``target``. Under
+    pipeline parallelism every stage is planned from its own model part (its layers, the
+    embedding on the first, the head on the last) with its in-flight micro-batches
+    (:meth:`lptrain.catalog.pipeline.PipelineLayout.in_flight`) and the schedule's receive
+    buffers; the ranks of every stage are reported, the worst is the most loaded stage's."""
+    from lptrain.model.pipeline import pipeline_layout
     from lptrain.precision.factory import recipe_from_config
 
-    model = meta_model(cfg)
     quantizers = _Quantizers(cfg) if recipe_from_config(cfg.precision) is not None else None
+    act_bytes = activation_dtype_bytes(cfg, target)
+    lay = pipeline_layout(cfg.model)
+    dims = parallel_dims(cfg, dp)
+    micro = max(1, cfg.train.global_batch_size // max(1, cfg.train.micro_batch_size * dp))
+    ranks: list[RankMemory] = []
+    params, report = 0, ""
+    recompute: dict[int, int] = {}  # stage -> its activations with full recompute
+    for stage in _sampled_stages(lay.pp):
+        model = meta_model(cfg, pp_rank=stage)
+        stage_ranks, recompute[stage], stage_report = _stage_memory(
+            cfg, dp, model, quantizers, act_bytes, lay.in_flight(stage, micro),
+            _pipeline_buffer_bytes(cfg, lay, stage, micro, act_bytes))
+        for r in stage_ranks:
+            r.rank = dims.rank_of(dp=r.rank, pp=stage)
+        ranks += stage_ranks
+        params += _whole_params(model, stage, lay.pp)
+        report = report or stage_report
+    acts_rc = recompute[dims.coords(max(ranks, key=lambda r: (r.total, -r.rank)).rank)["pp"]]
+    notes = []
+    if dp > _MAX_RANKS:
+        notes.append(f"{len(ranks) // len(_sampled_stages(lay.pp))} of {dp} data-parallel ranks "
+                     "evaluated (evenly spaced, first and last included)")
+    if cfg.model.moe.num_experts:
+        notes.append("MoE activations are estimated for perfectly balanced routing")
+    tp = max(1, cfg.model.tensor_model_parallel_size)
+    if tp > 1:
+        notes.append(f"tensor parallel {tp}{' + sequence parallel' if cfg.model.sequence_parallel else ''}: "
+                     f"{tp * dp * lay.pp} ranks; the figures are one rank's (its shards), params the whole model's")
+    if lay.pp > 1:
+        worst = max(ranks, key=lambda r: (r.total, -r.rank))
+        notes.append(
+            f"pipeline parallel {lay.pp}{f' x {lay.vpp} virtual chunks' if lay.vpp > 1 else ''} "
+            f"({cfg.model.pipeline_schedule}, {micro} micro-batches per step): stage "
+            f"{dims.coords(worst.rank)['pp']} is the most loaded; a stage holds "
+            f"{lay.in_flight(0, micro):g} micro-batches of activations at most, as Megatron-LM counts "
+            "them, and the schedule's receive buffers of every micro-batch")
+    return MemoryEstimate(
+        dp=dp, ranks=ranks, activations_recompute=acts_rc, params=params, layout_report=report,
+        notes=notes, tp=tp, pp=lay.pp,
+    )
+
+
+def _sampled_stages(pp: int) -> list[int]:
+    """The pipeline stages planned one by one: all up to 8, else the first two, a middle one
+    and the last two (the stages between are alike)."""
+    if pp <= 8:
+        return list(range(pp))
+    return sorted({0, 1, pp // 2, pp - 2, pp - 1})
+
+
+def _whole_params(model: torch.nn.Module, stage: int, pp: int) -> int:
+    """The stage's part of the whole model's parameter count (a tied head's copy of the
+    embedding on the last stage counted on the first)."""
+    from lptrain.model.tensor_parallel import whole_parameter_count
+
+    n = whole_parameter_count(model)
+    embedding = getattr(model, "embedding", None)
+    if pp > 1 and stage > 0 and embedding is not None:
+        n -= whole_parameter_count(embedding)
+    return n
+
+
+def _pipeline_buffer_bytes(cfg: LPTrainConfig, lay: Any, stage: int, micro: int, act_bytes: int) -> int:
+    """``torch.distributed.pipelining``'s receive buffers on ``stage``: one hidden-state
+    tensor per micro-batch of the step for the forward input of every chunk but the first,
+    and one for the output gradient of every chunk but the last (allocated once, kept)."""
+    if lay.pp == 1:
+        return 0
+    m = cfg.model
+    tp = max(1, m.tensor_model_parallel_size)
+    rows = m.seq_length // tp if m.sequence_parallel and tp > 1 else m.seq_length
+    hidden = cfg.train.micro_batch_size * rows * m.hidden_size * act_bytes
+    chunks = lay.rank_chunks(stage)
+    n = sum(c != 0 for c in chunks) + sum(c != lay.chunks - 1 for c in chunks)
+    return n * micro * hidden
+
+
+def _stage_memory(cfg: LPTrainConfig, dp: int, model: torch.nn.Module, quantizers: Optional[_Quantizers],
+                  act_bytes: int, in_flight: float, buffers: int) -> tuple[list[RankMemory], int, str]:
+    """The data-parallel ranks of one stage (``model``: its part), its full-recompute
+    activations and its layout report."""
+    from lptrain.memory.activations import activation_bytes, configured_activation_bytes
+
     specs, info = _specs(cfg, model, quantizers if _quantized_primary(cfg) else None)
     dense_n, expert_n = _group_sizes(cfg, dp)
     layout = engine_layout(cfg, specs, dense_n, expert_n)
-    act_bytes = activation_dtype_bytes(cfg, target)
-    _, acts_rc = activation_bytes(cfg, model, act_bytes, quantizers)
-    acts = configured_activation_bytes(cfg, model, act_bytes, quantizers)
+    _, acts_rc = activation_bytes(cfg, model, act_bytes, quantizers, in_flight)
+    acts = configured_activation_bytes(cfg, model, act_bytes, quantizers, in_flight)
     buckets = _sharded_bucket_bytes(layout)
-    copies = _transient_weight_copies(cfg, model, info, quantizers, act_bytes)
+    copies = _transient_weight_copies(cfg, model, info, quantizers, act_bytes, in_flight)
     optimizer = _optimizer_layout(cfg, dp, layout)
     stored = _stored(info)
     reuse = bool(cfg.ddp.reuse_grad_buf_for_mxfp8_param_ag)
@@ -384,17 +483,7 @@ def estimate_memory(cfg: LPTrainConfig, dp: int, target: str = "cpu") -> MemoryE
         b["weight_copies"] = copies
         b["sharded_buckets"] = buckets
         b["activations"] = acts
+        if buffers:
+            b["pipeline_buffers"] = buffers
         ranks.append(RankMemory(r, b))
-    notes = []
-    if dp > _MAX_RANKS:
-        notes.append(f"{len(ranks)} of {dp} ranks evaluated (evenly spaced, first and last included)")
-    if cfg.model.moe.num_experts:
-        notes.append("MoE activations are estimated for perfectly balanced routing")
-    tp = max(1, cfg.model.tensor_model_parallel_size)
-    if tp > 1:
-        notes.append(f"tensor parallel {tp}{' + sequence parallel' if cfg.model.sequence_parallel else ''}: "
-                     f"{tp * dp} ranks; the figures are one rank's (its shards), params the whole model's")
-    return MemoryEstimate(
-        dp=dp, ranks=ranks, activations_recompute=acts_rc,
-        params=whole_parameter_count(model), layout_report=layout.report(), notes=notes, tp=tp,
-    )
+    return ranks, acts_rc, layout.report()

@@ -20,7 +20,7 @@ import torch
 from lptrain.config.schema import LPTrainConfig
 from lptrain.errors import DeviceError
 from lptrain.model.build_context import BuildContext
-from lptrain.model.gpt import GPTModel
+from lptrain.model.gpt import GPTModel, ModelPart
 from lptrain.model.params import tag_parameters
 from lptrain.model.process_group import SINGLE_RANK, ProcessGroup
 
@@ -96,6 +96,7 @@ def build_model(
     expert_parallel_group: ProcessGroup = SINGLE_RANK,
     tensor_parallel_group: ProcessGroup = SINGLE_RANK,
     device: Union[str, torch.device, None] = None,
+    part: Optional[ModelPart] = None,
 ) -> GPTModel:
     """Build the tagged ``GPTModel`` with every parameter and buffer on the run's device.
 
@@ -123,6 +124,11 @@ def build_model(
     backward outside the engine needs :func:`lptrain.precision.params.attach_main_grads`
     first. Emulated layers fuse only into a ``main_grad`` someone installed, so a model built
     here takes ordinary ``.grad`` gradients on the CPU.
+
+    ``part`` (:class:`lptrain.model.gpt.ModelPart`) builds one pipeline rank's layers (their
+    weights equal the same layers of the whole model: init depends on names only), the
+    embedding on the first stage and the head on the last
+    (:func:`lptrain.model.pipeline.model_part`); None builds the whole model.
     """
     if factory is None:
         factory = default_factory(cfg)
@@ -159,11 +165,11 @@ def build_model(
 
     def construct() -> GPTModel:
         if tp == 1:
-            return GPTModel(ctx, compute_dtype=compute_dtype)
+            return GPTModel(ctx, compute_dtype=compute_dtype, part=part)
         from lptrain.model.tensor_parallel import build_parallel
 
         return build_parallel(ctx, tensor_parallel_group, cfg.model.sequence_parallel,
-                              compute_dtype=compute_dtype)
+                              compute_dtype=compute_dtype, part=part)
 
     with torch.device(target):
         model = construct()

@@ -21,11 +21,19 @@ Tensor parallelism is not this module's business: the parallelize step
 (:mod:`lptrain.model.tensor_parallel`) builds the model against a factory that shards the
 planned GEMMs and then swaps the embedding, the head (``output_layer``, or ``tied_head`` for
 a tied one), the loss (``lm_loss``) and the norms for their tensor-parallel versions.
+
+Neither is pipeline parallelism: a pipeline rank builds the :class:`ModelPart` it holds --
+some layers (under their global names, ``layers.<i>.``), the embedding on the first stage,
+the final norm and head on the last -- and :mod:`lptrain.model.pipeline` runs its chunks
+through the same :meth:`GPTModel.embed` / :meth:`GPTModel.run_layers` /
+:meth:`GPTModel.logits` / :meth:`GPTModel.loss` steps :meth:`GPTModel.forward` is made of.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import torch
@@ -141,6 +149,42 @@ def run_layers(
     return x, totals
 
 
+@dataclass(frozen=True)
+class ModelPart:
+    """The piece of the model one rank builds: the transformer layers ``layers`` (global
+    0-based indices, in order), the token embedding when ``embedding``, the final norm, the
+    output head and the loss when ``head`` (a tied head's table too:
+    :class:`GPTModel` keeps a copy of the embedding there). The whole model by default."""
+
+    layers: tuple[int, ...]
+    embedding: bool = True
+    head: bool = True
+
+    @staticmethod
+    def whole(num_layers: int) -> ModelPart:
+        return ModelPart(tuple(range(num_layers)))
+
+
+class LayerStack(nn.Module):
+    """The transformer layers a model holds, registered under their global indices
+    (``layers.<i>.`` stays the canonical name on every pipeline stage) and read by position
+    like an ``nn.ModuleList``: ``len``, iteration and ``[i]`` / ``[a:b]`` in layer order."""
+
+    def __init__(self, layers: Iterable[nn.Module]) -> None:
+        super().__init__()
+        for layer in layers:
+            self.add_module(str(layer.layer_number - 1), layer)
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        return iter(self._modules.values())  # type: ignore[arg-type]
+
+    def __getitem__(self, i: Union[int, slice]) -> Any:
+        return list(self._modules.values())[i]
+
+
 class GPTModel(nn.Module):
     """Decoder-only LM. ``forward(tokens)`` -> fp32 logits ``[b, s, vocab]``;
     ``forward(tokens, labels)`` -> ``(loss, aux)`` with ``loss = lm_loss + sum of the
@@ -149,9 +193,12 @@ class GPTModel(nn.Module):
     already multiplied by their coefficients; zero for dense models).
     """
 
-    def __init__(self, ctx: BuildContext, compute_dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, ctx: BuildContext, compute_dtype: torch.dtype = torch.float32,
+                 part: Optional[ModelPart] = None) -> None:
         super().__init__()
         cfg = ctx.cfg
+        part = part or ModelPart.whole(cfg.num_layers)
+        self.part = part
         self.cfg = cfg
         self.factory = ctx.factory
         self.compute_dtype = compute_dtype
@@ -163,14 +210,20 @@ class GPTModel(nn.Module):
         self.expert_model_parallel_rank = ctx.expert_model_parallel_rank
         self.recompute = RecomputePlan.of(cfg)
         with ctx.factory.model_init():
-            self.embedding = TokenEmbedding(self.padded_vocab_size, cfg.hidden_size, dtype=ctx.params_dtype)
-            ctx.init("embedding.weight", ctx.std)(self.embedding.weight.data)
+            # (a tied head's pipeline stage keeps its own copy of the table: Megatron's
+            # word-embedding copy on the last stage, its gradient summed with the first's)
+            self.embedding: Optional[TokenEmbedding] = None
+            if part.embedding or (part.head and cfg.tie_embeddings):
+                self.embedding = TokenEmbedding(self.padded_vocab_size, cfg.hidden_size, dtype=ctx.params_dtype)
+                ctx.init("embedding.weight", ctx.std)(self.embedding.weight.data)
             head_dim = cfg.hidden_size // cfg.num_attention_heads
             self.rotary = RotaryEmbedding(head_dim, cfg.rotary_base, cfg.seq_length)
-            self.layers = nn.ModuleList(TransformerLayer(ctx, i) for i in range(cfg.num_layers))
-            self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, ctx.params_dtype)
+            self.layers = LayerStack(TransformerLayer(ctx, i) for i in part.layers)
+            self.final_norm: Optional[RMSNorm] = None
+            if part.head:
+                self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, ctx.params_dtype)
             self.output_layer: Optional[OutputHead] = None
-            if not cfg.tie_embeddings:
+            if part.head and not cfg.tie_embeddings:
                 self.output_layer = OutputHead(
                     cfg.hidden_size, self.padded_vocab_size, bias=False, dtype=ctx.params_dtype
                 )
@@ -181,11 +234,14 @@ class GPTModel(nn.Module):
     @property
     def device(self) -> torch.device:
         """Where the model's parameters live (the run device ``build_model`` placed it on)."""
-        return self.embedding.weight.device
+        return next(self.parameters()).device
 
     @property
     def output_weight(self) -> torch.Tensor:
-        return self.embedding.weight if self.output_layer is None else self.output_layer.weight
+        if self.output_layer is not None:
+            return self.output_layer.weight
+        assert self.embedding is not None, "a model part without the head has no output weight"
+        return self.embedding.weight
 
     def autocast(self, amax_reduction_group: Any = None) -> Any:
         """The factory's quantization context for this model's forward (no-op if none)."""
@@ -197,20 +253,53 @@ class GPTModel(nn.Module):
     def forward(
         self, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None
     ) -> Union[torch.Tensor, tuple[torch.Tensor, dict[str, torch.Tensor]]]:
-        # Upcast the embedding table: the gather's backward then accumulates repeated tokens
-        # in fp32 and casts to the parameter dtype once.
-        x = self.embedding(tokens, self.compute_dtype)
-        cos, sin = self.rotary(tokens.shape[1])
+        if not (self.part.embedding and self.part.head and len(self.layers) == self.cfg.num_layers):
+            raise RuntimeError("this model holds one pipeline stage: run it through its schedule "
+                               "(lptrain.model.pipeline), not as a whole model")
+        x = self.embed(tokens)
         totals = {k: x.new_zeros((), dtype=torch.float32) for k in AUX_KEYS}
-        for start, end, ckpt in self.recompute.layer_chunks(len(self.layers)):
-            chunk = self.layers[start:end]
-            x, totals = run_checkpointed(ckpt, self.factory, run_layers, chunk, x, cos, sin, totals)
-        x = self.final_norm(x)
-        x = x.float() if self.compute_dtype == torch.float32 else x
-        # Tied: the embedding's weight, already gathered before the first layer.
-        logits = self.tied_head(x, self.embedding.weight) if self.output_layer is None else self.output_layer(x)
+        x, totals = self.run_layers(self.layers, x, totals, tokens.shape[1])
+        logits = self.logits(x)
         if labels is None:
             return self.lm_loss.logits(logits)
+        return self.loss(logits, labels, totals)
+
+    # ---- the steps of a forward (a pipeline chunk runs some of them) -------------------------
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The token embedding: hidden states ``[b, s, h]`` in the compute dtype."""
+        assert self.embedding is not None, "this model part does not hold the embedding"
+        # Upcast the embedding table: the gather's backward then accumulates repeated tokens
+        # in fp32 and casts to the parameter dtype once.
+        return self.embedding(tokens, self.compute_dtype)
+
+    def run_layers(self, layers: Sequence[nn.Module], x: torch.Tensor, totals: dict[str, torch.Tensor],
+                   seq_len: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """``layers`` (consecutive, in order) on ``x`` (a sequence of ``seq_len`` tokens: ``x``
+        holds a shard of it under sequence parallelism), in the recompute chunks of the plan
+        (counted within ``layers``: Megatron's recompute runs per pipeline stage), adding the
+        layers' MoE losses to ``totals``."""
+        cos, sin = self.rotary(seq_len)
+        for start, end, ckpt in self.recompute.layer_chunks(len(layers)):
+            chunk = layers[start:end]
+            x, totals = run_checkpointed(ckpt, self.factory, run_layers, chunk, x, cos, sin, totals)
+        return x, totals
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm and head: fp32 logits over the padded vocabulary."""
+        assert self.final_norm is not None, "this model part does not hold the head"
+        x = self.final_norm(x)
+        x = x.float() if self.compute_dtype == torch.float32 else x
+        if self.output_layer is not None:
+            return self.output_layer(x)
+        # Tied: the embedding's weight (on one rank already gathered before the first layer;
+        # a pipeline's last stage gathers its copy first: lptrain.model.pipeline)
+        assert self.embedding is not None
+        return self.tied_head(x, self.embedding.weight)
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor,
+             totals: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """``(loss, aux)`` of :meth:`forward` from the logits and the MoE loss totals."""
         lm_loss = self.lm_loss(logits, labels)
         loss = lm_loss + totals["load_balancing_loss"] + totals["z_loss"]
         aux = {"lm_loss": lm_loss.detach(), **{k: v.detach() for k, v in totals.items()}}

@@ -102,21 +102,23 @@ class ChainedOptimizer:
 
 def build_optimizer(
     buffers: Sequence[ParamAndGradBuffer], cfg: OptimizerConfig, ep: Group = SINGLE,
-    tp: Group = SINGLE,
+    tp: Group = SINGLE, pp: Group = SINGLE,
 ) -> ChainedOptimizer:
     """The run's optimizer over the data-parallel engine's buffers: the layer-wise children
     (:func:`lptrain.optim.layerwise.build_layer_wise_children`) with
     ``optimizer.use_layer_wise_optimizer``, else a byte-sharded child over the dense buffers
     and, for MoE models, one over the expert buffers (adding the norm over ``ep``). The dense
     children add their norms over the tensor-parallel group ``tp`` (expert buffers already
-    reduce over it: the experts are whole on every TP rank)."""
+    reduce over it: the experts are whole on every TP rank). Under pipeline parallelism each
+    stage has its own children; their norms join over ``pp`` (one list of terms, summed as
+    the unpipelined optimizer sums it)."""
     children: list[OptimizerChild]
     if cfg.use_layer_wise_optimizer:
-        children = build_layer_wise_children(buffers, cfg, ep=ep, tp=tp)
+        children = build_layer_wise_children(buffers, cfg, ep=ep, tp=tp, pp=pp)
     else:
         dense = [b for b in buffers if not b.key.is_expert]
         expert = [b for b in buffers if b.key.is_expert]
-        children = [ShardedMasterOptimizer(dense, cfg, label="dense", tp=tp)]
+        children = [ShardedMasterOptimizer(dense, cfg, label="dense", tp=tp, pp=pp)]
         if expert:
-            children.append(ExpertShardedMasterOptimizer(expert, cfg, label="expert", ep=ep))
+            children.append(ExpertShardedMasterOptimizer(expert, cfg, label="expert", ep=ep, pp=pp))
     return ChainedOptimizer(children, cfg.clip_grad)

@@ -34,10 +34,12 @@ from lptrain.config.schema import OptimizerConfig
 from lptrain.distributed.buffers import ParamAndGradBuffer
 from lptrain.distributed.groups import SINGLE, Group
 from lptrain.optim.child import MasterOptimizer
+from lptrain.optim.exact_norm import world_square_sum
 from lptrain.optim.fp64_scratch import fp64_copy
 from lptrain.optim.lion import scalar_optimizer
 from lptrain.optim.muon import Muon, build_muon
 from lptrain.optim.param_groups import copy_param_attributes
+from lptrain.precision.collectives import all_gather_uneven
 from lptrain.precision.param_storage import (
     StageEntry,
     StagePlan,
@@ -124,11 +126,15 @@ class ShardedMasterOptimizer(MasterOptimizer):
         *,
         label: str,
         tp: Group = SINGLE,
+        pp: Group = SINGLE,
     ) -> None:
         self.buffers = list(buffers)
         # Tensor parallelism: the grad norm sums the tensor-parallel shards over ``tp`` and
         # counts a replicated param (a norm, the router) once, on TP rank 0.
         self.tp = tp
+        # Pipeline parallelism: the stages' per-piece terms of the norm are summed as one
+        # list over ``pp`` (the unpipelined sum of the same terms).
+        self.pp = pp
         # The shard group of these buffers (all of one optimizer share it: dense or expert).
         self.group: Group = self.buffers[0].groups.intra if self.buffers else SINGLE
         # where this optimizer's scalars live: its buffers' device (NCCL reduces CUDA tensors)
@@ -173,36 +179,71 @@ class ShardedMasterOptimizer(MasterOptimizer):
                     pc.master.grad = parts[i].view(pc.master.shape)
 
     def grad_norm_sq(self) -> torch.Tensor:
-        """Squared norm of this optimizer's full gradient (fp64; reduced over its group for
-        sharded buffers, each element counted once). One batched fp64 norm per piece list,
-        its squares summed in ascending order, so the result depends on the set of matrices
-        only: not on how the pieces are bucketed or ordered in the buffers (overlap on == off
-        stays bitwise), nor on whether experts are one grouped weight (members in memory
-        order) or discrete params (laid out in reverse): :func:`norm_views`."""
-        sharded = torch.zeros((), dtype=torch.float64, device=self.device)
+        """Squared norm of this optimizer's full gradient (fp64, the same on every rank; each
+        element counted once over the world).
+
+        * Sharded buffers (the distributed optimizer): each rank's shard of every counted
+          param, summed over the world by :func:`lptrain.optim.exact_norm.world_square_sum`,
+          a sum that depends on the elements only -- not on where the data-parallel shards
+          cut the params, which the buffer layout decides and which pipeline stages change.
+        * Replicated buffers: one batched fp64 norm per piece (whole params), their squares
+          summed in ascending order, so the result depends on the set of matrices only: not
+          on how the pieces are bucketed or ordered in the buffers (overlap on == off stays
+          bitwise), nor on whether experts are one grouped weight (members in memory order)
+          or discrete params (laid out in reverse): :func:`norm_views`. Under pipeline
+          parallelism the stages' squares join into one list first; then
+          :meth:`_reduce_replicated` (tensor-parallel shards)."""
         replicated = torch.zeros((), dtype=torch.float64, device=self.device)
         cpu = self.device.type == "cpu"
-        grads = [] if cpu else self.master_grads()  # (read once for both accumulators)
-        for acc, want in ((sharded, True), (replicated, False)):
-            if cpu:
-                norms = self._cpu_norms(want)
-            else:
-                mine = [v for pc, g in zip(self.pieces, grads, strict=True)
-                        if bool(pc.buffer.sharded) == want and self._counted(pc) for v in norm_views(pc, g)]
-                norms = torch._foreach_norm(mine, 2, dtype=torch.float64) if mine else []
-            if norms:
-                acc += torch.stack(norms).square().sort().values.sum()
-        if self.group.active and any(b.sharded for b in self.buffers):
-            dist.all_reduce(sharded, group=self.group.pg)
-        total = sharded + replicated
+        if cpu:
+            norms = self._cpu_norms(False)
+        else:
+            mine = [v for pc, g in zip(self.pieces, self.master_grads(), strict=True)
+                    if not pc.buffer.sharded and self._counted(pc) for v in norm_views(pc, g)]
+            norms = torch._foreach_norm(mine, 2, dtype=torch.float64) if mine else []
+        squares = (torch.stack(norms).square() if norms
+                   else torch.zeros(0, dtype=torch.float64, device=self.device))
+        if self.pp.active:  # every stage's terms, summed as the unpipelined list
+            squares = torch.cat(all_gather_uneven(squares, self.pp.pg))
+        if squares.numel():
+            replicated += squares.sort().values.sum()
+        replicated = self._reduce_replicated(replicated)
+        if not any(b.sharded for b in self.buffers):
+            return replicated
+        sharded = world_square_sum(self._sharded_grads(), self.device)
+        return replicated + sharded
+
+    def _reduce_replicated(self, sq: torch.Tensor) -> torch.Tensor:
+        """The replicated part over the ranks holding other parts of it: the TP shards."""
         if self.tp.active:
-            dist.all_reduce(total, group=self.tp.pg)
-        return total
+            dist.all_reduce(sq, group=self.tp.pg)
+        return sq
+
+    def _sharded_grads(self) -> list[torch.Tensor]:
+        """This rank's reduced grads of the counted params of its sharded buffers (views:
+        whole spans where every piece counts; the padding between pieces is zero). A
+        replica of the shard in another optimizer instance counts on instance 0 only."""
+        inter = self.buffers[0].groups.inter if self.buffers else None
+        if inter is not None and inter.active and inter.rank != 0:
+            return []
+        out: list[torch.Tensor] = []
+        for buf, lo, hi, pieces, sizes, keep in self._norm_spans[True]:
+            g = buf.grad_slice(lo, hi)
+            if all(self._counted(pc) for pc in pieces):
+                out.append(g)
+                continue
+            parts = g.split(sizes)
+            out += [parts[i] for pc, i in zip(pieces, keep, strict=True) if self._counted(pc)]
+        return out
 
     def _counted(self, pc: MasterPiece) -> bool:
         """Whether ``pc``'s gradient enters this rank's norm: always without tensor
         parallelism; under it a tensor-parallel shard always (the shards are disjoint) and a
-        param replicated over the TP ranks (identical grads there) only on TP rank 0."""
+        param replicated over the TP ranks (identical grads there) only on TP rank 0. A
+        pipeline stage's copy of a tied embedding (``pipeline_copy``) never: the first
+        stage's table counts it."""
+        if getattr(pc.param, "pipeline_copy", False):
+            return False
         return not self.tp.active or self.tp.rank == 0 or getattr(pc.param, "tp_shard", None) is not None
 
     @functools.cached_property
@@ -381,17 +422,17 @@ class ShardedMasterOptimizer(MasterOptimizer):
 
 class ExpertShardedMasterOptimizer(ShardedMasterOptimizer):
     """The expert child of the chained optimizer under expert parallelism: as the dense one,
-    plus the sum of the squared gradient norm over the expert-parallel group ``ep`` (each EP
-    rank holds different experts)."""
+    plus the sum of the replicated buffers' squared gradient norm over the expert-parallel
+    group ``ep`` (each EP rank holds different experts; the sharded part is a world sum)."""
 
     def __init__(
-        self, buffers: Sequence[ParamAndGradBuffer], cfg: OptimizerConfig, *, label: str, ep: Group = SINGLE
+        self, buffers: Sequence[ParamAndGradBuffer], cfg: OptimizerConfig, *, label: str, ep: Group = SINGLE,
+        pp: Group = SINGLE,
     ) -> None:
-        super().__init__(buffers, cfg, label=label)
+        super().__init__(buffers, cfg, label=label, pp=pp)
         self.ep = ep
 
-    def grad_norm_sq(self) -> torch.Tensor:
-        sq = super().grad_norm_sq()
+    def _reduce_replicated(self, sq: torch.Tensor) -> torch.Tensor:
         if self.ep.active:
             dist.all_reduce(sq, group=self.ep.pg)
         return sq

@@ -142,12 +142,6 @@ def plan_ownership(
     return owners
 
 
-def _world_sum(t: torch.Tensor) -> torch.Tensor:
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t)
-    return t
-
-
 def run_norm_sq_and_zeros(
     runs: Sequence[tuple[torch.Tensor, Sequence[int]]], device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,6 +162,38 @@ def run_norm_sq_and_zeros(
     if sums:
         local = torch.cat([local.view(1), torch.stack(sums)]).cumsum(0)[-1]
     return local, zeros
+
+
+def unit_sums_and_zeros(
+    runs: Sequence[tuple[torch.Tensor, Sequence[int]]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sum(double(g_u)^2) per unit [U], zero entries)``: the terms
+    :func:`run_norm_sq_and_zeros` adds up, each unit's computed the same way."""
+    zeros = torch.zeros((), dtype=torch.int64, device=device)
+    sums: list[torch.Tensor] = []
+    for grad, sizes in runs:
+        sq = fp64_copy(grad).square_()  # (summed below, before the next run's cast)
+        sums += [part.sum() for part in sq.split(list(sizes))]
+        zeros += grad.numel() - torch.count_nonzero(grad)
+    terms = torch.stack(sums) if sums else torch.zeros(0, dtype=torch.float64, device=device)
+    return terms, zeros
+
+
+def world_sorted_sum(terms: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Every rank's ``terms`` gathered, sorted and summed (a result that depends on the set
+    of terms only: not on which rank owns a unit, nor on how the units are cut into
+    pipeline stages), and the world's total of ``zeros``: one gather of ``[zeros, *terms]``."""
+    from lptrain.precision.collectives import all_gather_uneven
+
+    mine = torch.cat([zeros.to(torch.float64).view(1), terms])  # (fp64 holds counts < 2^53)
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        parts = [mine]
+    else:
+        parts = all_gather_uneven(mine, None)
+    count = int(sum(float(p[0]) for p in parts))
+    total = torch.cat([p[1:] for p in parts])
+    return (total.sort().values.sum() if total.numel() else
+            torch.zeros((), dtype=torch.float64, device=terms.device)), count
 
 
 @dataclass
@@ -257,7 +283,10 @@ class LayerWiseMuon(MasterOptimizer):
     # ---- the step (prepare_grads, lr_by_group: MasterOptimizer) ----------------------------
 
     def grad_norm_sq(self) -> torch.Tensor:
-        """Squared norm of every Muon grad, each unit once (on its owner), over the world.
+        """Squared norm of every Muon grad, each unit once (on its owner), over the world:
+        the units' terms gathered from every rank, sorted and summed
+        (:func:`world_sorted_sum`), so that it does not depend on ownership or on pipeline
+        stages (the same number at PP 1 and PP 2, at any data-parallel size).
 
         The engine counts zeros right before the step (nothing writes the grads in
         between), and :meth:`count_zeros` sums this norm in the same all-reduce: the first
@@ -267,7 +296,7 @@ class LayerWiseMuon(MasterOptimizer):
         cached, self._norm_cache = self._norm_cache, None
         if cached is not None:
             return cached
-        return _world_sum(self._local_norm_sq())
+        return world_sorted_sum(*self._norm_parts())[0]
 
     @functools.cached_property
     def _grad_runs(self) -> list[tuple[torch.Tensor, list[int]]]:
@@ -291,21 +320,16 @@ class LayerWiseMuon(MasterOptimizer):
         return [(first.buffer.grad_slice(first.unit.lo, hi), sizes) for first, hi, sizes in runs]
 
     def _norm_parts(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(squared norm of the owned grads, fp64; their zero count, int64), on the device:
-        :func:`run_norm_sq_and_zeros` over the runs."""
-        return run_norm_sq_and_zeros(self._grad_runs, self.device)
-
-    def _local_norm_sq(self) -> torch.Tensor:
-        return self._norm_parts()[0]
+        """(the owned units' squared grad norms, fp64 [U]; their zero count, int64), on the
+        device: :func:`unit_sums_and_zeros` over the runs."""
+        return unit_sums_and_zeros(self._grad_runs, self.device)
 
     def count_zeros(self) -> int:
         """Zero gradient entries of every Muon matrix, each once, summed over the world (in
-        one all-reduce with the squared grad norm, see :meth:`grad_norm_sq`)."""
-        local, zeros = self._norm_parts()
-        # fp64 holds the count exactly (below 2^53)
-        packed = _world_sum(torch.stack([local, zeros.to(torch.float64)]))
-        self._norm_cache = packed[0]
-        return int(packed[1])
+        one gather with the squared grad norm's terms, see :meth:`grad_norm_sq`)."""
+        norm, zeros = world_sorted_sum(*self._norm_parts())
+        self._norm_cache = norm
+        return zeros
 
     def step(self, lrs: Mapping[str, float], clip_coef: Optional[float]) -> None:
         """Clip (one batched multiply), update, and launch the update-RMS all-reduce without
@@ -418,7 +442,7 @@ class LayerWiseMuon(MasterOptimizer):
 
 def build_layer_wise_children(
     buffers: Sequence[ParamAndGradBuffer], cfg: OptimizerConfig, ep: Optional[Group] = None,
-    tp: Group = SINGLE,
+    tp: Group = SINGLE, pp: Group = SINGLE,
 ) -> list[OptimizerChild]:
     """Chained-optimizer children for the layer-wise path: byte-sharded AdamW over the
     non-Muon buffers and a :class:`LayerWiseMuon` over the Muon buffers, for dense and for
@@ -432,9 +456,9 @@ def build_layer_wise_children(
         adam = [b for b in buffers if not b.key.is_muon and b.key.is_expert == expert]
         muon = [b for b in buffers if b.key.is_muon and b.key.is_expert == expert]
         if adam and expert:
-            children.append(ExpertShardedMasterOptimizer(adam, cfg, label=label, ep=ep or SINGLE))
+            children.append(ExpertShardedMasterOptimizer(adam, cfg, label=label, ep=ep or SINGLE, pp=pp))
         elif adam:
-            children.append(ShardedMasterOptimizer(adam, cfg, label=label, tp=tp))
+            children.append(ShardedMasterOptimizer(adam, cfg, label=label, tp=tp, pp=pp))
         if muon:
             children.append(LayerWiseMuon(muon, cfg, param_layout=cfg.layer_wise_param_layout,
                                           label=label, tp=SINGLE if expert else tp))

@@ -32,3 +32,20 @@ def reduce_scatter_flat(
     """``output`` = this rank's equal slice of the SUM of every rank's ``input``."""
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return fn(output, input, group=group, async_op=async_op)
+
+
+def all_gather_uneven(values: torch.Tensor, group: Optional[Any] = None) -> list[torch.Tensor]:
+    """Every rank's 1-D ``values`` (of any lengths, same dtype), in rank order. Two
+    collectives: the lengths, then the values padded to the longest (the padding is cut off
+    again, so each entry holds exactly that rank's elements)."""
+    size = dist.get_world_size(group)
+    n = torch.tensor([values.numel()], dtype=torch.int64, device=values.device)
+    counts = torch.zeros(size, dtype=torch.int64, device=values.device)
+    all_gather_flat(counts, n, group=group)
+    lengths = [int(c) for c in counts.tolist()]
+    longest = max(lengths)
+    padded = torch.zeros(longest, dtype=values.dtype, device=values.device)
+    padded[: values.numel()] = values
+    out = torch.empty(size * longest, dtype=values.dtype, device=values.device)
+    all_gather_flat(out, padded, group=group)
+    return [out[r * longest : r * longest + k] for r, k in enumerate(lengths)]

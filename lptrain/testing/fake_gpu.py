@@ -99,6 +99,10 @@ def shrink(cfg: Any) -> tuple[Any, list[str]]:
         m.tensor_model_parallel_size, m.sequence_parallel = 1, False
         if out.optimizer.muon.tp_mode != "duplicated":
             out.optimizer.muon.tp_mode = "duplicated"  # (inert at TP 1)
+    if m.pipeline_model_parallel_size != 1:
+        changed.append(f"pipeline parallelism {m.pipeline_model_parallel_size} -> 1")
+        m.pipeline_model_parallel_size, m.virtual_pipeline_model_parallel_size = 1, None
+        m.pipeline_schedule = None
     if m.moe.num_experts:
         m.moe.ffn_hidden_size = 64
         if m.moe.expert_model_parallel_size != 1:

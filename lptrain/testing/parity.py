@@ -98,8 +98,10 @@ def train_steps(
     with engine.params_synced(), torch.no_grad():
         raw = {n: _param_snapshot(p) for n, p in engine.model.named_parameters()}
         canonical = canonical_params(engine.model)
-        with engine.model.autocast():
-            logits = engine.model(probe.to(engine.device)).detach().cpu()
+        logits = None  # (a pipeline stage holds part of the model: its params are compared)
+        if engine.pipeline is None:
+            with engine.model.autocast():
+                logits = engine.model(probe.to(engine.device)).detach().cpu()
     return {
         "losses": losses,
         "grad_norms": norms,

@@ -93,9 +93,11 @@ class TrainEngine:
         init_process_group_from_env(resolve_device(cfg), 60.0 * cfg.dist.distributed_timeout_minutes)
         moe = cfg.model.moe
         ep = moe.expert_model_parallel_size if moe.num_experts else 1
+        pp = max(1, cfg.model.pipeline_model_parallel_size)
         self.groups = build_groups(cfg.ddp.num_distributed_optimizer_instances, ep=ep,
                                    tp=cfg.model.tensor_model_parallel_size,
-                                   sequence_parallel=cfg.model.sequence_parallel)
+                                   sequence_parallel=cfg.model.sequence_parallel, pp=pp,
+                                   tied_embeddings=cfg.model.tie_embeddings)
         self.rank, self.world_size = self.groups.rank, self.groups.world_size
         self.dp_rank, self.dp_size = self.groups.dp.rank, self.groups.dp.size
         # the ranks that split each sequence (sequence parallelism): per-token statistics
@@ -106,14 +108,15 @@ class TrainEngine:
         torch.manual_seed(cfg.train.seed)
         self.model = self._build_model()
         # MoE bookkeeping walks every module: a dense model skips it (no routers, no metrics)
-        self.has_moe = bool(self.model.routers())
+        # (every pipeline stage of a MoE model joins the per-step MoE collectives)
+        self.has_moe = bool(self.model.routers()) or (pp > 1 and moe.num_experts > 0)
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         expert = self.groups.expert_intra
         self.layout = plan_run_layout(cfg, run_param_specs(cfg, named), self.groups.intra.size,
                                       expert_dp=expert.size if expert is not None else None)
         self.ddp = DataParallel(self.model, self.layout, cfg.ddp, self.groups, device=self.device)
         self.optimizer = build_optimizer(self.ddp.buffers, cfg.optimizer, ep=self.groups.ep,
-                                         tp=self.groups.tp)
+                                         tp=self.groups.tp, pp=self.groups.pp)
         self.ddp.release_sharded_params()  # ZeRO-3: the masters hold the values now
         # Set by a caller that decides what an anomalous step does (the loop's
         # train.on_anomaly): a non-finite or spiking step is then returned skipped, with its
@@ -121,20 +124,45 @@ class TrainEngine:
         self.returns_anomalies = False
         # Called with each micro-batch's index before its forward (the debug NaN injection).
         self.before_micro_batch: Optional[Callable[[int], None]] = None
+        # Pipeline parallelism: this rank's stages and schedule run the micro-batches
+        self._codes: list[int] = []  # every rank's non-finite grad code of the step (pipeline)
+        self.pipeline = self._build_pipeline() if pp > 1 else None
 
     def _build_model(self) -> GPTModel:
-        """The run's model with this rank's experts, its quantizers' random streams seeded
-        per rank (stochastic rounding: distinct per rank, reproducible from (seed, rank))."""
+        """The run's model with this rank's experts (and, under pipeline parallelism, its
+        stage's layers), its quantizers' random streams seeded per rank (stochastic
+        rounding: distinct per rank, reproducible from (seed, rank)). The rank that seeds
+        them is the rank's place inside its pipeline stage: every stage of a pipeline draws
+        as the one rank at that place draws without pipelining (pipeline ranks are outermost,
+        so that is the rank itself at PP 1)."""
         from lptrain.model import build_model, default_factory
+        from lptrain.model.pipeline import model_part
 
         cfg = self.cfg
         factory = default_factory(cfg)
+        stream_rank = self.stream_rank()
         if factory.recipe is not None and hasattr(factory.recipe, "seed"):  # SR recipes only
-            factory.recipe.seed = cfg.train.seed * 65_537 + self.rank
-        seed_device_rng(cfg.train.seed, self.rank, self.device)  # TE draws its SR bits there
+            factory.recipe.seed = cfg.train.seed * 65_537 + stream_rank
+        seed_device_rng(cfg.train.seed, stream_rank, self.device)  # TE draws its SR bits there
         return build_model(cfg, factory, expert_model_parallel_rank=self.groups.ep.rank,
                            expert_parallel_group=self.groups.ep, tensor_parallel_group=self.groups.tp,
-                           device=self.device)
+                           device=self.device, part=model_part(cfg.model, self.groups.pp.rank))
+
+    def stream_rank(self) -> int:
+        """The rank whose random streams this rank draws (see :meth:`_build_model`): its
+        place inside its pipeline stage (the stage's ranks are consecutive)."""
+        return self.rank % self.groups.everyone.size if self.groups.pp.size > 1 else self.rank
+
+    def _build_pipeline(self) -> Any:
+        """This rank's pipeline stages and schedule (:mod:`lptrain.distributed.pipeline`)."""
+        from lptrain.distributed.pipeline import PipelineRunner
+
+        t = self.cfg.train
+        runner = PipelineRunner(self.cfg, self.model, self.ddp, self.groups, self.device,
+                                t.global_batch_size // (t.micro_batch_size * self.dp_size))
+        if self.cfg.model.tie_embeddings:
+            self.ddp.share_over_pipeline(self.model.embedding, self.groups.embedding, runner)
+        return runner
 
     @property
     def defer_staging(self) -> bool:
@@ -242,10 +270,25 @@ class TrainEngine:
         """The first rank's non-finite gradient named from the per-rank codes, or None."""
         from lptrain.distributed.ddp import NonFiniteGradError
 
+        if self.pipeline is not None:  # another stage's parameters: named by their rank
+            found = self.pipeline.name_nonfinite(codes, self._decode_code)
+            if found is None:
+                return None
+            rank, stage, param = found
+            return f"step {step}, rank {rank} (pipeline stage {stage}): gradient of '{param}' is not finite"
         try:
             self.ddp.raise_on_nonfinite(codes)
         except NonFiniteGradError as e:
             return f"step {step}, rank {e.rank}: gradient of '{e.param}' is not finite"
+        return None
+
+    def _decode_code(self, codes: list[int]) -> tuple[int, str] | None:
+        from lptrain.distributed.ddp import NonFiniteGradError
+
+        try:
+            self.ddp.raise_on_nonfinite(codes)
+        except NonFiniteGradError as e:
+            return e.rank, e.param
         return None
 
     def _to_device(self, b: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -255,7 +298,10 @@ class TrainEngine:
 
     def _forward_backward(self, micro_batches: Sequence[dict[str, torch.Tensor]]) -> torch.Tensor:
         """Local (lm_loss, total_loss) means over this rank's micro-batches, fp64, on the
-        device (read once per step, after the loss all-reduce)."""
+        device (read once per step, after the loss all-reduce). Under pipeline parallelism
+        the schedule runs them (the losses are the last stage's)."""
+        if self.pipeline is not None:
+            return self.pipeline.forward_backward([self._to_device(b) for b in micro_batches])
         model, ddp = self.model, self.ddp
         n = len(micro_batches)
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)
@@ -285,13 +331,19 @@ class TrainEngine:
         replicas."""
         import torch.distributed as dist
 
-        g = self.groups.everyone
+        g = self.groups.all_ranks
         out = torch.zeros(g.size, 3, dtype=torch.float64, device=self.device)
         out[g.rank, :2] = local
         out[g.rank, 2] = float(nonfinite_code)
         if g.active:
-            dist.all_reduce(out, group=g.pg)
+            dist.all_reduce(out, group=g.pg)  # (one row per rank, the others zero: exact)
         out = out.cpu()
+        if self.pipeline is not None:
+            # the losses are the last stage's rows (pipeline ranks are outermost), the
+            # non-finite codes every rank's (kept for _nonfinite)
+            self._codes = [int(c) for c in out[:, 2].tolist()]
+            out = out.view(self.groups.pp.size, -1, 3)[-1].clone()
+            out[:, 2] = 0.0
         tp = self.groups.tp.size
         if tp > 1:
             per = out.view(-1, tp, 3)  # [dp, tp]: tensor parallelism is innermost in the rank order
@@ -301,12 +353,17 @@ class TrainEngine:
     def _nonfinite(self, losses: torch.Tensor, step: int) -> str | None:
         """Why this step cannot be taken (a rank's non-finite gradient, else a non-finite
         loss), or None. Every rank reads the same gathered ``losses``: all decide alike."""
-        note = self._grad_note(step, [int(c) for c in losses[:, 2].tolist()])
+        codes = self._codes if self.pipeline is not None else [int(c) for c in losses[:, 2].tolist()]
+        note = self._grad_note(step, codes)
         if note is not None:
             return note
         if not math.isfinite(float(losses[:, 1].mean())):
             r = int((~torch.isfinite(losses[:, 1])).nonzero()[0])
-            return f"step {step}, rank {r}: loss is {float(losses[r, 1])}"
+            where = f"rank {r}"
+            if self.pipeline is not None:  # the rows are the last stage's
+                last = self.groups.pp.size - 1
+                where = f"rank {r + last * self.groups.everyone.size} (pipeline stage {last}, the last)"
+            return f"step {step}, {where}: loss is {float(losses[r, 1])}"
         return None
 
     def _skip_step(self, bad: str, losses: torch.Tensor, lrs: dict[str, float],
@@ -367,7 +424,8 @@ class TrainEngine:
         if not self.has_moe:
             return {}
         shards = self.groups.tp.size if self.cfg.model.sequence_parallel else 1
-        return moe_step_metrics(self.model, self.stats_group, sequence_shards=shards)
+        return moe_step_metrics(self.model, self.stats_group, sequence_shards=shards,
+                                pipeline=self.groups.pp)
 
     def _reduce_router_counts(self) -> None:
         """The expert-bias update sees global token counts (summed over data-parallel ranks)."""
@@ -397,7 +455,9 @@ class TrainEngine:
         with self.params_synced(), torch.no_grad():
             model.eval()
             try:
-                for _ in range(n):
+                if self.pipeline is not None:  # through the schedule, forward only
+                    total = self.pipeline.evaluate(batches, n)
+                for _ in range(n if self.pipeline is None else 0):
                     b = self._to_device(next(batches))
                     with model.autocast():
                         _, aux = model(b["tokens"], labels=b["labels"])
@@ -409,6 +469,8 @@ class TrainEngine:
         g = self.groups.dp
         if g.active:
             dist.all_reduce(total, group=g.pg)
+        if self.pipeline is not None:  # the last stage's total, on every stage
+            self.pipeline.broadcast_from_last(total)
         return float(total) / max(1, n) / g.size
 
     @contextlib.contextmanager
@@ -448,6 +510,7 @@ class TrainEngine:
                 optim[name] = entry
         local = rank_state(self.model, self.model.quantizer_recipe(), self.device)
         local["tensor_model_parallel_size"] = self.groups.tp.size
+        local["pipeline_model_parallel_size"] = self.groups.pp.size
         return {
             "global": {"model": model, "optimizer": optim, "scaling": scaling_state(self.model)},
             "local": local,
@@ -476,9 +539,16 @@ class TrainEngine:
         # absent when written at another world size: the streams start from (seed, rank); the
         # same at another tensor-parallel size (the ranks hold other shards, other modules)
         local = dict(state.get("local") or {})
-        if local.pop("tensor_model_parallel_size", 1) != self.groups.tp.size:
+        sizes = (local.pop("tensor_model_parallel_size", 1), local.pop("pipeline_model_parallel_size", 1))
+        if sizes != (self.groups.tp.size, self.groups.pp.size):
             local = {}
         load_rank_state(self.model, local, self.model.quantizer_recipe())
+
+    def parameter_count(self) -> int:
+        """The whole model's parameter count (collective over the pipeline group)."""
+        from lptrain.distributed.pipeline import whole_model_parameters
+
+        return whole_model_parameters(self.model, self.groups, self.device)
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds, measured on the live buffers and optimizer

@@ -250,7 +250,7 @@ class _Job:
 
     def _announce(self) -> None:
         cfg, t, start = self.cfg, self.cfg.train, self.state.start_iter
-        n_params = sum(p.numel() for p in self.engine.model.parameters())
+        n_params = self.engine.parameter_count()
         self.log.line(
             f"lptrain {cfg.run.name}: {n_params / 1e6:.2f}M params, {t.train_iters} steps x "
             f"{t.global_batch_size} seqs x {cfg.model.seq_length} tokens, "

@@ -29,6 +29,9 @@ CASES = {
     "layerwise_muon": ("mxfp8_muon_cpu.yaml", []),
     "expert_parallel": ("moe_mxfp8_cpu.yaml", ["model.moe.expert_model_parallel_size=2"]),
     "blockwise_bytes": ("fp8_blockwise_cpu.yaml", []),
+    # pipeline parallelism: the schedule's P2P, the stages' norm terms, the MoE metrics
+    "pipeline": ("tiny_cpu.yaml", ["model.pipeline_model_parallel_size=2", "ddp.use_distributed_optimizer=true"]),
+    "pipeline_moe": ("moe_mxfp8_cpu.yaml", ["model.pipeline_model_parallel_size=2"]),
 }
 
 

@@ -30,7 +30,8 @@ OPTIMIZER_CHOICES = choice_table(
     "optimizer.muon.scalar_optimizer", "optimizer.muon.tp_mode",
 )
 MOE_CHOICES = choice_table("model.moe.load_balancing_type", "model.moe.score_function")
-MODEL_CHOICES = choice_table("model.recompute_granularity", "model.recompute_method")
+MODEL_CHOICES = choice_table("model.recompute_granularity", "model.recompute_method",
+                             "model.pipeline_schedule")
 DDP_CHOICES = choice_table("ddp.data_parallel_sharding_strategy")
 RUN_CHOICES = choice_table("run.device", "logging.wandb_mode")
 TRAIN_CHOICES = choice_table("train.on_anomaly", "debug.nan_tensor")
@@ -79,7 +80,7 @@ RULES = [
     _choices_rule("PREC-CHOICES", PRECISION_CHOICES, "precision"),
     _choices_rule("OPT-CHOICES", OPTIMIZER_CHOICES, "optimizer"),
     _choices_rule("MOE-CHOICES", MOE_CHOICES, "MoE"),
-    _choices_rule("MODEL-CHOICES", MODEL_CHOICES, "model (recompute)"),
+    _choices_rule("MODEL-CHOICES", MODEL_CHOICES, "model (recompute, pipeline schedule)"),
     _choices_rule("DDP-CHOICES", DDP_CHOICES, "data-parallel"),
     _choices_rule("RUN-CHOICES", RUN_CHOICES, "run/logging"),
     _choices_rule("TRAIN-CHOICES", TRAIN_CHOICES, "anomaly handling"),

@@ -72,6 +72,8 @@ MODEL_RANGES: tuple[Spec, ...] = (
     ("model.norm_epsilon", _positive()),
     ("model.init_method_std", _non_negative()),
     ("model.tensor_model_parallel_size", _size(1 << 16)),
+    ("model.pipeline_model_parallel_size", _size(MAX_LAYERS)),
+    ("model.virtual_pipeline_model_parallel_size", _size(MAX_LAYERS)),
     ("model.moe.num_experts", _count(MAX_EXPERTS)),
     ("model.moe.moe_layer_freq", _size(MAX_LAYERS)),
     ("model.moe.ffn_hidden_size", _size()),

@@ -115,7 +115,8 @@ def parallelize(model: GPTModel, group: ProcessGroup, sequence_parallel: bool) -
     cfg = model.cfg
     padded = padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, tp)
     model.padded_vocab_size = padded
-    model.embedding = VocabParallelEmbedding(model.embedding, padded, group, sequence_parallel)
+    if model.embedding is not None:  # (a pipeline stage without the table holds none)
+        model.embedding = VocabParallelEmbedding(model.embedding, padded, group, sequence_parallel)
     if model.output_layer is not None:
         model.output_layer = VocabParallelOutputHead(model.output_layer, padded, group, sequence_parallel)
     else:

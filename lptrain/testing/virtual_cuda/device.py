@@ -98,6 +98,7 @@ class VirtualCuda(PlacementHandlers, Patches):
         VirtualCuda._active = self
         self._patch_cuda()
         self._patch_wrapper_subclass()
+        self._patch_checkpoint_metadata()
         self._patch_distributed()
         self._modes = [Placement(self), DispatchRules(self)]
         for m in self._modes:

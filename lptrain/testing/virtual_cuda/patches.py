@@ -119,6 +119,23 @@ class Patches:
 
         self._set(torch.Tensor, "_make_wrapper_subclass", staticmethod(make_wrapper))
 
+    def _patch_checkpoint_metadata(self) -> None:
+        """Activation checkpointing compares each recomputed tensor's shape, dtype and device
+        with the forward's: a device tensor's ``.device`` reads the real CPU where the forward
+        records it (its saved-tensor hook runs with the placement mode off) and ``cuda`` in
+        the recompute (under it), so the check compares the label instead."""
+        import torch.utils.checkpoint as ckpt
+
+        checks = ckpt._allowed_determinism_checks_to_fns
+        key = ckpt._DEFAULT_DETERMINISM_MODE
+        original = checks[key]
+
+        def metadata(x: torch.Tensor) -> dict[str, Any]:
+            return {"shape": x.shape, "dtype": x.dtype, "device": "cuda" if is_device(x) else "cpu"}
+
+        checks[key] = metadata
+        self._undo.append(lambda: checks.__setitem__(key, original))
+
     # -- torch.distributed ---------------------------------------------------------------------
 
     def _patch_distributed(self) -> None:
@@ -151,7 +168,10 @@ class Patches:
         for name in TENSOR_COLLECTIVES:
             fn = getattr(dist, name, None)
             if fn is not None:
-                self._set(dist, name, self._checked_collective(name, fn))
+                checked = self._checked_collective(name, fn)
+                self._set(dist, name, checked)
+                if name in ("isend", "irecv"):  # P2POp accepts only c10d's own isend/irecv
+                    self._set(dist.distributed_c10d, name, checked)
         for name in OBJECT_COLLECTIVES:
             fn = getattr(dist, name, None)
             if fn is not None:

@@ -55,6 +55,9 @@ SHRINK: dict[str, Any] = {
     "ddp.num_distributed_optimizer_instances": 1,
     # one CPU rank: no tensor parallelism (its effects: tests/dist/test_tensor_parallel.py)
     "model.tensor_model_parallel_size": 1, "model.sequence_parallel": False,
+    # (nor pipeline parallelism: tests/dist/test_pipeline_parallel.py)
+    "model.pipeline_model_parallel_size": 1, "model.virtual_pipeline_model_parallel_size": None,
+    "model.pipeline_schedule": None,
 }
 MAX_SHRUNK_LAYERS = 3
 STEPS = 1

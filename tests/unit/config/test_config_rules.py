@@ -48,6 +48,8 @@ LION = "optimizer.muon.scalar_optimizer=lion"
 SGW = "model.moe.single_grouped_weight=true"
 TP2 = "model.tensor_model_parallel_size=2"
 SP = "model.sequence_parallel=true"
+PP2 = "model.pipeline_model_parallel_size=2"
+VPP2 = "model.virtual_pipeline_model_parallel_size=2"
 
 # (rule, trigger overrides, expected keys (subset, in order), neighbour overrides, world[,
 # the neighbour's world when it differs])
@@ -179,6 +181,20 @@ CASES: list[tuple] = [
      [MOE, "model.moe.expert_model_parallel_size=2", "train.global_batch_size=24"], World(dp=6)),
     ("LAUNCH-TP-DIVIDES-WORLD", [TP2], ("model.tensor_model_parallel_size",), [TP2],
      World(ranks=3), World(ranks=4)),
+    ("LAUNCH-PP-DIVIDES-WORLD", [PP2, "train.micro_batch_size=2"], ("model.pipeline_model_parallel_size",),
+     [PP2, "train.micro_batch_size=2"], World(ranks=3), World(ranks=4)),
+    ("PP-LAYERS-DIVIDE", [PP2, "model.num_layers=3"], ("model.num_layers",), [PP2, "model.num_layers=4"], CPU),
+    ("PP-VIRTUAL-NEEDS-PP", [VPP2], ("model.virtual_pipeline_model_parallel_size",),
+     [PP2, VPP2, "model.num_layers=4"], CPU),
+    ("PP-SCHEDULE-VIRTUAL", [PP2, "model.pipeline_schedule=interleaved_1f1b"], ("model.pipeline_schedule",),
+     [PP2, "model.pipeline_schedule=interleaved_1f1b", VPP2, "model.num_layers=4"], CPU),
+    ("PP-MICRO-BATCHES", [PP2, "train.global_batch_size=4"], ("train.global_batch_size",),
+     [PP2, "train.global_batch_size=8"], CPU),
+    ("PP-INTERLEAVED-MICRO-BATCHES", [PP2, VPP2, "model.num_layers=4", "train.micro_batch_size=1",
+                                      "train.global_batch_size=3"], ("train.global_batch_size",),
+     [PP2, VPP2, "model.num_layers=4", "train.micro_batch_size=1", "train.global_batch_size=4"], CPU),
+    ("PP-MOE-EVERY-STAGE", [MOE, PP2, "model.num_layers=4", "model.moe.moe_layer_freq=4"],
+     ("model.moe.moe_layer_freq",), [MOE, PP2, "model.num_layers=4", "model.moe.moe_layer_freq=2"], CPU),
     ("TP-HEADS", ["model.tensor_model_parallel_size=8"], ("model.num_attention_heads",),
      ["model.tensor_model_parallel_size=4"], CPU),
     ("TP-KV-HEADS", [TP2, "model.num_query_groups=1"], ("model.num_query_groups",),

@@ -145,7 +145,7 @@ def _groups(cfg: Any) -> Any:
     moe = cfg.model.moe
     return build_groups(cfg.ddp.num_distributed_optimizer_instances,
                         ep=moe.expert_model_parallel_size if moe.num_experts else 1,
-                        tp=cfg.model.tensor_model_parallel_size)
+                        tp=cfg.model.tensor_model_parallel_size, pp=cfg.model.pipeline_model_parallel_size)
 
 
 def _tp_orthogonalizer(cfg: Any) -> Any:
@@ -290,6 +290,9 @@ SITES: dict[str, ByRule | NotConfig] = {
     # process groups
     "lptrain/distributed/groups.py::_check_sizes::ConfigError: model.tensor_model_parallel_size={} must divi":
         ByRule("LAUNCH-TP-DIVIDES-WORLD", ("model.tensor_model_parallel_size=2",), World(ranks=1), build=_groups),
+    "lptrain/distributed/groups.py::_check_sizes::ConfigError: tensor x pipeline parallel = {} x {} must divide the world size {}":
+        ByRule("LAUNCH-PP-DIVIDES-WORLD", ("model.pipeline_model_parallel_size=2",), World(ranks=1),
+               build=_groups),
     "lptrain/distributed/groups.py::_check_sizes::ConfigError: ddp.num_distributed_optimizer_instances={} mu":
         ByRule("DDP-INSTANCES-DIVIDE-DP", ("ddp.use_distributed_optimizer=true",
                                            "ddp.num_distributed_optimizer_instances=2"), build=_groups),

@@ -1,0 +1,188 @@
+"""Rank side of the pipeline-parallel tests (module-level: pickled).
+
+One spawned world per size runs every case of that size (spawning and engine set-up cost
+seconds; a tiny step a fraction of one): every CPU recipe at PP 2 for :data:`STEPS` steps,
+interleaving, the delayed-scaling and stochastic-rounding regressions, train-eval-train, tied
+embeddings, and the checkpoint runs of the resumes across pipeline sizes (through
+:func:`lptrain.train.pretrain`, what each rank of ``lptrain pretrain --nproc-per-node`` runs).
+Each rank returns its own stage's fp32 masters; the tests join them into one model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+RECIPES = ["tiny_cpu.yaml", "bf16_adamw_cpu.yaml", "fp8_blockwise_cpu.yaml", "fp8_delayed_cpu.yaml",
+           "fp8_tensorwise_cpu.yaml", "moe_mxfp8_cpu.yaml", "mxfp8_adamw_cpu.yaml", "mxfp8_muon_cpu.yaml",
+           "nvfp4_adamw_cpu.yaml"]
+STEPS = 6
+# 2 sequences of 64 tokens per micro-batch, 4 per step: 2 micro-batches per step at DP 1
+SMALL = ["data.builtin_max_mb=1", "train.eval_iters=1", "logging.progress=false", "optimizer.warmup_iters=0",
+         "model.seq_length=64", "train.micro_batch_size=2", "train.global_batch_size=4"]
+PP2 = ["model.pipeline_model_parallel_size=2"]
+# interleaving: 4 layers in 2 x 2 chunks (rank 0 holds layers 0 and 2, rank 1 layers 1 and 3)
+FOUR_LAYERS = ["model.num_layers=4"]
+VPP2 = [*PP2, "model.virtual_pipeline_model_parallel_size=2"]
+INTERLEAVED = ["tiny_cpu.yaml", "fp8_delayed_cpu.yaml", "moe_mxfp8_cpu.yaml", "mxfp8_muon_cpu.yaml",
+               "nvfp4_adamw_cpu.yaml"]
+# PP 2 x DP 2 against DP 2 (1-sequence micro-batches: still 2 per step and rank); MoE at EP 2
+DP_CASES = {
+    "tiny_cpu.yaml": [],
+    "mxfp8_adamw_cpu.yaml": [],  # MXFP8 param gather through the reused grad buffer, ZeRO-1
+    "mxfp8_muon_cpu.yaml": [],  # layer-wise Muon
+    "moe_mxfp8_cpu.yaml": ["model.moe.expert_model_parallel_size=2"],  # dense + expert optimizers
+    "zero3": ["ddp.data_parallel_sharding_strategy=optim_grads_params", "ddp.overlap_grad_reduce=true",
+              "ddp.overlap_param_gather=true", "ddp.bucket_size=20000"],
+}
+DP_SMALL = ["train.micro_batch_size=1"]
+# PP 2 x TP 2 (+ SP) against TP 2: the hidden states between stages are sequence shards
+TP_CASES = {"tiny_cpu.yaml": [], "moe_mxfp8_cpu.yaml": []}
+TP2 = ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"]
+TIED = ["model.tie_embeddings=true"]
+# NVFP4 on both layers (the recipe keeps the last one in BF16): stage 1 rounds stochastically
+NVFP4_ALL = ["precision.num_layers_at_end_in_bf16=0"]
+CKPT = "tiny_cpu.yaml"
+CKPT_STEPS = 4  # the split runs stop after half (train.exit_interval) and resume
+
+
+def recipe_of(case: str) -> str:
+    return case if case.endswith(".yaml") else "tiny_cpu.yaml"
+
+
+def run(recipe: str, extra: list[str], steps: int = STEPS, **kw: Any) -> dict[str, Any]:
+    """Losses, grad norms and this rank's fp32 masters after ``steps`` steps."""
+    from lptrain.testing.parity import train_steps
+
+    r = train_steps(recipe, [*SMALL, *extra], steps=steps, **kw)
+    return {"losses": r["losses"], "grad_norms": r["grad_norms"], "masters": r["masters"]}
+
+
+def pretrain_run(out: Path, *extra: str) -> dict[str, Any]:
+    """Run (or resume) :data:`CKPT` into ``out`` (1-sequence micro-batches: 4 per step at DP 1,
+    2 at DP 2); its summary."""
+    from lptrain.config import compose
+    from lptrain.train import pretrain
+
+    ov = [*SMALL, *DP_SMALL, "logging.plots=false", "train.log_interval=null", f"train.train_iters={CKPT_STEPS}",
+          f"checkpoint.save={out}/ckpt", *extra]
+    return pretrain(compose(CKPT, ov), out)
+
+
+def metrics(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def copy_on_rank0(rank: int, src: Path, dst: Path) -> None:
+    import torch.distributed as dist
+
+    dist.barrier()
+    if rank == 0:
+        shutil.copytree(src, dst)
+    dist.barrier()
+
+
+@contextlib.contextmanager
+def one_region_per_step() -> Any:
+    """The fault the delayed-scaling regression test injects: the whole schedule step runs
+    inside one autocast region of the stage, so each layer's history advances once per step
+    (at the region's exit) instead of once per micro-batch as without pipelining."""
+    from lptrain.distributed.pipeline import PipelineRunner
+
+    unpatched = PipelineRunner.forward_backward
+
+    def per_step(self: PipelineRunner, micro_batches: Any) -> Any:
+        with self.model.autocast(self.groups.everyone.pg):
+            return unpatched(self, micro_batches)
+
+    PipelineRunner.forward_backward = per_step  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        PipelineRunner.forward_backward = unpatched  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def streams_seeded_by_global_rank() -> Any:
+    """The fault the stochastic-rounding regression test injects: each stage seeds its
+    quantizers' streams with its global rank (rank 1 draws other bits than rank 0, which
+    holds all layers without pipelining)."""
+    from lptrain.train.engine import TrainEngine
+
+    unpatched = TrainEngine.stream_rank
+    TrainEngine.stream_rank = lambda self: self.rank  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        TrainEngine.stream_rank = unpatched  # type: ignore[method-assign]
+
+
+def nonfinite_note(rank: int) -> str:
+    """The error of a run whose second stage's final-norm gradient turns NaN at step 2 (a hook
+    on rank 1 only): every rank stops with the same line, naming the rank, stage and tensor."""
+    import torch
+
+    from lptrain.testing.parity import train_steps
+    from lptrain.train.engine import TrainingDivergedError
+
+    def poison(engine: Any, step: int) -> None:
+        if step == 2 and rank == 1:
+            w = engine.model.final_norm.weight
+            w.register_hook(lambda g: torch.full_like(g, float("nan")))
+
+    try:
+        train_steps("tiny_cpu.yaml", [*SMALL, *PP2], steps=2, before_step=poison)
+    except TrainingDivergedError as e:
+        return str(e)
+    return "no error"
+
+
+def world2(rank: int, world: int, root: str) -> dict[str, Any]:
+    """PP 2: every recipe, interleaving, the regressions, train-eval-train, tied embeddings,
+    the DP 2 and TP 2 baselines of the 4-rank world, and the checkpoint runs."""
+    from lptrain.testing.parity import first_difference, train_steps
+
+    base = Path(root)
+    out: dict[str, Any] = {
+        "pp2": {r: run(r, PP2) for r in RECIPES},
+        "interleaved": {r: run(r, [*FOUR_LAYERS, *VPP2]) for r in INTERLEAVED},
+        "dp2": {c: run(recipe_of(c), [*DP_SMALL, *ov]) for c, ov in DP_CASES.items()},
+        "tp2": {c: run(c, [*TP2, *ov]) for c, ov in TP_CASES.items()},
+        "tied": run("tiny_cpu.yaml", [*TIED, *PP2]),
+    }
+    with one_region_per_step():
+        out["delayed_per_step"] = run("fp8_delayed_cpu.yaml", PP2)
+    out["sr"] = run("nvfp4_adamw_cpu.yaml", [*NVFP4_ALL, *PP2])
+    with streams_seeded_by_global_rank():
+        out["sr_global_rank"] = run("nvfp4_adamw_cpu.yaml", [*NVFP4_ALL, *PP2])
+    # train-eval-train (an evaluation through the schedule, a forced param sync) is bitwise
+    plain = train_steps("fp8_delayed_cpu.yaml", [*SMALL, *PP2], steps=3)
+    evald = train_steps("fp8_delayed_cpu.yaml", [*SMALL, *PP2], steps=3, eval_every=1, sync_after=[2])
+    out["eval_bitwise"] = first_difference(plain, evald)
+    out["nonfinite"] = nonfinite_note(rank)
+    # checkpoints at PP 2: straight, split (bitwise), a copy of the first half for the PP 1
+    # and PP 2 x DP 2 resumes, and the resume of the parent's PP 1 save
+    half = f"train.exit_interval={CKPT_STEPS // 2}"
+    pretrain_run(base / "pp2_straight", *PP2)
+    first = pretrain_run(base / "pp2_split", *PP2, half)
+    copy_on_rank0(rank, base / "pp2_split", base / "pp2_half")
+    second = pretrain_run(base / "pp2_split", *PP2, half)
+    out["split_status"] = (first["status"], second["status"], second.get("resumed_from_step"))
+    pretrain_run(base / "from_pp1", *PP2)  # a copy of the PP 1 half run, resumed at PP 2
+    return out
+
+
+def world4(rank: int, world: int, root: str) -> dict[str, Any]:
+    """PP 2 x DP 2 and PP 2 x TP 2 against the DP 2 and TP 2 baselines, and the resumes across
+    DP at PP 2."""
+    base = Path(root)
+    out: dict[str, Any] = {"pp2dp2": {c: run(recipe_of(c), [*DP_SMALL, *ov, *PP2]) for c, ov in DP_CASES.items()},
+                           "pp2tp2": {c: run(c, [*TP2, *ov, *PP2]) for c, ov in TP_CASES.items()}}
+    half = f"train.exit_interval={CKPT_STEPS // 2}"
+    pretrain_run(base / "pp2dp2_straight", *PP2)
+    pretrain_run(base / "from_pp2", *PP2)  # the PP 2 half run, resumed at PP 2 x DP 2
+    pretrain_run(base / "pp2dp2_half", *PP2, half)  # resumed at PP 1 by the parent
+    return out
