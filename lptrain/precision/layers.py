@@ -42,32 +42,21 @@ def normal_init(std: float) -> InitMethod:
     return init
 
 
-def _native_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the unquantized GEMMs run in the operands' own 16-bit dtype.
-
-    On CUDA with 16-bit activations and weights of the same dtype, cuBLAS multiplies in that
-    dtype with fp32 accumulation (what TE and Megatron do for bf16 GEMMs). Everywhere else
-    (CPU, fp32 runs) the operands are upcast and multiplied in fp32: bf16 matmul is ~80x
-    slower on CPU, and rounding the fp32 result once gives the same values.
-    """
-    return x.is_cuda and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16)
-
-
 class _HighPrecisionLinearFn(torch.autograd.Function):
     """y = x W^T unquantized; wgrad optionally accumulated straight into ``weight.main_grad``.
 
-    fprop and dgrad run natively in bf16 on CUDA (:func:`_native_gemm`), else in fp32; the
-    weight gradient is always formed in fp32. When the weight carries a ``main_grad`` buffer
-    and fusion is on, it is added into it and ``weight.grad_added_to_main_grad`` is set, so
-    the data-parallel hook does not add it a second time (the Megatron
-    gradient-accumulation-fusion contract).
+    fprop and dgrad run natively in bf16 on CUDA (``linear_ops.native_16bit_gemm``), else in
+    fp32; the weight gradient is always formed in fp32 (``linear_ops.wgrad_fp32``). When the
+    weight carries a ``main_grad`` buffer and fusion is on, it is added into it and
+    ``weight.grad_added_to_main_grad`` is set, so the data-parallel hook does not add it a
+    second time (the Megatron gradient-accumulation-fusion contract).
     """
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, fuse_wgrad: bool) -> torch.Tensor:  # type: ignore[override]
         ctx.save_for_backward(x, weight)
         ctx.fuse_wgrad = fuse_wgrad
-        if _native_gemm(x, weight):
+        if _ops.native_16bit_gemm(x, weight):
             return x @ weight.t()
         out = x.float() @ weight.float().t()
         return out.to(x.dtype)
@@ -76,11 +65,11 @@ class _HighPrecisionLinearFn(torch.autograd.Function):
     def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
         x, weight = ctx.saved_tensors
         dy2 = dy.reshape(-1, dy.shape[-1])
-        if _native_gemm(x, weight) and dy.dtype == x.dtype:
+        if _ops.native_16bit_gemm(x, weight) and dy.dtype == x.dtype:
             dx = (dy2 @ weight).reshape(*dy.shape[:-1], weight.shape[1])
         else:
             dx = (dy2.float() @ weight.float()).reshape(*dy.shape[:-1], weight.shape[1]).to(x.dtype)
-        dw = dy2.float().t() @ x.float().reshape(-1, x.shape[-1])
+        dw = _ops.wgrad_fp32(dy2, x.reshape(-1, x.shape[-1]))
         return dx, accumulate_wgrad(weight, dw, ctx.fuse_wgrad), None
 
 

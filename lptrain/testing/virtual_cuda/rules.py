@@ -24,6 +24,15 @@ if TYPE_CHECKING:
 # Ops that move data between host and device on purpose (checked by their own rules).
 TRANSFERS = {aten._to_copy.default, aten.copy_.default, aten._copy_from.default,
               aten._copy_from_and_resize.default}
+
+
+def _mm_out_dtype(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """CUDA's 16-bit GEMM with a wider output: exact products, fp32 accumulation."""
+    return torch.mm(a.to(out_dtype), b.to(out_dtype))
+
+
+# Ops CUDA has and the CPU does not, run here the way the device computes them.
+CUDA_ONLY = {aten.mm.dtype: _mm_out_dtype} if "dtype" in aten.mm.overloads() else {}
 # Ops whose output size depends on device values: CUDA must sync to allocate the output.
 SYNC_OPS = {
     aten.nonzero.default, aten.nonzero_static.default, aten.masked_select.default,
@@ -80,7 +89,7 @@ class DispatchRules(TorchDispatchMode):
                 "generator" not in kwargs and any(a.name == "generator" for a in func._schema.arguments)
             ):
                 kwargs["generator"] = self.vd.generator  # CUDA's default generator
-        out = func(*args, **kwargs)
+        out = CUDA_ONLY.get(func, func)(*args, **kwargs) if on_device else func(*args, **kwargs)
         if on_device or (not top and not listed and self.vd.ambient() == DEVICE):
             label_all(out, self.vd.stats)
         return out
