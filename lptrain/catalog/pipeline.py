@@ -76,14 +76,15 @@ class PipelineLayout:
 
     def in_flight(self, pp_rank: int, micro_batches: int) -> float:
         """Micro-batches whose activations pipeline rank ``pp_rank`` holds at its peak, as
-        Megatron counts them: ``min(m, PP - r)`` under 1F1B; with interleaving the first
+        Megatron counts them: ``min(m, PP - r)`` under 1F1B (``m`` on every stage when
+        ``m < PP``: all forwards run before the first backward); with interleaving the first
         stage's ``PP`` scaled by ``1 + (PP - 1) / (PP x VPP)`` (its chunks are ``1 / VPP`` of
         its layers each; the penalty counts the extra warm-up forwards)."""
         if self.pp == 1:
             return 1.0
         if self.vpp > 1:  # (interleaving needs m % PP == 0: m >= PP)
             return (self.pp - pp_rank) * (1 + (self.pp - 1) / (self.pp * self.vpp))
-        return float(min(micro_batches, self.pp - pp_rank))
+        return float(micro_batches if micro_batches < self.pp else self.pp - pp_rank)
 
 
 def bubble_fraction(pp: int, micro_batches: int, vpp: int = 1) -> float:

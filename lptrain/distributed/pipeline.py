@@ -140,9 +140,10 @@ class PipelineRunner:
     def schedule(self, n: int, train: bool) -> Any:
         """The schedule for ``n`` micro-batches (training: with the backward; kept, with its
         stages' receive buffers, for the next steps). Evaluation runs the training schedule's
-        kind forward-only (built per evaluation: its buffers are freed after it); with fewer
-        micro-batches than 1F1B accepts, GPipe's order (all forwards), which is the same order
-        for a forward-only step."""
+        kind forward-only (built per evaluation: its buffers are freed after it). With fewer
+        micro-batches than stages (which torch's Schedule1F1B refuses), 1F1B's warm-up holds
+        them all, so Megatron's 1F1B runs every forward, then every backward, on each stage:
+        GPipe's order, which torch's ScheduleGPipe runs (PP-FEW-MICRO-BATCHES warns)."""
         key = (n, train)
         if key in self._schedules:
             return self._schedules[key]
@@ -151,7 +152,7 @@ class PipelineRunner:
         loss_fn = self._loss if train else self._eval_loss
         if self.interleaved:
             sched = p.ScheduleInterleaved1F1B(stages, n, loss_fn=loss_fn, scale_grads=False)
-        elif train or n >= self.layout.pp:
+        elif n >= self.layout.pp:
             sched = p.Schedule1F1B(stages[0], n, loss_fn=loss_fn, scale_grads=False)
         else:
             sched = p.ScheduleGPipe(stages[0], n, loss_fn=loss_fn, scale_grads=False)

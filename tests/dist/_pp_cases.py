@@ -42,6 +42,9 @@ DP_SMALL = ["train.micro_batch_size=1"]
 # PP 2 x TP 2 (+ SP) against TP 2: the hidden states between stages are sequence shards
 TP_CASES = {"tiny_cpu.yaml": [], "moe_mxfp8_cpu.yaml": []}
 TP2 = ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"]
+# One micro-batch per step at DP 2 (the CPU recipes' own 8 / (4 x 2) at 4 ranks): fewer than
+# the stages, so the pipeline runs GPipe's order; PP 2 x DP 2 against DP 2
+FEW = ["fp8_delayed_cpu.yaml", "nvfp4_adamw_cpu.yaml", "mxfp8_muon_cpu.yaml"]
 TIED = ["model.tie_embeddings=true"]
 # NVFP4 on both layers (the recipe keeps the last one in BF16): stage 1 rounds stochastically
 NVFP4_ALL = ["precision.num_layers_at_end_in_bf16=0"]
@@ -151,6 +154,7 @@ def world2(rank: int, world: int, root: str) -> dict[str, Any]:
         "interleaved": {r: run(r, [*FOUR_LAYERS, *VPP2]) for r in INTERLEAVED},
         "dp2": {c: run(recipe_of(c), [*DP_SMALL, *ov]) for c, ov in DP_CASES.items()},
         "tp2": {c: run(c, [*TP2, *ov]) for c, ov in TP_CASES.items()},
+        "dp2_few": {r: run(r, []) for r in FEW},
         "tied": run("tiny_cpu.yaml", [*TIED, *PP2]),
     }
     with one_region_per_step():
@@ -180,7 +184,8 @@ def world4(rank: int, world: int, root: str) -> dict[str, Any]:
     DP at PP 2."""
     base = Path(root)
     out: dict[str, Any] = {"pp2dp2": {c: run(recipe_of(c), [*DP_SMALL, *ov, *PP2]) for c, ov in DP_CASES.items()},
-                           "pp2tp2": {c: run(c, [*TP2, *ov, *PP2]) for c, ov in TP_CASES.items()}}
+                           "pp2tp2": {c: run(c, [*TP2, *ov, *PP2]) for c, ov in TP_CASES.items()},
+                           "pp2dp2_few": {r: run(r, PP2) for r in FEW}}
     half = f"train.exit_interval={CKPT_STEPS // 2}"
     pretrain_run(base / "pp2dp2_straight", *PP2)
     pretrain_run(base / "from_pp2", *PP2)  # the PP 2 half run, resumed at PP 2 x DP 2

@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _pp_cases import (
     CKPT_STEPS,
     DP_CASES,
+    FEW,
     FOUR_LAYERS,
     INTERLEAVED,
     NVFP4_ALL,
@@ -134,6 +135,17 @@ def test_pp2_dp2_matches_dp2_bitwise(runs: dict[str, Any], case: str) -> None:
     reports = [r["pp2dp2"][case] for r in runs["four"]]  # ranks 0, 1: stage 0; 2, 3: stage 1
     for dp in (0, 1):  # each data-parallel replica of the pipeline holds the whole model
         _assert_bitwise([reports[dp], reports[2 + dp]], want, case)
+
+
+@pytest.mark.parametrize("recipe", FEW)
+def test_fewer_micro_batches_than_stages_match_dp2_bitwise(runs: dict[str, Any], recipe: str) -> None:
+    """One micro-batch per step at PP 2 x DP 2 (Schedule1F1B refuses fewer micro-batches than
+    stages; 1F1B's warm-up would hold them all, so lptrain runs ScheduleGPipe, the same order):
+    bitwise the DP 2 run's, delayed scaling, stochastic rounding and layer-wise Muon included."""
+    want = runs["two"][0]["dp2_few"][recipe]
+    reports = [r["pp2dp2_few"][recipe] for r in runs["four"]]
+    for dp in (0, 1):
+        _assert_bitwise([reports[dp], reports[2 + dp]], want, recipe)
 
 
 @pytest.mark.parametrize("recipe", sorted(TP_CASES))

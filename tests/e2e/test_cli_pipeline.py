@@ -9,6 +9,7 @@ launch within 30 s with the one-line peer message and exit 3.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -31,8 +32,13 @@ def test_validate_config_judges_tp_times_pp_times_dp() -> None:
                             "model.sequence_parallel=true", "train.micro_batch_size=2", "--dp", "2"])
     assert r.exit_code == 0, r.output
     assert "dp 2, 8 ranks" in r.output
+    # 8 / (4 x 2) = 1 micro-batch < 2 stages: 1F1B runs it (GPipe's order), with a warning;
+    # the interleaved schedule refuses it
     r = runner.invoke(app, ["validate-config", "--recipe", "tiny_cpu.yaml", PP2, "--dp", "2"])
-    assert r.exit_code == 1 and "PP-MICRO-BATCHES" in r.output  # 8 / (4 x 2) = 1 micro-batch < 2 stages
+    assert r.exit_code == 0 and "PP-FEW-MICRO-BATCHES" in r.output and "50% of the step is bubble" in r.output
+    r = runner.invoke(app, ["validate-config", "--recipe", "tiny_cpu.yaml", PP2, "--dp", "2", "model.num_layers=4",
+                            "model.virtual_pipeline_model_parallel_size=2"])
+    assert r.exit_code == 1 and "PP-MICRO-BATCHES" in r.output
 
 
 def test_pretrain_on_fewer_ranks_than_pp_is_refused_by_the_rule(tmp_path: Path) -> None:
@@ -89,3 +95,26 @@ def test_a_stage_killed_ends_the_pipeline_within_30s_with_one_line(tmp_path: Pat
     errors = [line for line in stderr.splitlines() if line.startswith("error:")]
     assert errors and errors[0].startswith("error: rank 0 lost peer 1 (exit 137, signal SIGKILL)"), stderr
     assert "Traceback" not in stderr and "bug in lptrain" not in stderr, stderr
+
+
+@pytest.mark.dist
+def test_a_cpu_recipe_at_pp2_on_four_ranks_trains_as_dp2(tmp_path: Path) -> None:
+    """``lptrain pretrain --recipe fp8_delayed_cpu.yaml --nproc-per-node 4 pp=2`` with the
+    recipe's own batch (8 / (4 x 2) = 1 micro-batch per step: fewer than the stages, so the
+    pipeline runs GPipe's order, with the PP-FEW-MICRO-BATCHES warning) logs the same losses
+    and grad norms, bitwise, as the same recipe on 2 ranks without pipelining."""
+    common = ["--recipe", "fp8_delayed_cpu.yaml", "train.train_iters=3", "optimizer.warmup_iters=1",
+              "logging.progress=false",
+              "data.builtin_max_mb=1", "train.eval_iters=1", "logging.plots=false"]
+    views = {}
+    for name, extra in (("pp2", ["--nproc-per-node", "4", PP2]), ("dp2", ["--nproc-per-node", "2"])):
+        out = tmp_path / name
+        proc = subprocess.run([sys.executable, "-m", "lptrain", "pretrain", *common, *extra, "--output-dir", str(out)],
+                              capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                              timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        if name == "pp2":
+            assert "PP-FEW-MICRO-BATCHES" in proc.stdout + proc.stderr
+        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        views[name] = [(m["step"], m["loss"], m["grad_norm"]) for m in rows if "loss" in m]
+    assert len(views["dp2"]) == 3 and views["pp2"] == views["dp2"]

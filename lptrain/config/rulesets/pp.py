@@ -55,11 +55,19 @@ def _layers_bad(c: LPTrainConfig, w: World) -> Any:
     return {"what": what, "chunks": lay.chunks}
 
 
-def _too_few_micro_batches(c: LPTrainConfig, w: World) -> Any:
+def _fewer_micro_batches_than_stages(c: LPTrainConfig, w: World) -> Any:
     m = micro_batches(c, w)
     if pp_size(c) <= 1 or m < 1 or m >= pp_size(c):
         return False
-    return {"m": m}
+    return {"m": m, "bubble": f"{100 * (pp_size(c) - 1) / (m + pp_size(c) - 1):.0f}%"}
+
+
+def _too_few_for_interleaving(c: LPTrainConfig, w: World) -> Any:
+    return _fewer_micro_batches_than_stages(c, w) if vpp_size(c) > 1 else False
+
+
+def _too_few_for_1f1b(c: LPTrainConfig, w: World) -> Any:
+    return _fewer_micro_batches_than_stages(c, w) if vpp_size(c) <= 1 else False
 
 
 def _interleaved_not_divisible(c: LPTrainConfig, w: World) -> Any:
@@ -138,14 +146,32 @@ RULES = [
     Rule(
         id="PP-MICRO-BATCHES", severity="error",
         keys=("train.global_batch_size", "train.micro_batch_size", "model.pipeline_model_parallel_size"),
-        when=_too_few_micro_batches,
+        when=_too_few_for_interleaving,
         message="{m} micro-batch(es) per step (global_batch_size / (micro_batch_size x dp)) is fewer "
-                "than the {cfg.model.pipeline_model_parallel_size} pipeline stages: the schedule "
-                "needs at least one micro-batch in flight per stage",
+                "than the {cfg.model.pipeline_model_parallel_size} pipeline stages: the interleaved "
+                "schedule needs at least one micro-batch in flight per stage",
         fix="raise train.global_batch_size to at least micro_batch_size x dp x "
             "{cfg.model.pipeline_model_parallel_size}, or lower train.micro_batch_size",
+        condition="interleaved_1f1b -> global_batch_size / (micro_batch_size x dp) >= "
+                  "pipeline_model_parallel_size",
+        why="torch.distributed.pipelining's ScheduleInterleaved1F1B refuses fewer micro-batches "
+            "than stages, and so does Megatron-LM's interleaved schedule (a multiple of PP)",
+        section=S,
+    ),
+    Rule(
+        id="PP-FEW-MICRO-BATCHES", severity="warning",
+        keys=("train.global_batch_size", "train.micro_batch_size", "model.pipeline_model_parallel_size"),
+        when=_too_few_for_1f1b,
+        message="{m} micro-batch(es) per step is fewer than the "
+                "{cfg.model.pipeline_model_parallel_size} pipeline stages: 1F1B's warm-up holds them "
+                "all, so each stage runs every forward, then every backward (torch's ScheduleGPipe, "
+                "the same order); {bubble} of the step is bubble",
+        fix="raise train.global_batch_size to at least micro_batch_size x dp x "
+            "{cfg.model.pipeline_model_parallel_size} (or lower train.micro_batch_size) for a "
+            "pipeline that overlaps its stages",
         condition="global_batch_size / (micro_batch_size x dp) >= pipeline_model_parallel_size",
-        why="torch.distributed.pipelining's Schedule1F1B refuses fewer micro-batches than stages",
+        why="the results are the same (the micro-batches run in the same order); the time is not: "
+            "the bubble is (p - 1) / (m + p - 1)",
         section=S,
     ),
     Rule(

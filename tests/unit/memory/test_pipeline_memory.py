@@ -32,7 +32,8 @@ def test_layout_splits_layers_into_chunks_in_loop_order() -> None:
 def test_in_flight_micro_batches_as_megatron_counts_them() -> None:
     one_f_one_b = PipelineLayout(num_layers=8, pp=4)
     assert [one_f_one_b.in_flight(r, 8) for r in range(4)] == [4, 3, 2, 1]
-    assert one_f_one_b.in_flight(0, 2) == 2  # fewer micro-batches than stages
+    # fewer micro-batches than stages: all forwards before the first backward, on every stage
+    assert [one_f_one_b.in_flight(r, 2) for r in range(4)] == [2, 2, 2, 2]
     interleaved = PipelineLayout(num_layers=8, pp=4, vpp=2)
     assert interleaved.in_flight(0, 8) == pytest.approx(4 * (1 + 3 / 8))
     assert bubble_fraction(2, 4) == pytest.approx(1 / 5)
