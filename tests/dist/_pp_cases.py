@@ -42,9 +42,9 @@ DP_SMALL = ["train.micro_batch_size=1"]
 # PP 2 x TP 2 (+ SP) against TP 2: the hidden states between stages are sequence shards
 TP_CASES = {"tiny_cpu.yaml": [], "moe_mxfp8_cpu.yaml": []}
 TP2 = ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"]
-# One micro-batch per step at DP 2 (the CPU recipes' own 8 / (4 x 2) at 4 ranks): fewer than
-# the stages, so the pipeline runs GPipe's order; PP 2 x DP 2 against DP 2
-FEW = ["fp8_delayed_cpu.yaml", "nvfp4_adamw_cpu.yaml", "mxfp8_muon_cpu.yaml"]
+# One micro-batch per step at DP 2 (as the CPU recipes' own 8 / (4 x 2) at 4 ranks): fewer
+# than the stages, so the pipeline runs GPipe's order; every recipe, PP 2 x DP 2 against DP 2
+FEW = RECIPES
 TIED = ["model.tie_embeddings=true"]
 # NVFP4 on both layers (the recipe keeps the last one in BF16): stage 1 rounds stochastically
 NVFP4_ALL = ["precision.num_layers_at_end_in_bf16=0"]

@@ -141,7 +141,8 @@ def test_pp2_dp2_matches_dp2_bitwise(runs: dict[str, Any], case: str) -> None:
 def test_fewer_micro_batches_than_stages_match_dp2_bitwise(runs: dict[str, Any], recipe: str) -> None:
     """One micro-batch per step at PP 2 x DP 2 (Schedule1F1B refuses fewer micro-batches than
     stages; 1F1B's warm-up would hold them all, so lptrain runs ScheduleGPipe, the same order):
-    bitwise the DP 2 run's, delayed scaling, stochastic rounding and layer-wise Muon included."""
+    bitwise the DP 2 run's in every CPU recipe (``lptrain pretrain --nproc-per-node 4`` with the
+    recipes' own batch runs this way)."""
     want = runs["two"][0]["dp2_few"][recipe]
     reports = [r["pp2dp2_few"][recipe] for r in runs["four"]]
     for dp in (0, 1):
