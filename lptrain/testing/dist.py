@@ -43,6 +43,7 @@ import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 __all__ = [
@@ -374,3 +375,24 @@ def run_distributed(
                 msg += f"\n--- rank(s) {out.unfinished} were still running and were killed"
             raise RankFailedError(msg, out.failures)
         return [out.results[r] for r in range(world_size)]
+
+
+def launched_rank_pids(launcher: int) -> dict[int, int]:
+    """``{rank: pid}`` of the rank processes a launcher (``lptrain pretrain --nproc-per-node``,
+    ``torchrun``) started: its children, by their ``RANK`` variable (Linux ``/proc``). For the
+    tests that kill, stop or signal one rank of a real launch."""
+    out = {}
+    for task in Path(f"/proc/{launcher}/task").glob("*"):
+        try:
+            children = (task / "children").read_text().split()
+        except OSError:
+            continue
+        for pid in children:
+            try:
+                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            for item in env:
+                if item.startswith(b"RANK="):
+                    out[int(item[5:])] = int(pid)
+    return out

@@ -21,6 +21,7 @@ import pytest
 from typer.testing import CliRunner
 
 from lptrain.cli import app
+from lptrain.testing.dist import launched_rank_pids
 
 runner = CliRunner(env={"COLUMNS": "400"})
 PP2 = "model.pipeline_model_parallel_size=2"
@@ -49,23 +50,6 @@ def test_pretrain_on_fewer_ranks_than_pp_is_refused_by_the_rule(tmp_path: Path) 
     assert not (tmp_path / "run").exists()
 
 
-def _rank_pid(launcher: int, rank: int) -> int | None:
-    """The pid of ``rank`` among the launcher's children (their RANK variable)."""
-    for task in Path(f"/proc/{launcher}/task").glob("*"):
-        try:
-            children = (task / "children").read_text().split()
-        except OSError:
-            continue
-        for pid in children:
-            try:
-                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if f"RANK={rank}".encode() in env:
-                return int(pid)
-    return None
-
-
 @pytest.mark.dist
 def test_a_stage_killed_ends_the_pipeline_within_30s_with_one_line(tmp_path: Path) -> None:
     """Rank 1 (the last stage) is killed mid-run; rank 0 waits on its P2P. The launcher ends
@@ -84,7 +68,7 @@ def test_a_stage_killed_ends_the_pipeline_within_30s_with_one_line(tmp_path: Pat
             stdout, stderr = proc.communicate()
             pytest.fail(f"the run did not start training: {proc.returncode}\n{stdout[-1500:]}\n{stderr[-3000:]}")
         time.sleep(0.1)
-    pid = _rank_pid(proc.pid, 1)
+    pid = launched_rank_pids(proc.pid).get(1)
     assert pid is not None
     killed = time.monotonic()
     os.kill(pid, signal.SIGKILL)

@@ -21,28 +21,11 @@ from pathlib import Path
 
 import pytest
 
+from lptrain.testing.dist import launched_rank_pids
+
 pytestmark = pytest.mark.dist
 
 TIMEOUT_MIN = 0.1
-
-
-def _rank_pids(launcher: int) -> dict[int, int]:
-    """``{rank: pid}`` of the launcher's children (their RANK variable)."""
-    out = {}
-    for task in Path(f"/proc/{launcher}/task").glob("*"):
-        try:
-            children = (task / "children").read_text().split()
-        except OSError:
-            continue
-        for pid in children:
-            try:
-                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            for item in env:
-                if item.startswith(b"RANK="):
-                    out[int(item[5:])] = int(pid)
-    return out
 
 
 def _gone(pid: int) -> bool:
@@ -70,7 +53,7 @@ def test_hung_rank_is_named_and_the_job_exits_3(tmp_path: Path) -> None:
             assert proc.poll() is None, proc.communicate()[1][-3000:]
             assert time.monotonic() < deadline, "the run did not reach step 2"
             time.sleep(0.05)
-        ranks = _rank_pids(proc.pid)
+        ranks = launched_rank_pids(proc.pid)
         assert set(ranks) == {0, 1}, ranks
         os.kill(ranks[1], signal.SIGSTOP)
         stopped_at = time.monotonic()

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from lptrain.checkpoint import find_checkpoints, read_train_state
+from lptrain.testing.dist import launched_rank_pids
 
 pytestmark = pytest.mark.dist
 
@@ -32,23 +33,6 @@ def _command(out: Path) -> list[str]:
             "--output-dir", str(out), "--nproc-per-node", "2", "train.train_iters=100000",
             "checkpoint.save_interval=100000", "logging.progress=false", "data.builtin_max_mb=1",
             "model.seq_length=32", "train.eval_iters=1"]
-
-
-def _rank_pid(launcher: int, rank: int) -> int | None:
-    """The pid of ``rank`` among the launcher's children (their RANK variable)."""
-    for task in Path(f"/proc/{launcher}/task").glob("*"):
-        try:
-            children = (task / "children").read_text().split()
-        except OSError:
-            continue
-        for pid in children:
-            try:
-                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if f"RANK={rank}".encode() in env:
-                return int(pid)
-    return None
 
 
 def _start_then_signal(out: Path, sig: int, after_lines: int) -> subprocess.CompletedProcess:
@@ -65,7 +49,7 @@ def _start_then_signal(out: Path, sig: int, after_lines: int) -> subprocess.Comp
         if metrics.exists() and len(metrics.read_text().splitlines()) >= after_lines:
             break
         time.sleep(0.1)
-    pid = _rank_pid(proc.pid, 1)
+    pid = launched_rank_pids(proc.pid).get(1)
     assert pid is not None
     os.kill(pid, sig)
     stdout, stderr = proc.communicate(timeout=120)
