@@ -16,11 +16,9 @@ from typing import Any
 RECIPES = ["tiny_cpu.yaml", "bf16_adamw_cpu.yaml", "fp8_blockwise_cpu.yaml", "fp8_delayed_cpu.yaml",
            "fp8_tensorwise_cpu.yaml", "moe_mxfp8_cpu.yaml", "mxfp8_adamw_cpu.yaml", "mxfp8_muon_cpu.yaml",
            "nvfp4_adamw_cpu.yaml"]
-# TP 2 x DP 2 against DP 2 (a 4-rank world on 2 cores is the slowest part): the recipes whose
-# data-parallel engine differs per TP rank -- dense AdamW buffers, expert buffers reduced over
-# expert-DP (which spans TP), the layer-wise Muon over DP at each TP rank; ZeRO-2/3 and the
-# FP8/FP4 param gathers per TP rank are ENGINE_VARIANTS (bitwise against their off switches)
-DP_RECIPES = ["tiny_cpu.yaml", "moe_mxfp8_cpu.yaml", "mxfp8_muon_cpu.yaml"]
+# TP 2 x DP 2 against DP 2: every recipe (ZeRO-2/3 and the FP8/FP4 param gathers per TP rank
+# are ENGINE_VARIANTS besides: bitwise against their off switches)
+DP_RECIPES = RECIPES
 STEPS = 10
 # 2 sequences of 64 tokens per micro-batch, 4 per step: one micro-batch per data-parallel rank
 # at DP 2, two at DP 1 (the same global batch, the same samples, at every size)
@@ -127,3 +125,8 @@ def world4(rank: int, world: int, root: str) -> dict[str, Any]:
     pretrain_run(base / "from_tp2", *TP2)  # a copy of the TP 2 half run, resumed at TP 2 x DP 2
     pretrain_run(base / "tp2dp2_half", *TP2, half)
     return out
+
+
+def world2_after(rank: int, world: int, root: str) -> dict[str, Any]:
+    """After the 4-rank world: its TP 2 x DP 2 save, resumed at TP 2."""
+    return pretrain_run(Path(root) / "tp2_from_tp2dp2", *TP2)

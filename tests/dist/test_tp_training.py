@@ -4,9 +4,8 @@ Muon's TP modes; the Hugging Face export.
 
 Worlds: this process runs TP 1 (one rank), one spawned 2-rank world runs DP 2 and TP 2, one
 4-rank world TP 2 x DP 2 (every case of a size in one world). Each step is the same global
-batch of 4 sequences at every size. TP 2 against TP 1 covers every CPU recipe; TP 2 x DP 2
-against DP 2 the recipes whose data-parallel engine differs per TP rank
-(``_tp_train_cases.DP_RECIPES``: a 4-rank world on 2 cores is the slow part).
+batch of 4 sequences at every size. TP 2 against TP 1 and TP 2 x DP 2 against DP 2 cover
+every CPU recipe; a last 2-rank world resumes the TP 2 x DP 2 save at TP 2.
 
 **Loss tolerance.** A TP run computes the single-rank model with its fp32 sums in another
 order (see tests/dist/test_tensor_parallel.py: ~1e-6 of a value after one step). Training
@@ -44,6 +43,7 @@ from _tp_train_cases import (  # noqa: E402
     metrics,
     pretrain_run,
     world2,
+    world2_after,
     world4,
 )
 
@@ -68,6 +68,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         shutil.copytree(root / "tp2_half", root / "tp1_from_tp2")
         four = run_distributed(world4, 4, args=(str(root),), timeout_s=600)
         shutil.copytree(root / "tp2dp2_half", root / "tp1_from_tp2dp2")
+        shutil.copytree(root / "tp2dp2_half", root / "tp2_from_tp2dp2")
+        run_distributed(world2_after, 2, args=(str(root),), timeout_s=600)
         pretrain_run(root / "tp1_from_tp2")
         pretrain_run(root / "tp1_from_tp2dp2")
     finally:
@@ -154,6 +156,7 @@ def test_split_resume_is_bitwise_at_tp2(runs: dict[str, Any]) -> None:
     ("tp1_from_tp2", "tp1_straight", "saved at TP 2, resumed at TP 1"),
     ("from_tp2", "tp2dp2_straight", "saved at TP 2, resumed at TP 2 x DP 2"),
     ("tp1_from_tp2dp2", "tp1_straight", "saved at TP 2 x DP 2, resumed at TP 1"),
+    ("tp2_from_tp2dp2", "tp2_straight", "saved at TP 2 x DP 2, resumed at TP 2"),
 ])
 def test_resume_at_another_tp_size_matches_the_straight_run(runs: dict[str, Any], resumed: str, straight: str,
                                                             note: str) -> None:

@@ -10,6 +10,7 @@ launch within 30 s with the one-line peer message and exit 3.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -82,23 +83,21 @@ def test_a_stage_killed_ends_the_pipeline_within_30s_with_one_line(tmp_path: Pat
 
 
 @pytest.mark.dist
-def test_a_cpu_recipe_at_pp2_on_four_ranks_trains_as_dp2(tmp_path: Path) -> None:
+def test_a_cpu_recipe_at_pp2_on_four_ranks_trains(tmp_path: Path) -> None:
     """``lptrain pretrain --recipe fp8_delayed_cpu.yaml --nproc-per-node 4 pp=2`` with the
     recipe's own batch (8 / (4 x 2) = 1 micro-batch per step: fewer than the stages, so the
-    pipeline runs GPipe's order, with the PP-FEW-MICRO-BATCHES warning) logs the same losses
-    and grad norms, bitwise, as the same recipe on 2 ranks without pipelining."""
-    common = ["--recipe", "fp8_delayed_cpu.yaml", "train.train_iters=3", "optimizer.warmup_iters=1",
-              "logging.progress=false",
-              "data.builtin_max_mb=1", "train.eval_iters=1", "logging.plots=false"]
-    views = {}
-    for name, extra in (("pp2", ["--nproc-per-node", "4", PP2]), ("dp2", ["--nproc-per-node", "2"])):
-        out = tmp_path / name
-        proc = subprocess.run([sys.executable, "-m", "lptrain", "pretrain", *common, *extra, "--output-dir", str(out)],
-                              capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                              timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        if name == "pp2":
-            assert "PP-FEW-MICRO-BATCHES" in proc.stdout + proc.stderr
-        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-        views[name] = [(m["step"], m["loss"], m["grad_norm"]) for m in rows if "loss" in m]
-    assert len(views["dp2"]) == 3 and views["pp2"] == views["dp2"]
+    pipeline runs GPipe's order, with the PP-FEW-MICRO-BATCHES warning) trains: every step
+    logged, the loss finite and falling. That it equals DP 2 bitwise, in every CPU recipe, is
+    tests/dist/test_pipeline_parallel.py's."""
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "lptrain", "pretrain", "--recipe", "fp8_delayed_cpu.yaml",
+                           "train.train_iters=3", "optimizer.warmup_iters=1", "logging.progress=false",
+                           "data.builtin_max_mb=1", "train.eval_iters=1", "logging.plots=false",
+                           "--nproc-per-node", "4", PP2, "--output-dir", str(out)],
+                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "PP-FEW-MICRO-BATCHES" in proc.stdout + proc.stderr
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = [m["loss"] for m in rows if "loss" in m]
+    assert [m["step"] for m in rows if "loss" in m] == [1, 2, 3]
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
