@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from lptrain.precision import autocast as _ac
+from lptrain.precision import gemm as _gemm
 from lptrain.precision import linear_ops as _ops
 from lptrain.precision import operand_stats as _stats
 
@@ -45,8 +46,8 @@ def normal_init(std: float) -> InitMethod:
 class _HighPrecisionLinearFn(torch.autograd.Function):
     """y = x W^T unquantized; wgrad optionally accumulated straight into ``weight.main_grad``.
 
-    fprop and dgrad run natively in bf16 on CUDA (``linear_ops.native_16bit_gemm``), else in
-    fp32; the weight gradient is always formed in fp32 (``linear_ops.wgrad_fp32``). When the
+    fprop and dgrad run natively in bf16 on CUDA (``gemm.native_16bit_gemm``), else in
+    fp32; the weight gradient is always formed in fp32 (``gemm.wgrad_fp32``). When the
     weight carries a ``main_grad`` buffer and fusion is on, it is added into it and
     ``weight.grad_added_to_main_grad`` is set, so the data-parallel hook does not add it a
     second time (the Megatron gradient-accumulation-fusion contract).
@@ -56,7 +57,7 @@ class _HighPrecisionLinearFn(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, fuse_wgrad: bool) -> torch.Tensor:  # type: ignore[override]
         ctx.save_for_backward(x, weight)
         ctx.fuse_wgrad = fuse_wgrad
-        if _ops.native_16bit_gemm(x, weight):
+        if _gemm.native_16bit_gemm(x, weight):
             return x @ weight.t()
         out = x.float() @ weight.float().t()
         return out.to(x.dtype)
@@ -65,11 +66,11 @@ class _HighPrecisionLinearFn(torch.autograd.Function):
     def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
         x, weight = ctx.saved_tensors
         dy2 = dy.reshape(-1, dy.shape[-1])
-        if _ops.native_16bit_gemm(x, weight) and dy.dtype == x.dtype:
+        if _gemm.native_16bit_gemm(x, weight) and dy.dtype == x.dtype:
             dx = (dy2 @ weight).reshape(*dy.shape[:-1], weight.shape[1])
         else:
             dx = (dy2.float() @ weight.float()).reshape(*dy.shape[:-1], weight.shape[1]).to(x.dtype)
-        dw = _ops.wgrad_fp32(dy2, x.reshape(-1, x.shape[-1]))
+        dw = _gemm.wgrad_fp32(dy2, x.reshape(-1, x.shape[-1]))
         return dx, accumulate_wgrad(weight, dw, ctx.fuse_wgrad), None
 
 

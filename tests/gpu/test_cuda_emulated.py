@@ -38,7 +38,7 @@ def test_bf16_wgrad_on_cuda_is_fp32_accurate() -> None:
     value, which the second bound (the fp32 sgemm's own result, 1e-5 relative) catches."""
     import torch
 
-    from lptrain.precision.linear_ops import wgrad_fp32
+    from lptrain.precision.gemm import wgrad_fp32
 
     g = torch.Generator(device="cuda").manual_seed(0)
     dy = torch.randn(4096, 512, device="cuda", generator=g).bfloat16()

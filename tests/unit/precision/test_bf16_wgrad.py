@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lptrain.precision import linear_ops
+from lptrain.precision import gemm
 from lptrain.precision.layers import _HighPrecisionLinearFn
 from lptrain.testing.virtual_cuda import VirtualCuda
 
@@ -65,7 +65,7 @@ def test_on_a_gpu_the_bf16_wgrad_is_a_16bit_gemm_with_an_fp32_result() -> None:
 
 def test_the_gemm_check_fails_with_the_upcast_wgrad(monkeypatch: pytest.MonkeyPatch) -> None:
     """The fix removed (no out_dtype GEMM): the wgrad is an fp32 mm again, which the test sees."""
-    monkeypatch.setattr(linear_ops, "_MM_OUT_DTYPE", False)
+    monkeypatch.setattr(gemm, "_MM_OUT_DTYPE", False)
     with VirtualCuda():
         seen, main_grad, dy, x = _backward(device=True)
     assert aten.mm.dtype not in seen
