@@ -36,7 +36,8 @@ def write_atomically(path: str | Path, data: bytes | str) -> Path:
     return path
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (signal 0; another user's process counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -53,7 +54,7 @@ def remove_stale_temps(folder: str | Path) -> list[Path]:
     with contextlib.suppress(OSError):
         for p in Path(folder).iterdir():
             m = _TEMP.match(p.name)
-            if m and int(m.group(1)) != os.getpid() and not _alive(int(m.group(1))) and p.is_file():
+            if m and int(m.group(1)) != os.getpid() and not pid_alive(int(m.group(1))) and p.is_file():
                 with contextlib.suppress(OSError):
                     p.unlink()
                     removed.append(p)

@@ -21,6 +21,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+from lptrain.checkpoint.atomic import pid_alive
 from lptrain.errors import OutputDirError
 
 _PARTIAL = ".partial-"
@@ -35,23 +36,13 @@ def check_output(out: Path, overwrite: bool) -> None:
         raise OutputDirError(f"--output {out} is not empty", fix="choose a new folder, or pass --overwrite")
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def remove_stale_staging(out: Path) -> list[Path]:
     """Staging folders of ``out`` left by exports that are no longer running; what went."""
     removed = []
     with contextlib.suppress(OSError):
         for p in out.parent.glob(f".{out.name}{_PARTIAL}*"):
             pid = p.name.rsplit("-", 1)[-1]
-            if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+            if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
                 shutil.rmtree(p, ignore_errors=True)
                 removed.append(p)
     return removed

@@ -1,7 +1,7 @@
 """fp64 copies of flat grads for the grad norms, into a buffer kept across steps on the CPU.
 
 The grad norms are summed in fp64 (see ``ShardedMasterOptimizer.grad_norm_sq`` and the
-layer-wise ``run_norm_sq_and_zeros``), which casts each bucket's span of the flat fp32 grad
+layer-wise ``unit_sums_and_zeros``), which casts each bucket's span of the flat fp32 grad
 buffer once per step. On the CPU a fresh fp64 copy of a 1M-element span is an 8 MiB
 allocation that glibc serves by mmap and the kernel page-faults in on every step: measured
 ~7 ms per such bucket inside a DP=2 step, against ~0.25 ms for the same cast into a kept

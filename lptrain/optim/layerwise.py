@@ -142,33 +142,16 @@ def plan_ownership(
     return owners
 
 
-def run_norm_sq_and_zeros(
-    runs: Sequence[tuple[torch.Tensor, Sequence[int]]], device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(sum_u sum(double(g_u)^2), zero entries)`` over units given as runs of adjacent
-    grads ``(run, unit sizes)``: bitwise the per-unit formula added unit by unit in order.
-
-    Each run is converted and squared once, each unit's slice of it summed on its own (a
-    reduction over the same values in the same length as the unit's own tensor), and the
-    per-unit sums added left to right by ``cumsum`` (a sequential scan on the CPU, as the
-    ``+=`` chain was). Counting zeros is exact in any grouping: one count per run."""
-    local = torch.zeros((), dtype=torch.float64, device=device)
-    zeros = torch.zeros((), dtype=torch.int64, device=device)
-    sums: list[torch.Tensor] = []
-    for grad, sizes in runs:
-        sq = fp64_copy(grad).square_()  # (summed below, before the next run's cast)
-        sums += [part.sum() for part in sq.split(list(sizes))]
-        zeros += grad.numel() - torch.count_nonzero(grad)
-    if sums:
-        local = torch.cat([local.view(1), torch.stack(sums)]).cumsum(0)[-1]
-    return local, zeros
-
-
 def unit_sums_and_zeros(
     runs: Sequence[tuple[torch.Tensor, Sequence[int]]], device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(sum(double(g_u)^2) per unit [U], zero entries)``: the terms
-    :func:`run_norm_sq_and_zeros` adds up, each unit's computed the same way."""
+    """``(sum(double(g_u)^2) per unit [U], zero entries)`` over units given as runs of
+    adjacent grads ``(run, unit sizes)``: each term bitwise the unit's own formula.
+
+    Each run is converted and squared once, each unit's slice of it summed on its own (a
+    reduction over the same values in the same length as the unit's own tensor). Counting
+    zeros is exact in any grouping: one count per run. The terms are added up in the
+    grad norm's exact binned sum (:mod:`lptrain.optim.exact_norm`)."""
     zeros = torch.zeros((), dtype=torch.int64, device=device)
     sums: list[torch.Tensor] = []
     for grad, sizes in runs:

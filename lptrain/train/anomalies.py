@@ -25,6 +25,7 @@ from lptrain.checkpoint import find_checkpoints
 from lptrain.checkpoint.atomic import write_atomically
 from lptrain.checkpoint.store import read_train_state
 from lptrain.config.schema import LPTrainConfig
+from lptrain.train.jsonl import step_records
 
 ANOMALIES_FILE = "anomalies.jsonl"
 
@@ -112,16 +113,7 @@ class AnomalyLog:
 def read_anomalies(run_dir: str | Path) -> list[dict[str, Any]]:
     """The anomaly records of a run folder (a torn last line is skipped)."""
     path = Path(run_dir) / ANOMALIES_FILE
-    out = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(rec, dict) and "step" in rec:
-                out.append(rec)
-    return out
+    return step_records(path) if path.exists() else []
 
 
 def trim_anomalies(run_dir: Path, last_step: int) -> None:

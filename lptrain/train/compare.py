@@ -16,13 +16,13 @@ loss and grad norm of both runs with the first difference marked.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 from lptrain.errors import InputError
+from lptrain.train.jsonl import step_records
 
 STEP_FIELDS = ("loss", "grad_norm", "lr", "val_loss")
 
@@ -32,15 +32,7 @@ def _records(run_dir: Path) -> dict[int, dict[str, Any]]:
     if not path.is_file():
         raise InputError(f"{path} not found: not a run folder written by lptrain pretrain",
                          file=str(path), fix="pass two run folders (each holds metrics.jsonl)")
-    out: dict[int, dict[str, Any]] = {}
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict) and "step" in rec:
-            out[int(rec["step"])] = rec
-    return out
+    return {int(rec["step"]): rec for rec in step_records(path)}
 
 
 def rel_diff(a: Any, b: Any) -> float:

@@ -10,11 +10,12 @@ finds the step where each first crossed a threshold (``lptrain numerics RUN_DIR`
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
+
+from lptrain.train.jsonl import step_records
 
 # statistic -> (worse when "high" or "low", default threshold or None, label)
 STATISTICS: dict[str, tuple[str, Optional[float], str]] = {
@@ -41,15 +42,7 @@ class Series:
 
 def numerics_records(run_dir: str | Path) -> list[dict[str, Any]]:
     """The step lines of ``metrics.jsonl`` that carry statistics (a torn line is skipped)."""
-    out = []
-    for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict) and isinstance(rec.get("numerics"), dict) and "step" in rec:
-            out.append(rec)
-    return out
+    return [rec for rec in step_records(Path(run_dir) / "metrics.jsonl") if isinstance(rec.get("numerics"), dict)]
 
 
 def load_series(run_dir: str | Path) -> Series:

@@ -11,18 +11,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+from lptrain.train.jsonl import step_records
+
 
 def _records(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "metrics.jsonl"
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue  # a torn last line after a kill
-        if isinstance(rec, dict) and "step" in rec:
-            out.append(rec)
-    return out
+    return step_records(run_dir / "metrics.jsonl")
 
 
 def write_plots(run_dir: str | Path) -> list[Path]:

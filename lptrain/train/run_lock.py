@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from lptrain.checkpoint.atomic import pid_alive
 from lptrain.errors import OutputDirError
 
 LOCK_FILE = ".lptrain.lock"
@@ -52,16 +53,6 @@ class Holder:
 
     def __str__(self) -> str:
         return f"pid {self.pid} on host {self.host}"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def locked_by(out: str | Path) -> Optional[Holder]:
@@ -125,7 +116,7 @@ def run_lock(out: str | Path, note: Callable[[str], None] = print) -> Iterator[N
     stale = Holder.read(path)
     if stale is not None and stale.pid != os.getpid():
         here = stale.host == socket.gethostname()
-        gone = "no longer running" if here and stale.pid and not _alive(stale.pid) else "its lock was released"
+        gone = "no longer running" if here and stale.pid and not pid_alive(stale.pid) else "its lock was released"
         note(f"note: taking over the lock of a previous run in {out} ({stale}, {gone})")
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)

@@ -33,6 +33,7 @@ def _mm_out_dtype(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> t
 
 # Ops CUDA has and the CPU does not, run here the way the device computes them.
 CUDA_ONLY = {aten.mm.dtype: _mm_out_dtype} if "dtype" in aten.mm.overloads() else {}
+
 # Ops whose output size depends on device values: CUDA must sync to allocate the output.
 SYNC_OPS = {
     aten.nonzero.default, aten.nonzero_static.default, aten.masked_select.default,

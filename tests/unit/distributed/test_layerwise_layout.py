@@ -24,7 +24,7 @@ from lptrain.optim.layerwise import (
     MuonUnit,
     assign_owners,
     plan_ownership,
-    run_norm_sq_and_zeros,
+    unit_sums_and_zeros,
     units_of_buffer,
 )
 
@@ -177,9 +177,9 @@ def test_analytic_1b_compact_muon_fp8_no_more_than_adamw_fp8(dp: int) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_run_norm_and_zeros_equal_the_per_unit_formula_bitwise(dtype: torch.dtype) -> None:
-    """The layer-wise grad norm and zero count go per run of adjacent units; they must be
-    bitwise the per-unit ``sum(double(g)^2)`` added unit by unit, and the exact zero count
-    (runs at odd offsets of a larger buffer, units of unequal sizes, zeros and -0.0)."""
+    """The layer-wise grad norm's terms and zero count go per run of adjacent units; each term
+    must be bitwise the unit's own ``sum(double(g)^2)``, and the zero count exact (runs at
+    odd offsets of a larger buffer, units of unequal sizes, zeros and -0.0)."""
     gen = torch.Generator().manual_seed(0)
     for trial in range(20):
         sizes = [int(n) for n in torch.randint(1, 3000, (int(torch.randint(1, 12, (1,), generator=gen)),),
@@ -191,12 +191,12 @@ def test_run_norm_and_zeros_equal_the_per_unit_formula_bitwise(dtype: torch.dtyp
         runs = [(base[3 : 3 + cut], sizes[: len(sizes) // 2]),
                 (base[3 + cut : 3 + sum(sizes)], sizes[len(sizes) // 2 :])]
         runs = [r for r in runs if r[1]]
-        want = torch.zeros((), dtype=torch.float64)
+        want = []
         zeros = 0
         for grad, ss in runs:
             for g in grad.split(ss):
-                want += g.double().square().sum()
+                want.append(g.double().square().sum())
                 zeros += int((g == 0).sum())
-        got, got_zeros = run_norm_sq_and_zeros(runs, torch.device("cpu"))
-        assert torch.equal(got, want), (trial, got, want)
+        got, got_zeros = unit_sums_and_zeros(runs, torch.device("cpu"))
+        assert torch.equal(got, torch.stack(want)), (trial, got, want)
         assert int(got_zeros) == zeros
