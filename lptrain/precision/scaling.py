@@ -339,6 +339,11 @@ class NVFP4BlockScaler:
         return sdec_bits, enc.reciprocal_().clamp_(max=FLT_MAX)
 
 
+def nvfp4_inv_global_num() -> torch.Tensor:
+    """fl32(1/2688) (0-d, CPU): the per-tensor decode factor of an NVFP4 amax."""
+    return _INV_GLOBAL_NUM
+
+
 def nvfp4_dequant_block_scale(scale_bits: torch.Tensor, global_amax: torch.Tensor) -> torch.Tensor:
     """fp32(fp32(float(sdec_b) * amax) * fl32(1/2688)), TE's ``dequantize_nvfp4`` block factor."""
     sdec = e4m3_bits_to_float(scale_bits)

@@ -26,6 +26,7 @@ from ..formats import FP8Format, rounding_limit
 
 if TYPE_CHECKING:
     from .grouped import GroupedQuantizedTensor
+    from .scaled_operand import ScaledOperand
 
 Role = Literal["input", "weight", "grad"]
 Orientation = Literal["rowwise", "columnwise"]
@@ -196,10 +197,6 @@ class QuantizedTensor(torch.Tensor):
         return self._quantizer
 
     @property
-    def orig_dtype(self) -> torch.dtype:
-        return self.dtype
-
-    @property
     def staging_dtype(self) -> torch.dtype:
         """Dtype used to stage this tensor for a parameter all-gather (see the family doc)."""
         return self.STAGING_DTYPE
@@ -229,6 +226,11 @@ class QuantizedTensor(torch.Tensor):
         if math.prod(self.shape) == 0:  # e.g. an MoE expert that received no tokens
             return torch.zeros(self.shape, dtype=torch.float32, device=self.device)
         return self._dequantize_2d(orientation).reshape(self.shape)  # type: ignore[arg-type]
+
+    def gemm_operand(self, orientation: Orientation) -> ScaledOperand:
+        """This tensor as an operand of torch's scaled GEMM, codes and scales as stored
+        (``rowwise``: ``[M, K]``; ``columnwise``: ``[K, M]``); per family (scaled_operand.py)."""
+        raise NotImplementedError(f"{type(self).__name__} has no scaled-GEMM layout")
 
     def _derive_orientation(self, orientation: Orientation) -> dict[str, torch.Tensor]:
         """Buffers of an absent ``orientation`` rebuilt from the present one, where the format

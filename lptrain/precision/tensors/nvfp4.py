@@ -34,6 +34,7 @@ from ..rht import rht_rows_from_chunks, rotate_group_rows_keep, rotated_scratch
 from ..scratch import Workspace, operand
 from ._chunks import map_row_chunks, row_ranges
 from .base import BlockCut, Orientation, QuantizedTensor, Quantizer, Role, rows_of
+from .scaled_operand import NV_1X16, ScaledOperand, as_dtype, fp4_dtype
 
 NV_BLOCK = 16
 
@@ -249,6 +250,18 @@ class NVFP4Tensor(QuantizedTensor):
     def columnwise_rht_operand(self) -> torch.Tensor:
         """The columnwise [K, M] fp32 GEMM operand as stored (rotated when RHT is on)."""
         return self._values("columnwise")
+
+    def gemm_operand(self, orientation: Orientation) -> ScaledOperand:
+        """BlockWise1x16: packed E2M1 pairs (element 2i in the low nibble, as torch's
+        ``float4_e2m1fn_x2`` and cuBLAS read them), E4M3 block scales and the per-tensor
+        decode scale amax / 2688. Both orientations are stored K-major (``[K, M/2]``
+        column-wise; after the Hadamard rotation when RHT is on, which cancels in dy^T x)."""
+        data, sbytes = self._buffers(orientation)
+        gamax = self._fields[f"amax_{orientation}"]
+        assert gamax is not None
+        return ScaledOperand(as_dtype(data, fp4_dtype()), NV_1X16,
+                             as_dtype(sbytes, torch.float8_e4m3fn),
+                             gamax.to(torch.float32) * _scaling.nvfp4_inv_global_num())
 
     @property
     def clamp_limit(self) -> float:
