@@ -18,7 +18,7 @@ import torch
 
 from .. import scaling as _scaling
 from ..formats import FP8Format, cast_to_fp8, fp8_to_float
-from ..scratch import Workspace
+from ..scratch import Workspace, host_shortcuts
 from ._chunks import map_row_chunks
 from .base import BlockCut, FP8QuantizedTensor, FP8Quantizer, Orientation, Role, rows_of
 from .scaled_operand import MX_1X32, ScaledOperand, as_dtype
@@ -138,7 +138,7 @@ class MXFP8Quantizer(FP8Quantizer):
                 out["columnwise_data"] = q.clone() if self.rowwise else q
                 out["columnwise_scale_inv"] = codes.repeat_interleave(MX_BLOCK, 1)
             return out
-        if self.rowwise and self.columnwise and xf.device.type == "cpu":
+        if self.rowwise and self.columnwise and host_shortcuts(xf):
             return self._quantize_both(xf, out)
         if self.rowwise:
 
