@@ -137,3 +137,29 @@ def resolve(choice: str, recipe: Optional[str], sm: int, cuda_version: Optional[
         return "scaled_mm"
     k = kernel(recipe)
     return "scaled_mm" if sm > 0 and k is not None and k.runs_on(sm, cuda_version) else "dequantized"
+
+
+# ---- the stated error bound of a scaled GEMM (tested per recipe against fp64) --------------
+
+ACCUM_U = 2.0 ** -24  # fp32 accumulation: unit roundoff
+# Hopper's FP8 tensor-core fast accumulation keeps about 14 bits (DeepSeek-V3's measurement);
+# only per-tensor FP8 fprop on sm89/sm90 uses it (as TE and torchao do).
+FAST_ACCUM_U = 2.0 ** -14
+_OUT_U = {"float32": 0.0, "bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
+_BLOCK = {"TensorWise": 0, "BlockWise1x128": 128, "BlockWise128x128": 128, "BlockWise1x32": 32,
+          "BlockWise1x16": 16}
+
+
+def error_bound(recipe: str, k: int, out_dtype: object, fast_accum: bool = False) -> tuple[float, float]:
+    """``(a, b)``: a scaled GEMM of ``recipe`` over a reduction of ``k`` elements is within
+    ``a * sum_k |A_ik B_kj| + b * |C_ij|`` of the fp64 GEMM of the same dequantized operands,
+    element by element. ``a`` counts one rounding per product and per partial sum (K), two
+    per block for its scale products and two for the per-tensor scales; ``b`` is the output
+    dtype's unit roundoff (0 for fp32). ``out_dtype``: a torch dtype or its name."""
+    kern = kernel(recipe)
+    if kern is None:
+        raise ValueError(f"no scaled kernel for recipe {recipe!r}")
+    block = _BLOCK[kern.fprop[0]]
+    blocks = -(-k // block) if block else 0
+    u = FAST_ACCUM_U if fast_accum else ACCUM_U
+    return (k + 2 * blocks + 2) * u, _OUT_U[str(out_dtype).removeprefix("torch.")]

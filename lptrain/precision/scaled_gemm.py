@@ -30,7 +30,6 @@ the gradient GEMMs never do.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
@@ -98,16 +97,11 @@ def kernel_scales(op: ScaledOperand, v2: bool) -> tuple[list[torch.Tensor], list
     raise ValueError(f"no scaled-GEMM layout for scaling type {op.scaling!r}")
 
 
-@functools.cache
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
 def _tn_only(t: torch.Tensor) -> bool:
     """Whether the GEMM on ``t``'s device takes only K-major operands (cuBLASLt below sm100)."""
     if not t.is_cuda:
         return False
-    major, minor = _capability(t.device.index or 0)
+    major, minor = torch.cuda.get_device_capability(t.device.index or 0)
     return major * 10 + minor < TN_ONLY_BELOW_SM
 
 
