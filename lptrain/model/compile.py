@@ -17,9 +17,10 @@ from __future__ import annotations
 from typing import Any
 
 
-def compile_layers(model: Any) -> int:
-    """Compile every transformer layer of ``model`` in place; returns how many."""
+def compile_layers(model: Any, **options: Any) -> int:
+    """Compile every transformer layer of ``model`` in place (``options``: ``torch.compile``'s,
+    the defaults for ``train.compile``); returns how many."""
     layers = list(getattr(model, "layers", []) or [])
     for layer in layers:
-        layer.compile()
+        layer.compile(**options)
     return len(layers)
