@@ -185,9 +185,10 @@ def run(workloads: list[str], *, steps: int, layers: int, compile_modes: list[bo
     """Every (workload, recipe, compile) of the plan; a failing run is recorded and skipped."""
     import torch
 
-    from lptrain.testing.virtual_cuda import VirtualCuda
+    from lptrain.testing.virtual_cuda import VirtualCuda, active
 
-    with VirtualCuda(capability=(9, 0)) if dry else contextlib.nullcontext():
+    # dry: an H100 of the virtual GPU, unless the caller runs on one already (gpu_check --virtual)
+    with VirtualCuda(capability=(9, 0)) if dry and active() is None else contextlib.nullcontext():
         major, minor = torch.cuda.get_device_capability()
         sm = major * 10 + minor
         device = torch.cuda.get_device_name()
