@@ -196,6 +196,8 @@ class QuantizedTensor(torch.Tensor):
     def quantizer(self) -> Quantizer:
         return self._quantizer
 
+    orig_dtype = property(lambda self: self.dtype, doc="The logical dtype (TE's name for it).")
+
     @property
     def staging_dtype(self) -> torch.dtype:
         """Dtype used to stage this tensor for a parameter all-gather (see the family doc)."""
@@ -215,8 +217,7 @@ class QuantizedTensor(torch.Tensor):
         return data, scale
 
     def _dequantize_2d(self, orientation: Orientation) -> torch.Tensor:
-        """fp32 [M, K] values of the stored ``orientation`` (present); per family."""
-        raise NotImplementedError
+        raise NotImplementedError  # per family: fp32 [M, K] values of a present orientation
 
     def dequantize(self, orientation: str = "rowwise") -> torch.Tensor:
         """fp32 values with the logical shape; uses the other orientation if this one is absent."""
@@ -228,8 +229,7 @@ class QuantizedTensor(torch.Tensor):
         return self._dequantize_2d(orientation).reshape(self.shape)  # type: ignore[arg-type]
 
     def gemm_operand(self, orientation: Orientation) -> ScaledOperand:
-        """This tensor as an operand of torch's scaled GEMM, codes and scales as stored
-        (``rowwise``: ``[M, K]``; ``columnwise``: ``[K, M]``); per family (scaled_operand.py)."""
+        """An operand of torch's scaled GEMM as stored, per family (scaled_operand.py)."""
         raise NotImplementedError(f"{type(self).__name__} has no scaled-GEMM layout")
 
     def _derive_orientation(self, orientation: Orientation) -> dict[str, torch.Tensor]:
