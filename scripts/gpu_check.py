@@ -9,7 +9,10 @@ Without Transformer Engine installed:
   3. every ``*_cpu`` recipe for 20 steps with ``run.device=cuda`` (emulated backend) against
      the same run on the CPU: losses within ``LOSS_RTOL`` (lptrain.testing.gpu_check);
   4. tokens/s and MFU of a medium bf16 GPT against the device's bf16 peak, and its peak
-     memory against ``lptrain estimate-memory``'s figure.
+     memory against ``lptrain estimate-memory``'s figure;
+  5. bench/gpu_speed.py: every recipe with a torch scaled-GEMM kernel on this GPU against
+     bf16 (tokens/s ratios, MFU; an 8B-shaped layer stack and the 24x3072 GPT), with and
+     without train.compile, and the speed targets (printed, not failing the check).
 With TE installed (NVIDIA's container, the project's Dockerfile) it adds the TE tests
 (``pytest -m te``) and each quantized ``*_cpu`` recipe on ``precision.backend=te``.
 
@@ -29,6 +32,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -42,12 +46,41 @@ def _pytest(marker: str) -> tuple[bool, str]:
     return proc.returncode in (0, 5), f"pytest -m '{marker}': {tail}"  # 5: none collected
 
 
+def _speed(args: argparse.Namespace, record: Any, results: list[dict]) -> None:
+    """bench/gpu_speed.py: every recipe with a torch kernel here against bf16, with and without
+    train.compile (its targets are printed, not checked: a speed figure is not a fault). On
+    the virtual GPU its plan runs dry (one workload, bf16 and tensorwise, tiny shapes)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import gpu_speed as S
+
+    try:
+        if args.virtual:
+            runs, sm, device = S.run(["24x3072"], steps=1, layers=1, compile_modes=[False],
+                                     recipes=["bf16", "tensorwise"], dry=True)
+        else:
+            runs, sm, device = S.run(args.speed_workloads.split(","), steps=args.speed_steps,
+                                     layers=2, compile_modes=[False, True])
+        for line in S.report(runs, sm, device):
+            print(f"INFO  {line}", flush=True)
+        bad = [m for m in runs if m.error]
+        record("gpu_speed", not bad, f"{len(runs) - len(bad)} of {len(runs)} configurations ran"
+               + (f"; first failure: {bad[0].recipe} {bad[0].workload}: {bad[0].error}" if bad else ""))
+        results.append({"check": "gpu_speed_figures", "ok": True,
+                        "runs": [vars(m) for m in runs],
+                        "targets": [{"target": n, "met": met, "detail": d}
+                                    for n, met, d in S.targets(runs, sm)]})
+    except Exception as e:
+        record("gpu_speed", False, f"{type(e).__name__}: {e}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=20, help="training steps per recipe comparison")
     ap.add_argument("--out", type=Path, default=None, help="folder for gpu_check.json")
     ap.add_argument("--virtual", action="store_true", help="run on the virtual GPU (CPU machine)")
     ap.add_argument("--recipes", nargs="*", default=None, help="only these *_cpu recipes")
+    ap.add_argument("--speed-workloads", default="8b,24x3072", help="bench/gpu_speed.py workloads")
+    ap.add_argument("--speed-steps", type=int, default=5, help="timed steps per gpu_speed run")
     args = ap.parse_args()
 
     try:
@@ -111,6 +144,7 @@ def main() -> int:
                              "mfu": tp.mfu, "peak_bytes": tp.peak_bytes, "estimated_bytes": tp.estimated_bytes})
         except Exception as e:
             record("throughput", False, f"{type(e).__name__}: {e}")
+        _speed(args, record, results)
     failed = [r for r in results if not r["ok"]]
     print(f"gpu-check: {len(results) - len(failed)} passed, {len(failed)} failed "
           f"in {time.perf_counter() - t_start:.0f}s", flush=True)

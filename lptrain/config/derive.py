@@ -34,6 +34,16 @@ def derive(cfg: LPTrainConfig, world: World) -> LPTrainConfig:
         from lptrain.config.rulesets.precision import auto_backend
 
         prec.backend = auto_backend(out, world)
+    # precision.quantized_gemm=auto: torch's scaled GEMM where it has the recipe's kernel on
+    # this GPU (lptrain.catalog.scaled_gemm), Transformer Engine's own; dequantized on the CPU.
+    if prec.quantized_gemm == "auto":
+        from lptrain.catalog.scaled_gemm import resolve
+        from lptrain.config.rules import quant_recipe
+        from lptrain.config.rulesets.scaled_gemm import gemm_sm
+
+        sm = gemm_sm(out, world)
+        prec.quantized_gemm = resolve("auto", quant_recipe(out), sm,
+                                      world.cublaslt_version if sm else None, prec.backend)
 
     # Gradients of bf16 params are reduced in fp32 unless the recipe says otherwise.
     if ddp.grad_reduce_in_fp32 is None:

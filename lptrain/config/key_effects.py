@@ -39,6 +39,11 @@ LATER_KEYS: dict[str, LaterEffect] = {
         "which implementation runs the quantized GEMMs (Transformer Engine or the bit-faithful "
         "emulation: the same numbers by design)",
         "tests/unit/precision/test_factory.py::test_te_backend_dispatches_to_te_adapter"),
+    "precision.quantized_gemm": LaterEffect(
+        "what runs the emulated backend's quantized GEMMs: torch's scaled GEMM on the stored "
+        "codes and scales, or fp32 GEMMs of the dequantized operands (on the CPU the per-tensor "
+        "recipes give the same bits either way; the kernels differ on a GPU)",
+        "tests/unit/precision/test_scaled_gemm.py::test_tiny_cpu_trains_through_scaled_mm_like_dequantized"),
     "precision.fp8_amax_history_len": LaterEffect(
         "delayed scaling: how many steps of amax the scale looks back over (from the third step on)",
         "tests/unit/precision/test_delayed.py::test_history_roll_and_max_vs_most_recent",
@@ -97,6 +102,10 @@ LATER_KEYS: dict[str, LaterEffect] = {
                                        "tests/e2e/test_checkpoint_resume.py::test_exit_interval_then_resume_is_bitwise"),
     "train.exit_duration_mins": LaterEffect("stop (and save) after that many minutes of this job",
                                             f"{_LATER}::test_exit_duration_stops_the_run"),
+    "train.compile": LaterEffect(
+        "compiles each transformer layer with torch.compile, quantizers included (the same bits "
+        "on the CPU; the speed shows on a GPU: bench/gpu_speed.py)",
+        "tests/unit/precision/test_compile_bits.py::test_train_compile_compiles_each_layer"),
     "train.on_nonfinite": LaterEffect("stop or skip a step with a NaN/Inf loss or gradient",
                                       "tests/e2e/test_train_loop.py::test_nan_loss_skipped_with_on_nonfinite_skip"),
     "train.on_anomaly": LaterEffect(

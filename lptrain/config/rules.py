@@ -179,10 +179,11 @@ def all_rules() -> list[Rule]:
         pp,
         precision,
         ranges,
+        scaled_gemm,
         tp,
     )
 
-    return [*precision.RULES, *ddp.RULES, *muon.RULES, *moe.RULES, *ep.RULES, *tp.RULES, *pp.RULES,
+    return [*precision.RULES, *scaled_gemm.RULES, *ddp.RULES, *muon.RULES, *moe.RULES, *ep.RULES, *tp.RULES, *pp.RULES,
             *model.RULES,
             *choices.RULES, *ranges.RULES, *data.RULES, *loop.RULES, *inert.RULES]
 

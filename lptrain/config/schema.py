@@ -26,6 +26,7 @@ from typing import Any, Optional
 
 from lptrain.catalog import muon_scaling, ns_coefficients, pipeline
 from lptrain.catalog import recipes as catalog_recipes
+from lptrain.catalog import scaled_gemm as catalog_scaled_gemm
 
 
 def opt(default: Any, help: str) -> Any:
@@ -64,6 +65,7 @@ LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "none")
 SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
 PARAMS_DTYPES = ("bf16", "fp32")
 BACKENDS = ("auto", "te", "emulated")
+QUANTIZED_GEMMS = catalog_scaled_gemm.QUANTIZED_GEMMS
 FP8_FORMATS = (None, *catalog_recipes.family_formats("fp8"))
 FP8_RECIPES = catalog_recipes.recipe_names("fp8")
 FP4_FORMATS = (None, *catalog_recipes.family_formats("fp4"))
@@ -214,6 +216,9 @@ class PrecisionConfig:
     nvfp4_rht: bool = opt(True, "NVFP4: random Hadamard transform on the wgrad operands.")
     nvfp4_stochastic_rounding: bool = opt(True, "NVFP4: stochastic rounding of gradients.")
     nvfp4_2d_weights: bool = opt(True, "NVFP4: 16x16 block scales for weights.")
+    quantized_gemm: str = choice("auto", QUANTIZED_GEMMS, "Quantized GEMMs of the emulated backend: {choices}.", {
+        "auto": "scaled_mm where torch has the kernel on this GPU, else dequantized; CPU: dequantized",
+        "dequantized": "fp32 GEMM of the dequantized operands", "scaled_mm": "torch's scaled GEMM on the stored codes and scales"})
 
 
 @dataclass
@@ -379,6 +384,7 @@ class TrainConfig:
     gradient_accumulation_fusion: bool = opt(
         True, "Quantized linears accumulate wgrad straight into main_grad."
     )
+    compile: bool = opt(False, "torch.compile each transformer block (quantizers included), as torchtitan does.")
 
 
 @dataclass

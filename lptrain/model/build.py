@@ -174,4 +174,8 @@ def build_model(
     with torch.device(target):
         model = construct()
     tag_parameters(model)
+    if cfg.train.compile:  # after tagging: compiling wraps forwards, not parameters
+        from lptrain.model.compile import compile_layers
+
+        compile_layers(model)
     return model

@@ -64,6 +64,7 @@ class _Frame:
     recipe: Any
     group: Any
     region: _Region
+    gemm: str = "dequantized"  # how the quantized GEMMs run (precision.quantized_gemm)
 
 
 _AUTOCAST_STACK: list[_Frame] = []
@@ -90,23 +91,29 @@ def autocast(
     recipe: Any = None,
     enabled: bool = True,
     amax_reduction_group: Any = None,
+    gemm: Optional[str] = None,
 ) -> Iterator[None]:
     """Run the factory's GEMM layers quantized with ``recipe`` inside this context.
 
     ``enabled=False`` (nested or not) runs them in high precision; a nested region without
     a recipe inherits the enclosing one. ``recipe=None`` with ``enabled=True`` and no
-    enclosing recipe also means high precision (the unquantized run).
+    enclosing recipe also means high precision (the unquantized run). ``gemm``: how the
+    quantized GEMMs run, ``dequantized`` (fp32 GEMMs of the dequantized operands, the
+    default) or ``scaled_mm`` (torch's scaled GEMM on the stored codes and scales,
+    :mod:`lptrain.precision.scaled_gemm`); a nested region without one inherits it.
     """
     outer = _AUTOCAST_STACK[-1] if _AUTOCAST_STACK else None
     if recipe is None and outer is not None:
         recipe = outer.recipe
+    if gemm is None:
+        gemm = outer.gemm if outer is not None else "dequantized"
     group = amax_reduction_group
     if group is None and outer is not None:
         group = outer.group
     if group is None and outer is None:
         group = default_amax_reduction_group()
     region = outer.region if outer is not None else _Region(recipe=recipe, group=group)
-    frame = _Frame(enabled=enabled, recipe=recipe, group=group, region=region)
+    frame = _Frame(enabled=enabled, recipe=recipe, group=group, region=region, gemm=gemm)
     _AUTOCAST_STACK.append(frame)
     try:
         yield
@@ -125,6 +132,11 @@ def active_recipe() -> Optional[Any]:
         return None
     frame = _AUTOCAST_STACK[-1]
     return frame.recipe if frame.enabled else None
+
+
+def active_gemm() -> str:
+    """How the quantized GEMMs run right now: ``dequantized`` or ``scaled_mm``."""
+    return _AUTOCAST_STACK[-1].gemm if _AUTOCAST_STACK else "dequantized"
 
 
 def register_forward(fwd_slots: list[Slot], bwd_slots: list[Slot]) -> Optional[list[Slot]]:
@@ -177,7 +189,7 @@ class RecomputeTape:
     """One checkpointed region: the autocast stack its forward ran under and one entry per
     quantized op call, in call order (a recompute replays the same calls in the same order)."""
 
-    frames: list[tuple[bool, Any, Any]] = field(default_factory=list)
+    frames: list[tuple[bool, Any, Any, str]] = field(default_factory=list)
     entries: list[RecomputeEntry] = field(default_factory=list)
     cursor: int = 0
     replaying: bool = False
@@ -205,7 +217,7 @@ def recompute_tape() -> Optional[RecomputeTape]:
 def recording_for_recompute(tape: RecomputeTape) -> Iterator[None]:
     """Around a checkpointed region's forward: remember the autocast stack and let the
     quantized ops record what their recompute must reuse."""
-    tape.frames = [(f.enabled, f.recipe, f.group) for f in _AUTOCAST_STACK]
+    tape.frames = [(f.enabled, f.recipe, f.group, f.gemm) for f in _AUTOCAST_STACK]
     tape.entries = []
     tape.replaying = False
     _RECOMPUTE.append(tape)
@@ -221,7 +233,7 @@ def recomputing(tape: RecomputeTape) -> Iterator[None]:
     again, under a region of its own that never updates delayed scaling, with the quantized
     ops in replay mode (see ``lptrain.precision.linear_ops``)."""
     region = _Region(recipe=None, group=None)
-    frames = [_Frame(enabled=e, recipe=r, group=g, region=region) for e, r, g in tape.frames]
+    frames = [_Frame(enabled=e, recipe=r, group=g, region=region, gemm=m) for e, r, g, m in tape.frames]
     _AUTOCAST_STACK.extend(frames)
     tape.cursor = 0
     tape.replaying = True

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .formats import GATHER_DECODE_ELEMS
-from .scratch import operand
+from .scratch import host_shortcuts, operand
 
 _TINY_TRANSPOSE = 1 << 13  # elements x threads up to which torch's byte transpose is fastest
 
@@ -21,9 +21,10 @@ def _int16_transpose_fits(t: torch.Tensor) -> bool:
     model's operand size (``_TINY_TRANSPOSE`` < elements x threads <= ``GATHER_DECODE_ELEMS``)
     with at most 256 columns (K = 64-256), where it measured ~1.5-2x faster than torch's
     byte transpose; outside that range it measured slower (fresh int16 pages, lost cache)."""
+    if not host_shortcuts(t):  # the device (and compiled) path: torch's transpose
+        return False
     n = t.numel() * torch.get_num_threads()
-    return (t.device.type == "cpu" and t.element_size() == 1 and _TINY_TRANSPOSE < n <= GATHER_DECODE_ELEMS
-            and t.shape[1] <= 256)
+    return t.element_size() == 1 and _TINY_TRANSPOSE < n <= GATHER_DECODE_ELEMS and t.shape[1] <= 256
 
 
 def transposed_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -50,7 +51,7 @@ def transposed_copy(t: torch.Tensor) -> torch.Tensor:
     everything else goes through :func:`transposed_bytes` (a small model's few-column
     operands: its int16 copy)."""
     r, c = t.shape
-    if (t.device.type == "cpu" and t.element_size() == 1 and r % 4 == 0 and t.is_contiguous()
+    if (host_shortcuts(t) and t.element_size() == 1 and r % 4 == 0 and t.is_contiguous()
             and t.numel() * torch.get_num_threads() > _TINY_TRANSPOSE and not _int16_transpose_fits(t)):
         b = t.view(r // 4, 4, c)
         w = torch.empty(r // 4, c, dtype=torch.int32, device=t.device)

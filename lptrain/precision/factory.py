@@ -68,6 +68,28 @@ def runtime_backend(precision_cfg: Any, run_cfg: Optional[Any] = None) -> str:
     return te_adapter.resolve_backend(backend)
 
 
+def runtime_quantized_gemm(precision_cfg: Any, backend: str, run_cfg: Optional[Any] = None) -> str:
+    """What runs the emulated backend's quantized GEMMs: ``dequantized`` or ``scaled_mm``.
+    ``auto`` (normally resolved by ``derive``) is resolved for this machine's GPU, the way
+    ``derive`` does (:func:`lptrain.catalog.scaled_gemm.resolve`); a CPU run (``run.device``
+    cpu, or no CUDA) stays dequantized. Transformer Engine runs its own GEMMs."""
+    choice = getattr(precision_cfg, "quantized_gemm", "dequantized")
+    if backend == "te":
+        return "dequantized"  # unused: TE's modules run their own (scaled) GEMMs
+    if choice != "auto":
+        return choice
+    from lptrain.catalog.scaled_gemm import resolve
+
+    spec = selected_recipe(precision_cfg)
+    device = getattr(getattr(run_cfg, "run", None), "device", "auto")
+    sm = 0
+    if device != "cpu" and torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        sm = major * 10 + minor
+    return resolve("auto", spec.name if spec is not None else None, sm,
+                   torch.version.cuda if sm else None, backend)
+
+
 def build_factory(
     precision_cfg: Any,
     *,
@@ -96,4 +118,5 @@ def build_factory(
         bf16_layers_at_start=bf16_start,
         bf16_layers_at_end=bf16_end,
         quantized_params=bool(cfg.fp8_param_gather or cfg.fp4_param_gather) and recipe is not None,
+        quantized_gemm=runtime_quantized_gemm(cfg, backend, run_cfg) if recipe is not None else "dequantized",
     )

@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from .scratch import Workspace, operand
+from .scratch import Workspace, host_shortcuts, operand
 
 FLT_MAX = float(torch.finfo(torch.float32).max)
 
@@ -136,7 +136,7 @@ def e4m3_bits_to_float(bits: torch.Tensor, out: Optional[torch.Tensor] = None) -
     Why: torch's E4M3 -> fp32 cast is a serial per-element conversion on the CPU (~4.5 ns an
     element, 3-4x the int32 table gather), and NVFP4 converts one scale byte per 16 elements
     twice per quantize-dequantize; elsewhere the cast is a cheap kernel."""
-    if bits.device.type == "cpu":
+    if host_shortcuts(bits):
         return e4m3_bits_gather(bits, out)
     v = bits.view(torch.float8_e4m3fn)
     return v.float() if out is None else out.copy_(v)
@@ -198,7 +198,7 @@ def fp8_to_float(
     ``scale_rows``): every value times it. Small E4M3 operands then gather from the scaled
     table (:func:`e4m3_scaled_table`: no operand-sized multiply); elsewhere it is a multiply.
     """
-    small = bits.device.type == "cpu" and bits.numel() * torch.get_num_threads() <= GATHER_DECODE_ELEMS
+    small = host_shortcuts(bits) and bits.numel() * torch.get_num_threads() <= GATHER_DECODE_ELEMS
     if scale is not None:
         if scale_rows is not None:
             raise ValueError("fp8_to_float takes scale or scale_rows, not both")
@@ -213,7 +213,7 @@ def fp8_to_float(
         return out
     if (
         fmt.torch_dtype != torch.float8_e4m3fn  # large E5M2: torch's threaded cast
-        or bits.device.type != "cpu"
+        or not host_shortcuts(bits)
         or bits.dim() != 2
         or not bits.is_contiguous()
     ):

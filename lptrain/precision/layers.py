@@ -380,6 +380,9 @@ class LayerFactory:
     bf16_layers_at_start: int = 0
     bf16_layers_at_end: int = 0
     quantized_params: bool = False
+    # how the emulated backend's quantized GEMMs run: dequantized or scaled_mm (resolved
+    # precision.quantized_gemm; lptrain.precision.scaled_gemm)
+    quantized_gemm: str = "dequantized"
 
     def linear(self, in_features: int, out_features: int, **kw) -> nn.Module:
         """A GEMM layer ``in_features -> out_features``. With Transformer Engine's tensor-
@@ -462,7 +465,8 @@ class LayerFactory:
             from lptrain.precision import te_adapter
 
             return te_adapter.te_autocast(self.te_recipe, True, amax_reduction_group)
-        return _ac.autocast(self.recipe, enabled=True, amax_reduction_group=amax_reduction_group)
+        return _ac.autocast(self.recipe, enabled=True, amax_reduction_group=amax_reduction_group,
+                            gemm=self.quantized_gemm)
 
     def recompute_context_fn(self) -> tuple[Any, Any]:
         """``torch.utils.checkpoint``'s ``context_fn`` (a forward and a recompute context).

@@ -35,6 +35,7 @@ import torch
 
 from lptrain.precision import autocast as _ac
 from lptrain.precision import operand_stats as _stats
+from lptrain.precision import scaled_gemm as _sg
 
 ROLES = ("input", "weight", "grad")
 
@@ -261,9 +262,13 @@ class _QuantizedGroupedFn(torch.autograd.Function):
                 saved_w.append(qw if need_dgrad else None)
                 continue
             qx = _quantize(mq.input, xi.detach(), True, need_wgrad)
-            w_row = op.deq(qw, "rowwise")
-            x_row = op.deq(qx, "rowwise")
-            outs.append(x_row @ w_row.t())
+            if op.scaled:  # torch's scaled GEMM on the stored operands (scaled_gemm.py)
+                x_row = w_row = None
+                outs.append(_sg.fprop(qx, qw, x.dtype))
+            else:
+                w_row = op.deq(qw, "rowwise")
+                x_row = op.deq(qx, "rowwise")
+                outs.append(x_row @ w_row.t())
             if op.record:  # the statistics reuse the GEMM's dequantized operands
                 op.record_operand("input", i, xi, qx, x_row)
                 op.record_operand("weight", i, None if _is_quantized(wi) else wi, qw, w_row)
@@ -302,13 +307,14 @@ class _QuantizedGroupedFn(torch.autograd.Function):
                 dws.append(torch.zeros(n_out, ctx.in_features, dtype=torch.float32, device=dy.device))
                 continue
             qdy = _quantize(mq.grad, dyi.detach(), need_dgrad, need_wgrad)
-            dy_row = op.deq(qdy, "rowwise") if need_dgrad else None
+            dy_row = op.deq(qdy, "rowwise") if need_dgrad and not op.scaled else None
             if need_dgrad:
-                dxs.append(dy_row @ op.deq(qw, "columnwise"))
+                dxs.append(_sg.dgrad(qdy, qw, ctx.x_dtype) if op.scaled
+                           else dy_row @ op.deq(qw, "columnwise"))
             if op.record:
                 op.record_operand("grad", i, dyi, qdy, dy_row)
             if need_wgrad:
-                dws.append(op.col_t(qdy) @ op.col_t(qx).t())
+                dws.append(_sg.wgrad(qdy, qx) if op.scaled else op.col_t(qdy) @ op.col_t(qx).t())
         del operands
         dx = (dxs[0] if len(dxs) == 1 else torch.cat(dxs, dim=0)).to(ctx.x_dtype) if need_dgrad else None
         wgrads = _weight_grads(ctx, dws) if need_wgrad else [None] * len(ctx.wdtypes)
@@ -376,6 +382,9 @@ class _OpContext:
     keep_weights: Optional[list] = None
     reuse_weights: Optional[list] = None
     record: bool = False  # collect the operands' statistics (lptrain.precision.operand_stats)
+    # the GEMMs run on torch's scaled GEMM with the operands as stored (quantized_gemm=
+    # scaled_mm, lptrain.precision.scaled_gemm), not as fp32 GEMMs of dequantized operands
+    scaled: bool = False
 
     def record_operand(self, role: str, i: int, x: Optional[torch.Tensor], q: Any,
                        rowwise: Optional[torch.Tensor] = None) -> None:
@@ -394,6 +403,12 @@ class _OpContext:
     @staticmethod
     def col_t(q: Any) -> torch.Tensor:
         return col_operand_t(q)
+
+
+def _scaled(qstate: QuantState) -> bool:
+    """Whether this call's quantized GEMMs run on torch's scaled GEMM (the autocast region's
+    ``gemm``); an unquantized grouped state never does."""
+    return qstate.recipe is not None and _ac.active_gemm() == "scaled_mm"
 
 
 def quantized_grouped_linear(
@@ -417,7 +432,7 @@ def quantized_grouped_linear(
         saved = [(st, st.amax_history[0].clone()) for _, st in fwd]
         op = _OpContext(
             qstate=qstate, single=single, fuse_wgrad=fuse_wgrad, out_features=out_features,
-            group=_ac.current_group(), grad_enabled=False,
+            group=_ac.current_group(), grad_enabled=False, scaled=_scaled(qstate),
         )
         try:
             return _QuantizedGroupedFn.apply(x, list(m_splits), op, *weights)
@@ -442,6 +457,7 @@ def quantized_grouped_linear(
         grad_enabled=torch.is_grad_enabled(),
         keep_weights=entry.weights if entry is not None else None,
         record=qstate.label is not None and _stats.active() is not None,
+        scaled=_scaled(qstate),
     )
     return _QuantizedGroupedFn.apply(x, list(m_splits), op, *weights)
 
@@ -457,6 +473,7 @@ def _recompute(x: torch.Tensor, m_splits: Sequence[int], weights: Sequence[torch
     op = _OpContext(
         qstate=qstate, single=single, fuse_wgrad=fuse_wgrad, out_features=out_features,
         group=_ac.current_group(), grad_enabled=True, reuse_weights=entry.weights or None,
+        scaled=_scaled(qstate),
     )
     with _ac.amax_untouched(fwd), _ac.forward_scales(fwd, entry.scales):
         return _QuantizedGroupedFn.apply(x, list(m_splits), op, *weights)

@@ -16,7 +16,7 @@ from typing import Optional, Union
 import torch
 
 from .formats import E8M0_MAX_CODE, E8M0_NAN, FLT_MAX, e4m3_bits_to_float
-from .scratch import Workspace, operand
+from .scratch import Workspace, host_shortcuts, operand
 
 # 0xFF800000 as a signed int32: keeps sign + exponent, i.e. floors a float to a power of two.
 _POW2_MASK = -8388608
@@ -67,7 +67,7 @@ def block_amax_nan(
     check the amax makes anyway), always True elsewhere (asking would be a host sync).
     Callers use it to skip NaN handling passes that cannot change anything."""
     if x.numel() == 0:
-        return block_amax(x, dim), x.device.type != "cpu"
+        return block_amax(x, dim), not host_shortcuts(x)
     d = () if dim is None else dim
     if x.dtype == torch.bfloat16:
         return _block_amax_nan_bf16(x, d, ws)
@@ -78,7 +78,7 @@ def block_amax_nan(
     # On the CPU the NaN-free common case skips the recompute (asked as one max and one
     # read of the int amaxes); elsewhere asking would be a host sync per quantization, so
     # the (value-identical) select always runs.
-    has_nan = x.device.type != "cpu" or int(a.max()) > _INF_BITS
+    has_nan = not host_shortcuts(x) or int(a.max()) > _INF_BITS
     if has_nan:
         a = torch.where(a > _INF_BITS, abs_nan_to_zero(xf).amax(dim=d).view(torch.int32), a)
     return a.view(torch.float32), has_nan
@@ -98,7 +98,7 @@ def _block_amax_nan_bf16(
     bits = x.view(torch.int16)
     a16 = torch.bitwise_and(bits, operand(_ABS_MASK_BF16, bits), out=out).amax(dim=d)
     nan = a16 > _INF_BITS_BF16
-    has_nan = x.device.type != "cpu" or bool(nan.any())
+    has_nan = not host_shortcuts(x) or bool(nan.any())
     a = a16.to(torch.int32).bitwise_left_shift_(16)
     if has_nan:
         a = torch.where(nan, abs_nan_to_zero(x).amax(dim=d).view(torch.int32), a)
@@ -250,7 +250,7 @@ def e8m0_to_dequant_scale(code: torch.Tensor) -> torch.Tensor:
     the MXFP8 operands of a small model are dequantized several times per GEMM, and the
     rule's seven ops on a grid 32x smaller than the operand cost more than the gather.
     """
-    if code.device.type != "cpu":
+    if not host_shortcuts(code):
         return _e8m0_dequant_bits(code)
     flat = torch.index_select(_E8M0_DEQUANT_LUT, 0, code.reshape(-1).to(torch.int32))
     return flat.view(code.shape)
@@ -305,7 +305,7 @@ def nvfp4_block_scaler(global_amax: torch.Tensor) -> NVFP4BlockScaler:
     with a Python scalar multiplies in fp32): the ~11 tiny tensor ops of the tensor path
     are most of an NVFP4 quantization's scale set-up on a small model, and it runs once per
     orientation and quantization. Elsewhere the tensor path (reading the amax would sync)."""
-    if global_amax.device.type == "cpu" and global_amax.numel() == 1:
+    if host_shortcuts(global_amax) and global_amax.numel() == 1:
         s_enc = nvfp4_global_encode_scale_value(float(global_amax))
         return NVFP4BlockScaler(s_enc)
     return NVFP4BlockScaler(nvfp4_global_encode_scale(global_amax))
@@ -337,6 +337,11 @@ class NVFP4BlockScaler:
         sdec_bits = v.to(torch.float8_e4m3fn).view(torch.uint8)
         enc = e4m3_bits_to_float(sdec_bits).mul_(self.s_dec)
         return sdec_bits, enc.reciprocal_().clamp_(max=FLT_MAX)
+
+
+def nvfp4_inv_global_num() -> torch.Tensor:
+    """fl32(1/2688) (0-d, CPU): the per-tensor decode factor of an NVFP4 amax."""
+    return _INV_GLOBAL_NUM
 
 
 def nvfp4_dequant_block_scale(scale_bits: torch.Tensor, global_amax: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,15 @@ import torch
 _CPU_OPERANDS: dict[tuple[str, torch.dtype], torch.Tensor] = {}
 
 
+def host_shortcuts(t: torch.Tensor) -> bool:
+    """Whether an op on ``t`` may take the CPU-only shortcuts: reading a value back to skip a
+    pass that cannot change anything, table gathers, Python-float scale set-up. Only on the
+    CPU in eager mode: under ``torch.compile`` (``train.compile``) a value read back would
+    break the graph, so the device path runs there -- the same bits by construction (the
+    shortcuts and the device path are tested against each other on the virtual GPU)."""
+    return t.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
 def operand(value: float | int, like: torch.Tensor) -> torch.Tensor | float | int:
     """``value`` as the scalar operand of a binary op on ``like``: on the CPU a cached 0-dim
     tensor of ``like``'s dtype, elsewhere the Python number itself.

@@ -17,5 +17,7 @@ def test_gpu_check_script_runs_on_the_virtual_gpu(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "PASS  quantizer nvfp4/grad: bit-identical" in proc.stdout
     assert "PASS  recipe fp8_tensorwise_cpu.yaml (2 steps)" in proc.stdout
+    assert "PASS  gpu_speed: 2 of 2 configurations ran" in proc.stdout  # bench/gpu_speed.py, dry
+    assert "TARGET FAIL FP8 tensorwise >= 1.30x bf16" in proc.stdout or "TARGET PASS FP8 tensorwise" in proc.stdout
     results = json.loads((tmp_path / "gpu_check.json").read_text())
     assert all(r["ok"] for r in results) and any(r["check"] == "throughput" for r in results)

@@ -24,6 +24,7 @@ def choice_table(*keys: str) -> tuple[tuple[str, tuple[Any, ...]], ...]:
 PRECISION_CHOICES = choice_table(
     "precision.params_dtype", "precision.backend", "precision.fp8_format", "precision.fp8_recipe",
     "precision.fp4_format", "precision.fp4_recipe", "precision.fp8_amax_compute_algo",
+    "precision.quantized_gemm",
 )
 OPTIMIZER_CHOICES = choice_table(
     "optimizer.name", "optimizer.layer_wise_param_layout", "optimizer.lr_schedule",

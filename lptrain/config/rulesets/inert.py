@@ -245,6 +245,15 @@ GATES: tuple[Gate, ...] = (
         fix=f"use precision.fp8_recipe={one_of(CURRENT_AMAX)}",
     ),
     Gate(
+        rule_id="INERT-QUANTIZED-GEMM", keys=("precision.quantized_gemm",),
+        context=("precision.fp8_format", "precision.fp4_format"),
+        idle=lambda c, w: quant_recipe(c) is None,
+        condition="no quantized recipe -> quantized_gemm auto or dequantized",
+        because="no GEMM is quantized (fp8_format and fp4_format are null)",
+        fix="set precision.fp8_format (or fp4_format) to quantize the GEMMs",
+        also_neutral={"precision.quantized_gemm": ("dequantized",)},
+    ),
+    Gate(
         rule_id="INERT-NVFP4-KEYS", keys=NVFP4_KEYS, context=("precision.fp4_format",),
         idle=lambda c, w: c.precision.fp4_format is None,
         condition="fp4_format null -> nvfp4_* switches at their defaults",

@@ -26,6 +26,7 @@ from ..formats import FP8Format, rounding_limit
 
 if TYPE_CHECKING:
     from .grouped import GroupedQuantizedTensor
+    from .scaled_operand import ScaledOperand
 
 Role = Literal["input", "weight", "grad"]
 Orientation = Literal["rowwise", "columnwise"]
@@ -195,9 +196,7 @@ class QuantizedTensor(torch.Tensor):
     def quantizer(self) -> Quantizer:
         return self._quantizer
 
-    @property
-    def orig_dtype(self) -> torch.dtype:
-        return self.dtype
+    orig_dtype = property(lambda self: self.dtype, doc="The logical dtype (TE's name for it).")
 
     @property
     def staging_dtype(self) -> torch.dtype:
@@ -218,8 +217,7 @@ class QuantizedTensor(torch.Tensor):
         return data, scale
 
     def _dequantize_2d(self, orientation: Orientation) -> torch.Tensor:
-        """fp32 [M, K] values of the stored ``orientation`` (present); per family."""
-        raise NotImplementedError
+        raise NotImplementedError  # per family: fp32 [M, K] values of a present orientation
 
     def dequantize(self, orientation: str = "rowwise") -> torch.Tensor:
         """fp32 values with the logical shape; uses the other orientation if this one is absent."""
@@ -229,6 +227,10 @@ class QuantizedTensor(torch.Tensor):
         if math.prod(self.shape) == 0:  # e.g. an MoE expert that received no tokens
             return torch.zeros(self.shape, dtype=torch.float32, device=self.device)
         return self._dequantize_2d(orientation).reshape(self.shape)  # type: ignore[arg-type]
+
+    def gemm_operand(self, orientation: Orientation) -> ScaledOperand:
+        """An operand of torch's scaled GEMM as stored, per family (scaled_operand.py)."""
+        raise NotImplementedError(f"{type(self).__name__} has no scaled-GEMM layout")
 
     def _derive_orientation(self, orientation: Orientation) -> dict[str, torch.Tensor]:
         """Buffers of an absent ``orientation`` rebuilt from the present one, where the format

@@ -20,6 +20,7 @@ from .. import scaling as _scaling
 from ..formats import FP8Format, cast_to_fp8, fp8_to_float
 from ._chunks import map_row_chunks
 from .base import BlockCut, FP8QuantizedTensor, FP8Quantizer, Orientation, Role
+from .scaled_operand import BLOCK_1X128, BLOCK_128X128, ScaledOperand
 
 BLOCK = 128
 
@@ -123,6 +124,17 @@ class BlockwiseFP8Tensor(FP8QuantizedTensor):
         rows = qb.view(grid.shape[0], nk * BLOCK)[:, :k].reshape(-1)
         start = lo - r0 * k
         return rows[start : start + (hi - lo)]
+
+    def gemm_operand(self, orientation: Orientation) -> ScaledOperand:
+        """1x128 blocks (inputs, grads): both orientations are stored GEMM-ready, K-major with
+        their scales per row ([K, M] column-wise, blocks along the tokens). 128x128 tiles
+        (weights): either orientation, or the transposed view of the kept one."""
+        dtype = self.fp8_format.torch_dtype
+        if self.has_orientation(orientation) or not self.is_2d:
+            data, sinv = self._buffers(orientation)
+            return ScaledOperand(data.view(dtype), BLOCK_128X128 if self.is_2d else BLOCK_1X128, sinv)
+        data, sinv = self._buffers("columnwise" if orientation == "rowwise" else "rowwise")
+        return ScaledOperand(data.t().view(dtype), BLOCK_128X128, sinv.t())
 
     def stat_layout(self, orientation: Orientation) -> tuple[BlockCut, torch.Tensor, bool]:
         """128x128 tiles (2D, either orientation: transposes of each other), or 1x128 blocks

@@ -16,6 +16,7 @@ from ..byte_transpose import transposed_bytes
 from ..formats import FLT_MAX, FP8Format, cast_to_fp8, fp8_to_float
 from ._chunks import map_row_chunks
 from .base import BlockCut, FP8QuantizedTensor, FP8Quantizer, Orientation, Role
+from .scaled_operand import TENSORWISE, ScaledOperand
 
 if TYPE_CHECKING:
     from ..recipes import DelayedScalingState
@@ -62,6 +63,14 @@ class Float8Tensor(FP8QuantizedTensor):
         if x is None:
             return None
         return cast_to_fp8(x.float() * s, q.fp8_format, inplace=True)
+
+    def gemm_operand(self, orientation: Orientation) -> ScaledOperand:
+        """TensorWise: the bytes of ``orientation`` (K-major: the columnwise copy is the byte
+        transpose) or, when only the other one is kept, its transposed view; ``scale_inv``."""
+        other = "columnwise" if orientation == "rowwise" else "rowwise"
+        own = self._fields[f"{orientation}_data"]
+        data = own if own is not None else self._fields[f"{other}_data"].t()  # type: ignore[union-attr]
+        return ScaledOperand(data.view(self.fp8_format.torch_dtype), TENSORWISE, self.scale_inv)
 
     def stat_layout(self, orientation: Orientation) -> tuple[BlockCut, torch.Tensor, bool]:
         """One block: the whole tensor, scaled by ``scale_inv``."""

@@ -18,9 +18,10 @@ import torch
 
 from .. import scaling as _scaling
 from ..formats import FP8Format, cast_to_fp8, fp8_to_float
-from ..scratch import Workspace
+from ..scratch import Workspace, host_shortcuts
 from ._chunks import map_row_chunks
 from .base import BlockCut, FP8QuantizedTensor, FP8Quantizer, Orientation, Role, rows_of
+from .scaled_operand import MX_1X32, ScaledOperand, as_dtype
 
 MX_BLOCK = 32
 
@@ -59,6 +60,17 @@ class MXFP8Tensor(FP8QuantizedTensor):
 
         return fp8_to_float(data, self.fp8_format, cols, MX_BLOCK)
 
+
+    def gemm_operand(self, orientation: Orientation) -> ScaledOperand:
+        """BlockWise1x32 with E8M0 codes. Row-wise: ``[M, K]`` as stored. Column-wise: the
+        32x1 copy is stored untransposed (as TE keeps it for Blackwell, whose GEMMs take every
+        layout), so the ``[K, M]`` operand is its transposed view (M-major) with the codes'
+        transpose ``[K, M/32]``."""
+        data, codes = self._buffers(orientation)
+        if orientation == "columnwise":
+            data, codes = data.t(), codes.t()
+        e8m0 = getattr(torch, "float8_e8m0fnu", None)
+        return ScaledOperand(data.view(self.fp8_format.torch_dtype), MX_1X32, as_dtype(codes, e8m0))
 
     def stat_layout(self, orientation: Orientation) -> tuple[BlockCut, torch.Tensor, bool]:
         """1x32 blocks along K (row-wise) or 32x1 along M (column-wise, same [M, K] layout),
@@ -126,7 +138,7 @@ class MXFP8Quantizer(FP8Quantizer):
                 out["columnwise_data"] = q.clone() if self.rowwise else q
                 out["columnwise_scale_inv"] = codes.repeat_interleave(MX_BLOCK, 1)
             return out
-        if self.rowwise and self.columnwise and xf.device.type == "cpu":
+        if self.rowwise and self.columnwise and host_shortcuts(xf):
             return self._quantize_both(xf, out)
         if self.rowwise:
 

@@ -33,6 +33,7 @@ class VirtualCuda(PlacementHandlers, Patches):
         self.stats = DeviceStats()
         self.violations: list[str] = []
         self.nccl_groups: set[Any] = set()
+        self.scaled_gemms: list[Any] = []  # every scaled GEMM run (scaled_mm.ScaledGemmCall)
         self._undo: list[Callable[[], None]] = []
         self._modes: list[Any] = []
         self._checks_paused = 0

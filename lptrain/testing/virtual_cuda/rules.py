@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from . import scaled_mm as _scaled
 from .labels import DEVICE, TO_HOST, aten, is_device, label, label_all
 
 if TYPE_CHECKING:
@@ -31,8 +32,13 @@ def _mm_out_dtype(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> t
     return torch.mm(a.to(out_dtype), b.to(out_dtype))
 
 
-# Ops CUDA has and the CPU does not, run here the way the device computes them.
-CUDA_ONLY = {aten.mm.dtype: _mm_out_dtype} if "dtype" in aten.mm.overloads() else {}
+# Ops CUDA has and the CPU does not (or has with other rules), run here the way the device
+# computes them: mm with a wider output; torch's scaled GEMMs with CUDA's kernel, layout and
+# scale checks (scaled_mm.py).
+CUDA_ONLY: dict[Any, Any] = {aten.mm.dtype: _mm_out_dtype} if "dtype" in aten.mm.overloads() else {}
+CUDA_ONLY[aten._scaled_mm.default] = _scaled.scaled_mm_v1
+if hasattr(aten, "_scaled_mm_v2"):
+    CUDA_ONLY[aten._scaled_mm_v2.default] = _scaled.scaled_mm_v2
 
 # Ops whose output size depends on device values: CUDA must sync to allocate the output.
 SYNC_OPS = {

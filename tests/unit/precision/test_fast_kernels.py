@@ -31,6 +31,7 @@ from lptrain.precision.formats import (
 )
 from lptrain.precision.rht import apply_rht, rotate_token_groups
 from lptrain.precision.scratch import Workspace, operand
+from lptrain.precision.tensors import fp4_decode as fp4_decode_mod
 from lptrain.precision.tensors import nvfp4 as nvfp4_mod
 
 GRID = torch.tensor(E2M1_GRID, dtype=torch.float64)
@@ -198,7 +199,7 @@ def test_tensor_operands_give_the_python_scalar_results_bit_for_bit(monkeypatch:
                 t.dequantize("rowwise"), t.dequantize("columnwise")]
 
     with_tensors = run()
-    for mod in (formats, scaling, nvfp4_mod):
+    for mod in (formats, scaling, fp4_decode_mod):
         monkeypatch.setattr(mod, "operand", lambda value, like: value)
     with_scalars = run()
     for a, b in zip(with_tensors, with_scalars, strict=True):
@@ -325,7 +326,7 @@ def test_fp4_int_unpack_matches_grid_reference(
     from lptrain.precision.tensors.nvfp4 import unpack_fp4_values
 
     if per_thread is not None:
-        monkeypatch.setattr(nvfp4_mod, "_DECODE_ELEMS_PER_THREAD", per_thread)
+        monkeypatch.setattr(fp4_decode_mod, "_DECODE_ELEMS_PER_THREAD", per_thread)
 
     g = torch.Generator().manual_seed(6)
     packed = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)

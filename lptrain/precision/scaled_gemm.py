@@ -1,0 +1,156 @@
+"""Quantized GEMMs on torch's scaled-GEMM kernels: the operands as stored, never dequantized.
+
+``precision.quantized_gemm=scaled_mm`` sends each GEMM of the emulated backend's quantized
+linear (:mod:`lptrain.precision.linear_ops`) here, with the operand orientations of
+numerics.md section 4 (y = x W^T, dx = dy W, dW = dy^T x)::
+
+    fprop  A = x  row-wise [M, K]    B = W  row-wise [N, K]      -> y  [M, N]
+    dgrad  A = dy row-wise [M, N]    B = W  column-wise [K, N]   -> dx [M, K]
+    wgrad  A = dy column-wise [N, M] B = x  column-wise [K, M]   -> dW [N, K]
+
+Each operand comes from ``QuantizedTensor.gemm_operand`` (codes and a compact scale grid, per
+family); this module puts the grid in the layout the kernel of its scaling type takes and
+calls ``torch.nn.functional.scaled_mm`` -- or ``torch._scaled_mm`` on a torch without it
+(every recipe but NVFP4, whose second-level scale only the former takes). Layouts, per
+scaling type (torch's ``ScaledBlas.cpp`` checks):
+
+* TensorWise: the fp32 ``scale_inv`` as is;
+* BlockWise1x128: ``[rows, K/128]`` outer-dim-major (strides ``(1, rows)``);
+* BlockWise128x128: ``F.scaled_mm`` takes the ``[rows/128, K/128]`` grid with K/128 padded to
+  a multiple of 4, transposed (strides ``(1, padded)``); ``torch._scaled_mm`` the grid itself;
+* BlockWise1x32 / BlockWise1x16: cuBLAS's tiled layout (``SWIZZLE_32_4_4``: 128 rows x 4
+  scale columns per 512-byte tile, the rows interleaved 32 x 4), padded to whole tiles.
+
+On compute capability 8.9 / 9.0 cuBLASLt multiplies only a row-major A by a column-major B,
+so an operand stored transposed is copied K-major there (bytes, not values). The GEMMs
+accumulate in fp32; fprop and dgrad write the activation dtype, wgrad fp32 (for
+``main_grad``). fprop of per-tensor FP8 uses the fast accumulation TE and torchao use there;
+the gradient GEMMs never do.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from lptrain.catalog.scaled_gemm import TN_ONLY_BELOW_SM
+from lptrain.precision.tensors.scaled_operand import (
+    BLOCK_1X128,
+    BLOCK_128X128,
+    MX_1X32,
+    NV_1X16,
+    TENSORWISE,
+    ScaledOperand,
+)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def swizzle_scales(grid: torch.Tensor) -> torch.Tensor:
+    """A ``[rows, cols]`` block-scale grid (1-byte codes) in cuBLAS's 128x4 tiled layout:
+    padded with zero codes to whole tiles (rows to 128, columns to 4), tile (i, j) at
+    512 * (i * tiles_per_row + j), row r of a tile at byte (r % 32) * 16 + (r // 32) * 4."""
+    rows, cols = grid.shape
+    r128, c4 = _ceil_div(rows, 128) * 128, _ceil_div(cols, 4) * 4
+    raw = grid.view(torch.uint8)
+    if (r128, c4) != (rows, cols):
+        raw = F.pad(raw, (0, c4 - cols, 0, r128 - rows))
+    tiles = raw.reshape(r128 // 128, 4, 32, c4 // 4, 4).permute(0, 3, 2, 1, 4)
+    return tiles.reshape(r128, c4).view(grid.dtype)
+
+
+def _outer_dim_major(grid: torch.Tensor) -> torch.Tensor:
+    """``grid`` with strides ``(1, rows)``: the same values, column-major storage."""
+    return grid.t().contiguous().t()
+
+
+def _padded_tiles_t(grid: torch.Tensor) -> torch.Tensor:
+    """A ``[rows/128, K/128]`` grid as ``F.scaled_mm`` takes 128x128 scales: the columns
+    padded to a multiple of 4, transposed (shape ``[pad4(K/128), rows/128]``, strides
+    ``(1, pad4(K/128))``)."""
+    cols = grid.shape[1]
+    c4 = _ceil_div(cols, 4) * 4
+    padded = F.pad(grid, (0, c4 - cols)) if c4 != cols else grid.contiguous()
+    return padded.t()
+
+
+def kernel_scales(op: ScaledOperand, v2: bool) -> tuple[list[torch.Tensor], list[str], list[str]]:
+    """(scales, scaling types, swizzles) of one operand as the kernel takes them (``v2``:
+    ``F.scaled_mm``'s layouts; else ``torch._scaled_mm``'s, an operand on the A side)."""
+    s = op.scale
+    if op.scaling == TENSORWISE:
+        return [s.reshape(())], [TENSORWISE], ["NO_SWIZZLE"]
+    if op.scaling == BLOCK_1X128:
+        return [_outer_dim_major(s)], [BLOCK_1X128], ["NO_SWIZZLE"]
+    if op.scaling == BLOCK_128X128:
+        return [_padded_tiles_t(s) if v2 else s.contiguous()], [BLOCK_128X128], ["NO_SWIZZLE"]
+    if op.scaling == MX_1X32:
+        return [swizzle_scales(s)], [MX_1X32], ["SWIZZLE_32_4_4"]
+    if op.scaling == NV_1X16:
+        assert op.global_scale is not None
+        return ([swizzle_scales(s), op.global_scale.reshape(())], [NV_1X16, TENSORWISE],
+                ["SWIZZLE_32_4_4", "NO_SWIZZLE"])
+    raise ValueError(f"no scaled-GEMM layout for scaling type {op.scaling!r}")
+
+
+def _tn_only(t: torch.Tensor) -> bool:
+    """Whether the GEMM on ``t``'s device takes only K-major operands (cuBLASLt below sm100)."""
+    if not t.is_cuda:
+        return False
+    major, minor = torch.cuda.get_device_capability(t.device.index or 0)
+    return major * 10 + minor < TN_ONLY_BELOW_SM
+
+
+def scaled_mm(a: ScaledOperand, b: ScaledOperand, out_dtype: torch.dtype,
+              fast_accum: bool = False) -> torch.Tensor:
+    """``a.data @ b.data^T`` ([rows_a, rows_b]) on torch's scaled GEMM, in ``out_dtype``."""
+    mat_a, mat_b_t = a.data, b.data
+    if _tn_only(mat_a):
+        mat_a, mat_b_t = mat_a.contiguous(), mat_b_t.contiguous()
+    fast = fast_accum and a.scaling == TENSORWISE
+    fn = getattr(F, "scaled_mm", None)
+    if fn is not None:
+        sa, ra, wa = kernel_scales(a, True)
+        sb, rb, wb = kernel_scales(b, True)
+        st, sw = F.ScalingType, F.SwizzleType
+        return fn(mat_a, mat_b_t.t(), sa, [getattr(st, r) for r in ra], sb, [getattr(st, r) for r in rb],
+                  swizzle_a=[getattr(sw, w) for w in wa], swizzle_b=[getattr(sw, w) for w in wb],
+                  output_dtype=out_dtype, use_fast_accum=fast)
+    return _scaled_mm_v1(a, b, mat_a, mat_b_t, out_dtype, fast)
+
+
+def _scaled_mm_v1(a: ScaledOperand, b: ScaledOperand, mat_a: torch.Tensor, mat_b_t: torch.Tensor,
+                  out_dtype: torch.dtype, fast: bool) -> torch.Tensor:
+    """``torch._scaled_mm`` (a torch without ``F.scaled_mm``): one scale tensor per operand,
+    B's 1x128 / 128x128 grid transposed (its check reads it through ``mat_b.t()``)."""
+    if a.scaling == NV_1X16:
+        raise RuntimeError("NVFP4 scaled GEMMs need torch.nn.functional.scaled_mm (a newer torch); "
+                           "fix: precision.quantized_gemm=dequantized")
+    (sa,), _, _ = kernel_scales(a, False)
+    (sb,), _, _ = kernel_scales(b, False)
+    if b.scaling in (BLOCK_1X128, BLOCK_128X128):
+        sb = (_outer_dim_major(b.scale) if b.scaling == BLOCK_1X128 else b.scale.contiguous()).t()
+    return torch._scaled_mm(mat_a, mat_b_t.t(), sa, sb, out_dtype=out_dtype, use_fast_accum=fast)
+
+
+# ---- the three GEMMs of a quantized linear -------------------------------------------------
+
+
+def fprop(qx: Any, qw: Any, out_dtype: torch.dtype) -> torch.Tensor:
+    """y = x W^T."""
+    return scaled_mm(qx.gemm_operand("rowwise"), qw.gemm_operand("rowwise"), out_dtype, True)
+
+
+def dgrad(qdy: Any, qw: Any, out_dtype: torch.dtype) -> torch.Tensor:
+    """dx = dy W (W's column-wise copy: reduction over the output features)."""
+    return scaled_mm(qdy.gemm_operand("rowwise"), qw.gemm_operand("columnwise"), out_dtype)
+
+
+def wgrad(qdy: Any, qx: Any) -> torch.Tensor:
+    """dW = dy^T x in fp32 (both column-wise: reduction over the tokens)."""
+    return scaled_mm(qdy.gemm_operand("columnwise"), qx.gemm_operand("columnwise"), torch.float32)
+
