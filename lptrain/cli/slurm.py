@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import re
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
@@ -169,7 +170,8 @@ def _refuse_invalid(composed: Composed, recipe: str, world_size: int, target: st
 
     # The job's rank count: the data-parallel size is what tensor parallelism leaves of it
     # (World.for_config), and expert parallelism splits the experts over the world.
-    world = World.detect(ranks=world_size, target=target).for_config(composed.cfg)
+    world = replace(World.detect(ranks=world_size, target=target),
+                    launcher="--nodes x --gpus-per-node").for_config(composed.cfg)
     violations = check_composed(composed, world) + launch_violations(composed.cfg, world_size)
     if violations:
         with contextlib.redirect_stdout(sys.stderr):
