@@ -150,8 +150,9 @@ def report_violations(violations: list[Violation], name: str, world: World, as_j
     when any violation is an error, else 0.
 
     The table is for a terminal (stdout); everywhere else -- a log, a pipe, a SLURM ``.err``
-    file -- each violation is one line on stderr (:func:`violation_line`), so it reaches the
-    error log and its keys and fix can be copied. The verdict line goes to stdout."""
+    file -- each violation is one line (:func:`violation_line`), an error on stderr (so it
+    reaches the error log, and a refused config is one line per error there), a warning on
+    stdout; its keys and fix can be copied. The verdict line goes to stdout."""
     from rich.markup import escape
 
     from lptrain.config.check import has_errors
@@ -169,8 +170,8 @@ def report_violations(violations: list[Violation], name: str, world: World, as_j
     if violations and table:
         out.print(violations_table(violations, f"{name} ({where})"))
     if violations and not (table and is_terminal("stderr")):
-        for v in violations:
-            typer.echo(violation_line(v), err=True)
+        for v in violations:  # errors on stderr; warnings (no failure) with the verdict
+            typer.echo(violation_line(v), err=v.severity == "error")
     name = escape(name)
     if errors:
         out.print(f"[red]{name}: invalid[/red] ({n_err} error(s), {n_warn} warning(s); {where})")

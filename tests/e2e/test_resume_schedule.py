@@ -76,9 +76,13 @@ def test_use_checkpoint_opt_param_scheduler_goes_on_with_the_saved_decay(
     summary, lrs = _continue(four_steps, tmp_path / "run", "optimizer.use_checkpoint_opt_param_scheduler=true")
     assert summary["status"] == "completed"
     assert lrs[5] == lrs[6] == pytest.approx(MIN_LR)  # past the saved decay's end: min_lr
+    printed = capsys.readouterr().out
     assert ("note: optimizer.use_checkpoint_opt_param_scheduler: the checkpoint's lr schedule goes "
             "on (optimizer.decay_iters 4 there, 6 now (null: train.train_iters)): lr 0.0001 at step 5"
-            in capsys.readouterr().out)
+            in printed)
+    # (issue 52, item 12) the banner and summary.json say how the ranks are split
+    assert "6 steps x 2 seqs x 32 tokens, TP 1 x CP 1 x PP 1 x DP 1 = 1 rank(s), EP 1; resuming at step 5" in printed
+    assert summary["parallel"] == {"tp": 1, "cp": 1, "pp": 1, "dp": 1, "ep": 1, "etp": 1, "world_size": 1}
 
 
 def test_override_opt_param_scheduler_follows_the_new_decay_and_says_so(

@@ -52,6 +52,22 @@ def test_violations_are_one_line_each_on_stderr_off_a_terminal() -> None:
     assert not re.search("[┃│┏━]", out + err)  # no box table in a log
 
 
+@pytest.mark.parametrize("args", [
+    ["validate-config", "--recipe", "tiny_cpu.yaml", "model.tensor_model_parallel_size=8"],  # a rule
+    ["pretrain", "--recipe", "tiny_cpu.yaml", "model.tensor_model_parallel_size=2", "--nproc-per-node", "3"],
+    ["validate-config", "--recipe", "tiny_cpu.yaml", "model.tp=2"],  # an unknown key
+    ["validate-config", "--recipe", "no_such_recipe.yaml"],
+    ["replay", "no_such_run", "--step", "1"],
+])
+def test_every_expected_failure_is_one_line_on_stderr(args: list[str]) -> None:
+    """README: "Every expected failure is one line on stderr" -- a rule violation included (it
+    was a table on stdout, and a SLURM .err file got nothing)."""
+    r = runner.invoke(app, args)
+    assert r.exit_code in (1, 2), r.output
+    assert len(r.stderr.splitlines()) == 1 and r.stderr.startswith("error: "), r.stderr
+    assert "Traceback" not in r.output
+
+
 def test_the_table_is_for_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cli_common, "is_terminal", lambda stream: True)
     monkeypatch.setenv("COLUMNS", "60")  # a narrow terminal: keys still whole
@@ -69,7 +85,7 @@ def test_a_launchs_ranks_do_not_repeat_its_rule_report(monkeypatch: pytest.Monke
     warn = ["model.pipeline_model_parallel_size=2", "train.global_batch_size=2", "train.micro_batch_size=1",
             "--dry-run", "--dp", "2", "--output-dir", str(tmp_path / "run")]
     r = runner.invoke(app, ["validate-config", "--recipe", "tiny_cpu.yaml", *warn[:3], "--dp", "2"])
-    assert r.exit_code == 0 and "warning: PP-FEW-MICRO-BATCHES: " in r.stderr
+    assert r.exit_code == 0 and "warning: PP-FEW-MICRO-BATCHES: " in r.stdout
     monkeypatch.setenv(REPORTED_ENV, "1")
     monkeypatch.setattr("lptrain.cli.preflight.dry_run", lambda cfg, world: _NoLines())
     r = runner.invoke(app, ["pretrain", "--recipe", "tiny_cpu.yaml", *warn])
@@ -202,3 +218,20 @@ def test_slurm_fix_names_its_own_launch_options() -> None:
     assert "--nproc-per-node" not in r.stderr
     world = replace(World(ranks=2), launcher="--nodes x --gpus-per-node")
     assert not _fires(["model.pipeline_model_parallel_size=2"], world)
+
+
+def test_replay_before_a_pruned_checkpoint_blames_keep_latest(tmp_path: Path) -> None:
+    """``replay --step 15`` of a run that saved every 5 steps and kept 2 used to blame
+    ``checkpoint.save_interval``; the checkpoints before 15 were pruned (keep_latest)."""
+    from lptrain.train.replay import _no_checkpoint_before
+
+    cfg = compose("tiny_cpu.yaml", [f"checkpoint.save={tmp_path}", "checkpoint.save_interval=5"])
+    kept = [tmp_path / "iter_0000025", tmp_path / "iter_0000020"]
+    e = _no_checkpoint_before(cfg, 15, kept)
+    assert str(e) == (f"no valid checkpoint before step 15 in {tmp_path}: checkpoint.keep_latest=2 kept the "
+                      "newest 2 (step(s) 20, 25); the older ones were pruned; fix: replay a step after 20 "
+                      "(--step 21 or later), or raise checkpoint.keep_latest for the run to replay")
+    assert e.key == "checkpoint.keep_latest"
+    # none written before the step yet: the interval is to blame
+    e = _no_checkpoint_before(cfg, 3, kept)
+    assert e.key == "checkpoint.save_interval" and "(the first is at step 20)" in str(e)
