@@ -16,7 +16,14 @@ from typing import TYPE_CHECKING, Optional
 
 import typer
 
-from lptrain.cli.common import RECIPE_HELP, Target, load_recipe, report_violations
+from lptrain.cli.common import (
+    RECIPE_HELP,
+    Target,
+    complete_override,
+    complete_recipe,
+    load_recipe,
+    report_violations,
+)
 from lptrain.launch.slurm import (
     DEFAULT_SIGNAL_LEAD_S,
     SlurmJob,
@@ -34,8 +41,9 @@ if TYPE_CHECKING:
 def slurm(
     overrides: Optional[list[str]] = typer.Argument(
         None, help="Overrides as dotted key=value, validated now and passed to pretrain.",
-        show_default=False),
-    recipe: Optional[str] = typer.Option(None, "--recipe", "-r", help=RECIPE_HELP),
+        show_default=False, autocompletion=complete_override),
+    recipe: Optional[str] = typer.Option(None, "--recipe", "-r", help=RECIPE_HELP,
+                                         autocompletion=complete_recipe),
     nodes: int = typer.Option(1, "--nodes", "-N", min=1, help="Nodes to allocate."),
     gpus_per_node: int = typer.Option(
         8, "--gpus-per-node", "-G", min=1,

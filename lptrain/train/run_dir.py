@@ -120,7 +120,9 @@ def plan_run(cfg: Any, out: str | Path, overwrite: bool = False) -> RunPlan:
             raise RunDirRefused(
                 f"the run in {out} already finished: checkpoint {newest} is at step {done} >= "
                 f"train.train_iters={cfg.train.train_iters}; raise train.train_iters to train "
-                "further, pass --overwrite to start over, or choose a new --output-dir"
+                "further (with optimizer.use_checkpoint_opt_param_scheduler=true or "
+                "optimizer.override_opt_param_scheduler=true where the lr decay follows it), pass "
+                "--overwrite to start over, or choose a new --output-dir"
             )
         check_resume_compatible(newest, _as_dict(cfg))
         saved = saved_config(newest)
