@@ -145,7 +145,7 @@ def tp_fix(c: LPTrainConfig, w: World, rule: str, alternative: str) -> dict[str,
     each of their messages (a fix for one must not break another: TP 3 with 4 heads and an
     FFN of 256 said "a divisor of 4" in one row and "an FFN that is a multiple of 3" in the
     next), nearest below the size asked for; plus ``alternative`` (another key to change)
-    when this is the only one broken. ``tp_fix`` is empty when no size fits."""
+    when this is the only one broken (no size fits: the alternative alone)."""
     heads = max(1, c.model.num_attention_heads)
     tp = tp_size(c)
     alone = bool(alternative) and tp_faults(c, w) == [rule]
@@ -156,7 +156,7 @@ def tp_fix(c: LPTrainConfig, w: World, rule: str, alternative: str) -> dict[str,
         sizes = [t for t in range(1, heads + 1) if heads % t == 0 and _fits(c, free, t)]
         launch = " and launch a multiple of {n} ranks ({launcher})"
     if not sizes:
-        return {"tp_fix": alternative, "or_instead": ""}
+        return {"set_a_tp_size_every_tp_rule_accepts": alternative, "or_this_rules_own_fix_when_alone": ""}
     best = max((t for t in sizes if t < tp), default=min(sizes))
     fix = f"set model.tensor_model_parallel_size={best}"
     if best == 1 and c.model.sequence_parallel:
@@ -165,7 +165,8 @@ def tp_fix(c: LPTrainConfig, w: World, rule: str, alternative: str) -> dict[str,
         fix += launch.format(n=best * max(1, c.model.pipeline_model_parallel_size), launcher=w.launcher)
     elif len(sizes) > 1:
         fix += f" (every tensor-parallel rule holds at {', '.join(map(str, sizes))})"
-    return {"tp_fix": fix, "or_instead": f", or {alternative}" if alone else ""}
+    return {"set_a_tp_size_every_tp_rule_accepts": fix,
+            "or_this_rules_own_fix_when_alone": f", or {alternative}" if alone else ""}
 
 
 def _with_fix(rule: str, bad: Callable[[LPTrainConfig, World], Any],
@@ -177,8 +178,9 @@ def _with_fix(rule: str, bad: Callable[[LPTrainConfig, World], Any],
             return hit
         fields = dict(hit) if isinstance(hit, dict) else {}
         fix = tp_fix(c, w, rule, alternative(c, w, fields))
-        fits_launch = fix["tp_fix"].startswith("set model.tensor_model_parallel_size") and " launch " not in fix["tp_fix"]
-        fix["or_tp"] = f", or {fix['tp_fix']}" if fits_launch else ""
+        tp = fix["set_a_tp_size_every_tp_rule_accepts"]
+        fits_launch = tp.startswith("set model.tensor_model_parallel_size") and " launch " not in tp
+        fix["or_a_tp_size_that_fits"] = f", or {tp}" if fits_launch else ""
         return {**fields, **fix}
     return when
 
@@ -192,7 +194,7 @@ RULES = [
         message="tensor_model_parallel_size={cfg.model.tensor_model_parallel_size} must divide the "
                 "world of {world.ranks} ranks: each tensor-parallel group is that many consecutive "
                 "ranks and the data-parallel size is world / TP",
-        fix="launch a multiple of {cfg.model.tensor_model_parallel_size} ranks ({world.launcher}){or_tp}",
+        fix="launch a multiple of {cfg.model.tensor_model_parallel_size} ranks ({world.launcher}){or_a_tp_size_that_fits}",
         condition="world % tensor_model_parallel_size == 0 (a launch's rank count; --dp N judges "
                   "a world of TP x N ranks)",
         why="Megatron-LM's initialize_model_parallel refuses the same: every rank is in exactly "
@@ -206,7 +208,7 @@ RULES = [
         message="num_attention_heads={cfg.model.num_attention_heads} must be a multiple of "
                 "tensor_model_parallel_size={cfg.model.tensor_model_parallel_size}: each TP rank "
                 "holds whole attention heads",
-        fix="{tp_fix}{or_instead}",
+        fix="{set_a_tp_size_every_tp_rule_accepts}{or_this_rules_own_fix_when_alone}",
         condition="num_attention_heads % tensor_model_parallel_size == 0",
         why="Megatron-LM's TransformerConfig refuses the same (heads are split over TP ranks)",
         section=S,
@@ -218,7 +220,7 @@ RULES = [
             f"set model.num_query_groups={_groups_multiple(c)}")),
         message="num_query_groups={groups} is not a multiple of tensor_model_parallel_size="
                 "{cfg.model.tensor_model_parallel_size}: {how}",
-        fix="{tp_fix}{or_instead}",
+        fix="{set_a_tp_size_every_tp_rule_accepts}{or_this_rules_own_fix_when_alone}",
         condition="num_query_groups % tensor_model_parallel_size == 0",
         why="each TP rank holds whole query groups (its query heads with their key and value "
             "head); Megatron-LM also accepts a TP that is a multiple of num_query_groups by "
@@ -233,7 +235,7 @@ RULES = [
         message="ffn_hidden_size={cfg.model.ffn_hidden_size} must be a multiple of "
                 "tensor_model_parallel_size={cfg.model.tensor_model_parallel_size}: fc1's gate and "
                 "up halves and fc2's input columns are split over the TP ranks",
-        fix="{tp_fix}{or_instead}",
+        fix="{set_a_tp_size_every_tp_rule_accepts}{or_this_rules_own_fix_when_alone}",
         condition="ffn_hidden_size % tensor_model_parallel_size == 0 (models with a dense MLP)",
         why="Megatron-LM's ColumnParallelLinear / RowParallelLinear divide the size exactly",
         section=S,
@@ -258,7 +260,7 @@ RULES = [
         message="seq_length={cfg.model.seq_length} must be a multiple of "
                 "tensor_model_parallel_size={cfg.model.tensor_model_parallel_size} under sequence "
                 "parallelism: each TP rank holds seq_length / TP positions",
-        fix="{tp_fix}{or_instead}",
+        fix="{set_a_tp_size_every_tp_rule_accepts}{or_this_rules_own_fix_when_alone}",
         condition="sequence_parallel -> seq_length % tensor_model_parallel_size == 0",
         why="the sequence scatter and gather split the sequence into equal parts",
         section=S,
@@ -295,7 +297,7 @@ RULES = [
         message="the {recipe} recipe quantizes in blocks of {block} along each GEMM dimension, and "
                 "a tensor-parallel split must fall on a block boundary or its shards' blocks (and "
                 "so their bytes) differ from the whole tensor's: {detail}",
-        fix="{tp_fix}{or_instead}",
+        fix="{set_a_tp_size_every_tp_rule_accepts}{or_this_rules_own_fix_when_alone}",
         condition=f"for every GEMM dimension a TP split cuts: (size / TP) % block == 0 ({_BLOCKED}; "
                   "per-tensor recipes reduce their amax over TP instead)",
         why="a shard boundary inside a quantization block gives that block two scales, so the "
