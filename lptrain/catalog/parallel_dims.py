@@ -103,6 +103,17 @@ class ParallelDims:
         return cls(tp=tp, dp=world_size // mp, cp=cp, pp=pp, ep=ep, etp=etp,
                    sequence_parallel=sequence_parallel)
 
+    def layout(self) -> dict[str, int]:
+        """Every size by name, the world's too: what a run's banner and ``summary.json`` show."""
+        return {"tp": self.tp, "cp": self.cp, "pp": self.pp, "dp": self.dp, "ep": self.ep,
+                "etp": self.etp, "world_size": self.world_size}
+
+    def describe(self) -> str:
+        """``TP 2 (SP) x CP 1 x PP 2 x DP 1 = 4 ranks, EP 1``: how the ranks are split."""
+        sp = " (SP)" if self.sequence_parallel else ""
+        return (f"TP {self.tp}{sp} x CP {self.cp} x PP {self.pp} x DP {self.dp} = "
+                f"{self.world_size} rank(s), EP {self.ep}")
+
     # ---- dense coordinates ----------------------------------------------------------------
 
     def _sizes(self, order: tuple[str, ...]) -> dict[str, int]:

@@ -16,7 +16,14 @@ holds fp32 masters under canonical names, resharded on load):
 * the optimizer (``OPTIMIZER_KEYS``): the saved state belongs to another optimizer;
   ``checkpoint.load_optimizer=false`` starts a fresh optimizer from the saved weights;
 * precision state that cannot carry over (:func:`_precision_problems`): the delayed-scaling
-  amax histories have the recorded length, Transformer Engine's per-module state is TE's.
+  amax histories have the recorded length, Transformer Engine's per-module state is TE's;
+* the learning-rate schedule (:func:`schedule_changes`: peak and minimum lr, warmup, decay
+  length and style), as Megatron-LM's ``OptimizerParamScheduler`` compares it on load: a
+  larger ``train.train_iters`` lengthens a decay that follows it, and the run would jump
+  back up the curve (from 1.035e-4 at step 30 to 2.694e-4 at step 31 in a 30 -> 40 step
+  continuation). Refused unless ``optimizer.use_checkpoint_opt_param_scheduler`` (go on
+  with the saved schedule) or ``optimizer.override_opt_param_scheduler`` (this config's
+  schedule from the step reached) says which.
 
 Plain dicts in, lines out: this module knows key names, not the config classes.
 """
@@ -37,6 +44,12 @@ SHAPE_KEYS = (
 )
 OPTIMIZER_KEYS = ("optimizer.name",)
 LOAD_OPTIMIZER_KEY = "checkpoint.load_optimizer"
+# What defines the lr schedule (optimizer.decay_iters: the effective decay length, null
+# meaning train.train_iters).
+SCHEDULE_KEYS = ("optimizer.lr", "optimizer.min_lr", "optimizer.warmup_iters",
+                 "optimizer.decay_iters", "optimizer.lr_schedule", "optimizer.muon.lr")
+OVERRIDE_KEY = "optimizer.override_opt_param_scheduler"
+USE_CHECKPOINT_KEY = "optimizer.use_checkpoint_opt_param_scheduler"
 
 
 class IncompatibleCheckpointError(CheckpointError):
@@ -83,6 +96,33 @@ def _precision_problems(saved: Mapping[str, Any], new: Mapping[str, Any]) -> lis
     return out
 
 
+def _schedule_value(cfg: Mapping[str, Any], key: str) -> tuple[bool, Any]:
+    has, value = _get(cfg, key)
+    if key == "optimizer.decay_iters" and has and value is None:
+        return _get(cfg, "train.train_iters")
+    return has, value
+
+
+def schedule_changes(saved: Mapping[str, Any], new: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
+    """``(key, saved value, new value)`` of every schedule setting the new config changes
+    (``optimizer.decay_iters`` as the decay length it means)."""
+    out = []
+    for key in SCHEDULE_KEYS:
+        (has_old, old), (has_new, now) = _schedule_value(saved, key), _schedule_value(new, key)
+        if has_old and has_new and old != now:
+            out.append((key, old, now))
+    return out
+
+
+def describe_changes(changes: list[tuple[str, Any, Any]]) -> str:
+    """``optimizer.decay_iters 30 there, 40 now (null: train.train_iters), ...``."""
+    parts = []
+    for key, old, now in changes:
+        note = " (null: train.train_iters)" if key == "optimizer.decay_iters" else ""
+        parts.append(f"{key} {old!r} there, {now!r} now{note}")
+    return ", ".join(parts)
+
+
 def incompatible_lines(saved: Mapping[str, Any], new: Mapping[str, Any], where: str) -> list[str]:
     """One line per key whose change makes ``new`` unable to resume from the checkpoint
     ``where`` written under ``saved`` (empty when it can)."""
@@ -105,21 +145,33 @@ def incompatible_lines(saved: Mapping[str, Any], new: Mapping[str, Any], where: 
     for key, old, now, why in _precision_problems(saved, new):
         lines.append(f"cannot resume from {where}: {key} is {old!r} there, {now!r} now ({why}); "
                      f"fix: resume with {key}={old}, or start a new run in another --output-dir")
+    changes = schedule_changes(saved, new)
+    if changes and not (_get(new, OVERRIDE_KEY)[1] or _get(new, USE_CHECKPOINT_KEY)[1]):
+        lines.append(f"cannot resume from {where}: the learning-rate schedule changed "
+                     f"({describe_changes(changes)}), and the lr would jump to the new curve at "
+                     f"the step reached; fix: pass {USE_CHECKPOINT_KEY}=true to go on with the "
+                     f"saved schedule, or {OVERRIDE_KEY}=true to follow this config's from the "
+                     "step reached")
     return lines
+
+
+def saved_config(folder: str | Path) -> Optional[Mapping[str, Any]]:
+    """The checkpoint's ``resolved_config.yaml`` as nested dicts (None when unreadable)."""
+    import yaml
+
+    try:
+        saved = yaml.safe_load((Path(folder) / CONFIG).read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None
+    return saved if isinstance(saved, Mapping) else None
 
 
 def check_resume_compatible(folder: str | Path, new: Mapping[str, Any]) -> None:
     """Raise :class:`IncompatibleCheckpointError` when ``new`` (a resolved config as nested
     dicts) cannot resume from the checkpoint ``folder``. A folder without a readable
     ``resolved_config.yaml`` is not judged here (loading still checks shapes)."""
-    import yaml
-
-    path = Path(folder) / CONFIG
-    try:
-        saved = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError):
-        return
-    if isinstance(saved, Mapping):
+    saved = saved_config(folder)
+    if saved is not None:
         lines = incompatible_lines(saved, new, str(folder))
         if lines:
             raise IncompatibleCheckpointError(lines)

@@ -55,8 +55,32 @@ CUDA_HELP = (
     "TE's grouped-tensor path needs cuBLASLt 13.3+, blockwise FP8 CUDA 12.9+."
 )
 
-RecipeOpt = typer.Option(DEFAULT_RECIPE, "--recipe", "-r", help=RECIPE_HELP)
-OverridesArg = typer.Argument(None, help=OVERRIDES_HELP, show_default=False)
+def complete_recipe(incomplete: str) -> list[str]:
+    """Shell completion of ``--recipe``: the recipes ``--recipe NAME`` finds."""
+    from lptrain.config.compose import available_recipes
+
+    return [r for r in available_recipes() if r.startswith(incomplete)]
+
+
+def complete_override(incomplete: str) -> list[str]:
+    """Shell completion of an override: the dotted keys (``model.tensor_model_parallel_size=``),
+    then, after ``=``, a choice key's values."""
+    from lptrain.config.compose import all_keys
+    from lptrain.config.schema import choice_keys
+
+    key, eq, value = incomplete.partition("=")
+    if eq:
+        choices = choice_keys().get(key, ())
+        return [f"{key}={c}" for c in map(str, choices) if c.startswith(value)]
+    keys = all_keys()
+    sections = {k.rsplit(".", 1)[0] for k in keys if "." in k}
+    return [f"{k}." if k in sections else f"{k}=" for k in keys if k.startswith(key)]
+
+
+RecipeOpt = typer.Option(DEFAULT_RECIPE, "--recipe", "-r", help=RECIPE_HELP,
+                         autocompletion=complete_recipe)
+OverridesArg = typer.Argument(None, help=OVERRIDES_HELP, show_default=False,
+                              autocompletion=complete_override)
 DpOpt = typer.Option(None, "--dp", min=1, help=DP_HELP)
 TargetOpt = typer.Option(None, "--target", help=TARGET_HELP, case_sensitive=False)
 TeOpt = typer.Option(None, "--te-version", help=TE_HELP)
@@ -93,15 +117,22 @@ def detect_world(dp: Optional[int], target: Optional[Target], te_version: Option
                         cuda_version=cuda_version, ranks=ranks)
 
 
+def is_terminal(stream: str) -> bool:
+    """Whether ``sys.stdout`` / ``sys.stderr`` (``stream``) is a terminal (tests replace this)."""
+    f = getattr(sys, stream)
+    return bool(getattr(f, "isatty", lambda: False)())
+
+
 def violations_table(violations: list[Violation], title: str) -> Table:
-    """One row per violation: rule id, severity, keys, message, fix."""
+    """One row per violation: rule id, severity, keys, message, fix (keys never cut)."""
     from rich.markup import escape
     from rich.table import Table
 
     table = Table(title=escape(title), show_lines=True, title_justify="left")
     table.add_column("rule", style="bold", no_wrap=True)
     table.add_column("severity", no_wrap=True)
-    for col in ("keys", "message", "fix"):
+    table.add_column("keys", no_wrap=True)
+    for col in ("message", "fix"):
         table.add_column(col, overflow="fold")
     for v in violations:
         sev = "[red]error[/red]" if v.severity == "error" else "[yellow]warning[/yellow]"
@@ -109,9 +140,19 @@ def violations_table(violations: list[Violation], title: str) -> Table:
     return table
 
 
+def violation_line(v: Violation) -> str:
+    """One violation as one line, whole keys and the fix last (a log, a SLURM ``.err`` file)."""
+    return f"{v.severity}: {v.rule}: {v.message}; keys: {', '.join(v.keys)}; fix: {v.fix}"
+
+
 def report_violations(violations: list[Violation], name: str, world: World, as_json: bool) -> int:
-    """Print the validate-config report (table and verdict, or JSON); returns the exit
-    status it stands for: 1 when any violation is an error, else 0."""
+    """Print the validate-config report (or JSON); returns the exit status it stands for: 1
+    when any violation is an error, else 0.
+
+    The table is for a terminal (stdout); everywhere else -- a log, a pipe, a SLURM ``.err``
+    file -- each violation is one line (:func:`violation_line`), an error on stderr (so it
+    reaches the error log, and a refused config is one line per error there), a warning on
+    stdout; its keys and fix can be copied. The verdict line goes to stdout."""
     from rich.markup import escape
 
     from lptrain.config.check import has_errors
@@ -121,14 +162,16 @@ def report_violations(violations: list[Violation], name: str, world: World, as_j
         payload = {"valid": not errors, "violations": [v.to_dict() for v in violations]}
         typer.echo(json.dumps(payload, indent=2))
         return 1 if errors else 0
-    where = f"target {world.target}, dp {world.dp}"
-    if world.ranks is not None and world.ranks != world.dp:  # model parallelism: say the world too
-        where += f", {world.ranks} ranks"
+    where = f"target {world.target}, {world.describe()}"
     n_err = sum(v.severity == "error" for v in violations)
     n_warn = len(violations) - n_err
     out = console()
-    if violations:
+    table = is_terminal("stdout")
+    if violations and table:
         out.print(violations_table(violations, f"{name} ({where})"))
+    if violations and not (table and is_terminal("stderr")):
+        for v in violations:  # errors on stderr; warnings (no failure) with the verdict
+            typer.echo(violation_line(v), err=v.severity == "error")
     name = escape(name)
     if errors:
         out.print(f"[red]{name}: invalid[/red] ({n_err} error(s), {n_warn} warning(s); {where})")

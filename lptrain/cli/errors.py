@@ -149,7 +149,10 @@ class LPTrainGroup(TyperGroup):
         if "--debug" in head:
             head = [a for a in head if a != "--debug"]
             args = ["--debug", *head, *args[end:]]
-        return super().parse_args(ctx, args)
+        # Megatron-LM's flags for lptrain keys (--tensor-model-parallel-size 2) read as overrides
+        from lptrain.cli.megatron_flags import translate_command_line
+
+        return super().parse_args(ctx, translate_command_line(self, ctx, args))
 
     def invoke(self, ctx: typer.Context) -> Any:
         try:

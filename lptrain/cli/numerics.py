@@ -138,11 +138,25 @@ def compare(
 def replay(
     run_dir: str = typer.Argument(..., help=RUN_HELP),
     step: int = typer.Option(..., "--step", min=1, help="The step to run again."),
+    nproc_per_node: int = typer.Option(
+        1, "--nproc-per-node", min=1,
+        help="Replay on N local ranks, the run's own count (a TP/PP/DP run's step is bitwise "
+        "only at its size); under torchrun/SLURM ($WORLD_SIZE set) it joins that world instead."),
 ) -> None:
     """Re-run step N from the checkpoint before it and say whether the result is bitwise the
     same as the run's (same: data or numerics; different: hardware or non-determinism)."""
     run = _run_dir(run_dir)
-    from lptrain.train.replay import replay_step
+    from lptrain.distributed.launch_env import leave_world, world_from_env
+    from lptrain.train.replay import plan_replay, replay_step
 
-    for line in replay_step(run, step).lines():
-        typer.echo(line)
+    rank, env_world, _ = world_from_env()
+    if nproc_per_node > 1 and env_world == 1:
+        from lptrain.launch.local import launch_local
+
+        plan_replay(run, step, nproc_per_node)  # what it refuses, once, before any rank starts
+        raise typer.Exit(launch_local(nproc_per_node, ["replay", str(run), "--step", str(step)]))
+    result = replay_step(run, step)
+    if rank == 0:  # the verdict once
+        for line in result.lines():
+            typer.echo(line)
+    leave_world()

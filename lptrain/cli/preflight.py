@@ -74,15 +74,11 @@ def check_writable(out: Path) -> None:
 
 
 def checkpoint_bytes(cfg: LPTrainConfig) -> Optional[int]:
-    """One checkpoint's size by the memory planner: every fp32 master and optimizer state
-    (what one rank holds at dp 1); None when the planner cannot size this config at dp 1."""
-    from lptrain.memory.plan import estimate_memory
+    """One checkpoint's size by the memory planner: every rank's fp32 masters and optimizer
+    state, the whole model's (:func:`lptrain.memory.checkpoint_size.checkpoint_bytes`)."""
+    from lptrain.memory.checkpoint_size import checkpoint_bytes as whole_checkpoint_bytes
 
-    try:
-        worst = estimate_memory(cfg, 1).worst.bytes
-    except Exception:  # e.g. an expert layout that needs dp > 1: no free-space check then
-        return None
-    return int(worst.get("masters", 0) + worst.get("optimizer_states", 0))
+    return whole_checkpoint_bytes(cfg)
 
 
 def check_paths(cfg: LPTrainConfig, out: Path, room_is_error: bool = True) -> list[str]:
@@ -113,7 +109,7 @@ def check_paths(cfg: LPTrainConfig, out: Path, room_is_error: bool = True) -> li
                 "/sys)" if virtual else f"{free / 2**20:.1f} MiB free")
         err = OutputDirError(
             f"checkpoint folder {folder}: {room}, a checkpoint needs about "
-            f"{size / 2**20:.1f} MiB (memory planner: fp32 masters and optimizer state)",
+            f"{size / 2**20:.1f} MiB (memory planner: the whole model's fp32 masters and optimizer state)",
             key=CHECKPOINT_KEY,
             fix="point checkpoint.save at a folder on a disk" if virtual
             else "free space there or point checkpoint.save at a larger filesystem")

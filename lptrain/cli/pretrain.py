@@ -8,6 +8,7 @@ the run folder as rank 0 would (paths, lock, resume), and then starts N copies o
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
@@ -62,7 +63,7 @@ def pretrain(
     from lptrain.config.check import has_errors
     from lptrain.config.derive import derive
     from lptrain.config.layers import check_composed
-    from lptrain.launch.local import launch_local, world_from_env
+    from lptrain.launch.local import REPORTED_ENV, launch_local, world_from_env
 
     all_overrides = list(overrides or [])
     if output_dir is not None:
@@ -83,9 +84,13 @@ def pretrain(
         report_violations(violations, Path(recipe).name, world, as_json=False)
         console().print("[red]refusing to start: fix the errors above[/red]")
         raise typer.Exit(1)
-    if violations and rank == 0:
+    if violations and rank == 0 and not os.environ.get(REPORTED_ENV):  # the launcher's said it
         report_violations(violations, Path(recipe).name, world, as_json=False)
     cfg = derive(composed.cfg, world)
+    if cfg.debug.nan_sample is not None:  # a module of any stage, checked before anything is written
+        from lptrain.train.forensics import check_nan_module
+
+        check_nan_module(cfg)
     if spawn:  # validated for the real world size; each rank runs this command again
         _judge_before_spawn(cfg, overwrite)
         args = _rank_args(recipe, overrides, output_dir, target, te_version, overwrite)

@@ -10,12 +10,20 @@ from __future__ import annotations
 import contextlib
 import re
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 import typer
 
-from lptrain.cli.common import RECIPE_HELP, Target, load_recipe, report_violations
+from lptrain.cli.common import (
+    RECIPE_HELP,
+    Target,
+    complete_override,
+    complete_recipe,
+    load_recipe,
+    report_violations,
+)
 from lptrain.launch.slurm import (
     DEFAULT_SIGNAL_LEAD_S,
     SlurmJob,
@@ -33,8 +41,9 @@ if TYPE_CHECKING:
 def slurm(
     overrides: Optional[list[str]] = typer.Argument(
         None, help="Overrides as dotted key=value, validated now and passed to pretrain.",
-        show_default=False),
-    recipe: Optional[str] = typer.Option(None, "--recipe", "-r", help=RECIPE_HELP),
+        show_default=False, autocompletion=complete_override),
+    recipe: Optional[str] = typer.Option(None, "--recipe", "-r", help=RECIPE_HELP,
+                                         autocompletion=complete_recipe),
     nodes: int = typer.Option(1, "--nodes", "-N", min=1, help="Nodes to allocate."),
     gpus_per_node: int = typer.Option(
         8, "--gpus-per-node", "-G", min=1,
@@ -169,7 +178,8 @@ def _refuse_invalid(composed: Composed, recipe: str, world_size: int, target: st
 
     # The job's rank count: the data-parallel size is what tensor parallelism leaves of it
     # (World.for_config), and expert parallelism splits the experts over the world.
-    world = World.detect(ranks=world_size, target=target).for_config(composed.cfg)
+    world = replace(World.detect(ranks=world_size, target=target),
+                    launcher="--nodes x --gpus-per-node").for_config(composed.cfg)
     violations = check_composed(composed, world) + launch_violations(composed.cfg, world_size)
     if violations:
         with contextlib.redirect_stdout(sys.stderr):

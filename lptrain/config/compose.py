@@ -175,8 +175,13 @@ def suggest_key(key: str) -> Optional[str]:
     """The closest valid dotted key to ``key`` (difflib), or None."""
     # An exact leaf name in another section first, then the closest full dotted key (catches
     # typos in the section name too), then the closest leaf name anywhere.
+    from lptrain.config.aliases import key_for
+
     leaf = key.rsplit(".", 1)[-1]
     by_leaf = {k.rsplit(".", 1)[-1]: k for k in all_keys()}
+    alias = key_for(leaf, all_keys())  # an abbreviation (model.tp) or Megatron-LM's name
+    if alias is not None and alias != key:
+        return alias
     if leaf in by_leaf:  # the right name in the wrong section
         return by_leaf[leaf]
     close = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.6)
@@ -184,6 +189,14 @@ def suggest_key(key: str) -> Optional[str]:
         return close[0]
     close = difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.75)
     return by_leaf[close[0]] if close else None
+
+
+def _not_a_key(key: str) -> Optional[str]:
+    """For a name that stands for no key at all (``dp``), what stands for it."""
+    from lptrain.config.aliases import NOT_KEYS
+
+    note = NOT_KEYS.get(key.rsplit(".", 1)[-1])
+    return f"; {note}" if note else None
 
 
 def _validate(data: Any, cls: type, prefix: str, layer: _Layer) -> None:
@@ -204,6 +217,7 @@ def _validate(data: Any, cls: type, prefix: str, layer: _Layer) -> None:
                 key = f"{key}.{sub}"
             hint = suggest_key(key)
             tail = f"; did you mean '{hint}'?" if hint else f"; valid keys here: {', '.join(known)}"
+            tail = _not_a_key(key) or tail
             raise ConfigError(
                 f"{_where(layer.source, layer.lines, line_key)}: unknown key '{key}'{tail}"
             )

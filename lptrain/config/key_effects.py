@@ -143,6 +143,13 @@ LATER_KEYS: dict[str, LaterEffect] = {
     "checkpoint.load_optimizer": LaterEffect(
         "whether a resume loads the saved optimizer state or starts a fresh one from the saved weights",
         "tests/e2e/test_faults_ckpt_resume.py::test_incompatible_resume_refused_and_fresh_optimizer_override"),
+    "optimizer.override_opt_param_scheduler": LaterEffect(
+        "on a resume whose lr schedule differs from the checkpoint's: this config's schedule "
+        "from the step reached (refused without it or its sibling)",
+        "tests/e2e/test_resume_schedule.py::test_override_opt_param_scheduler_follows_the_new_decay_and_says_so"),
+    "optimizer.use_checkpoint_opt_param_scheduler": LaterEffect(
+        "on a resume whose lr schedule differs from the checkpoint's: the saved schedule goes on",
+        "tests/e2e/test_resume_schedule.py::test_use_checkpoint_opt_param_scheduler_goes_on_with_the_saved_decay"),
     "checkpoint.save_interval": LaterEffect("how often checkpoints are written",
                                             "tests/e2e/test_checkpoint_resume.py::test_crash_inside_writer_keeps_previous_checkpoint"),
     "checkpoint.keep_latest": LaterEffect("how many checkpoints are kept",

@@ -319,6 +319,10 @@ class OptimizerConfig:
     lr_schedule: str = choice("cosine", LR_SCHEDULES, "LR decay: {choices}.")
     warmup_iters: int = opt(10, "Linear warmup iterations.")
     decay_iters: Optional[int] = opt(None, "Decay length; null = train.train_iters.")
+    override_opt_param_scheduler: bool = opt(False, "On resume: this config's lr schedule from the "
+                                             "step reached, where it differs from the checkpoint's.")
+    use_checkpoint_opt_param_scheduler: bool = opt(False, "On resume: the checkpoint's lr schedule, "
+                                                   "whatever this config's says.")
     layer_wise_param_layout: str = choice("compact", LAYER_WISE_LAYOUTS,
                                           "Layer-wise optimizer layout: {choices}.")
     use_layer_wise_optimizer: Optional[bool] = opt(

@@ -58,6 +58,13 @@ class World:
     # Total ranks when the launch fixes them ($WORLD_SIZE, --nproc-per-node); None: model-
     # parallel sizes x dp (set by for_config).
     ranks: Optional[int] = None
+    # Ranks that hold one model copy (TP x PP), set by for_config.
+    model_parallel: int = 1
+    # The rank count follows the model-parallel sizes (a --dp world), set by for_config; else
+    # the launch fixed it (--nproc-per-node, $WORLD_SIZE) and dp follows.
+    ranks_from_dp: bool = False
+    # What sets the rank count of a launch (a fix that asks for more ranks names it).
+    launcher: str = "--nproc-per-node"
 
     @property
     def world_size(self) -> int:
@@ -70,9 +77,19 @@ class World:
         LAUNCH-TP-DIVIDES-WORLD and LAUNCH-PP-DIVIDES-WORLD report a remainder), a known ``dp``
         gives ``ranks = TP x PP x dp``."""
         mp = model_parallel_size(cfg)
-        if self.ranks is None:
-            return replace(self, ranks=self.dp * mp)
-        return replace(self, dp=max(1, self.ranks // mp))
+        if self.ranks is None or self.ranks_from_dp:
+            return replace(self, ranks=self.dp * mp, model_parallel=mp, ranks_from_dp=True)
+        return replace(self, dp=max(1, self.ranks // mp), model_parallel=mp)
+
+    def describe(self) -> str:
+        """The sizes a report's header names: ``dp N``, and the rank count where model
+        parallelism makes it differ; a rank count that ``TP x PP`` does not divide has no
+        data-parallel size, and is said so instead of a rounded-down one."""
+        if self.ranks is not None and self.ranks % self.model_parallel:
+            return f"{self.ranks} ranks, not a multiple of TP x PP = {self.model_parallel}"
+        if self.ranks is not None and self.ranks != self.dp:
+            return f"dp {self.dp}, {self.ranks} ranks"
+        return f"dp {self.dp}"
 
     @property
     def sm(self) -> int:

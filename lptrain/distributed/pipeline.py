@@ -73,6 +73,13 @@ class EngineStage:
             base = _pipelining().PipelineStage
 
             class _Stage(base):  # type: ignore[misc, valid-type]
+                def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+                    # the engine's per-micro-batch callback (a NaN injection, forensic hooks)
+                    before = self.lptrain_runner.before_micro_batch
+                    if before is not None:
+                        before(fwd_chunk_id)
+                    return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
                 def backward_maybe_with_nosync(self, backward_type: Any, bwd_kwargs: dict,
                                                last_backward: bool = False) -> Any:
                     run = self.lptrain_runner
@@ -112,6 +119,9 @@ class PipelineRunner:
         self._eval_total = torch.zeros((), dtype=torch.float64, device=device)
         self._n = 1
         self._backward_started = False
+        # called with the micro-batch's index before each chunk's forward of it (the engine's
+        # ``before_micro_batch``, as its own micro-batch loop calls it without pipelining)
+        self.before_micro_batch: Optional[Callable[[int], None]] = None
 
     @property
     def stage_rank(self) -> int:

@@ -13,11 +13,14 @@ launch exit 143/130, not "failed" (:mod:`lptrain.launch.exit_status`).
 
 from __future__ import annotations
 
+import contextlib
+import importlib.machinery
 import os
 import signal
 import sys
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 from lptrain.distributed.launch_env import world_from_env
@@ -35,7 +38,11 @@ from lptrain.launch.peers import publish_peer_exits
 from lptrain.launch.torchrun import quiet_agent_logs
 from lptrain.launch.watchdog import HANG_FIX, watching
 
-__all__ = ["launch_local", "world_from_env"]
+__all__ = ["launch_local", "rank_environment", "world_from_env"]
+
+# Set for the ranks of a launch whose launcher printed the rule report (warnings included):
+# they validate again but do not print it a second time.
+REPORTED_ENV = "LPTRAIN_RULES_REPORTED"
 
 # A rank that exits with one of these went through lptrain's error surface: its one line (or,
 # for 70, its traceback) is on stderr already, and the launch exits with the same status.
@@ -79,7 +86,7 @@ def launch_local(nproc: int, args: Sequence[str]) -> int:
 
     try:
         # the watchdog names a rank without progress; a survivor names how its lost peer ended
-        with watching(nproc) as dog, publish_peer_exits():
+        with watching(nproc) as dog, publish_peer_exits(), _environment(rank_environment()):
             elastic_launch(config, sys.executable)("-m", "lptrain", *args)
     except SignalException as e:
         # SIGTERM/SIGINT to the launcher: the agent forwarded it to the ranks (which save a
@@ -100,6 +107,46 @@ def launch_local(nproc: int, args: Sequence[str]) -> int:
             fix="see the failing rank's error line above",
         ) from None
     return 0
+
+
+def rank_environment() -> dict[str, str]:
+    """The variables the ranks start with so that ``python -m lptrain`` imports this lptrain
+    whatever the current folder holds.
+
+    ``-m`` puts the current folder first on ``sys.path``: a folder there named ``lptrain``
+    (an empty one, or the clone itself seen from its parent folder) became a namespace
+    package in every rank when lptrain is installed in editable mode (its finder comes after
+    the path scan), and the ranks crashed at their first import (exit 70).
+    ``PYTHONSAFEPATH`` (Python 3.11+) leaves the current folder off ``sys.path``; where this
+    lptrain is not a regular package on the rest of the path (an editable install, or a
+    checkout used as the current folder), its folder goes first on ``PYTHONPATH`` too (which
+    also covers Python 3.10). The launcher's rule report is not printed again by the ranks."""
+    import lptrain
+
+    env = {"PYTHONSAFEPATH": "1", REPORTED_ENV: "1"}
+    root = str(Path(lptrain.__file__).resolve().parents[1])
+    cwd = os.path.realpath(os.getcwd())
+    rest = [p for p in sys.path if p and os.path.realpath(p) != cwd]
+    spec = importlib.machinery.PathFinder.find_spec("lptrain", rest)
+    if spec is None or spec.origin is None or Path(spec.origin).resolve().parents[1] != Path(root):
+        old = os.environ.get("PYTHONPATH")
+        env["PYTHONPATH"] = root + (os.pathsep + old if old else "")
+    return env
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """``values`` in ``os.environ`` (what the spawned ranks inherit) for the launch only."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _first_real_failure(failures: dict[int, Any]) -> tuple[int, Any]:

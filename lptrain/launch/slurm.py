@@ -148,6 +148,9 @@ MAX_REQUEUES=${LPTRAIN_MAX_REQUEUES:-100}
 export TORCH_NCCL_ASYNC_ERROR_HANDLING TORCH_NCCL_AVOID_RECORD_STREAMS NCCL_DEBUG NCCL_IB_TIMEOUT \\
   PYTORCH_ALLOC_CONF PET_SIGNALS_TO_HANDLE TORCH_ELASTIC_SHUTDOWN_TIMEOUT
 # Site-specific, set them here or in your environment: NCCL_SOCKET_IFNAME, NCCL_IB_HCA.
+# `python -m` puts the submit folder first on sys.path: a folder named lptrain there (the
+# clone, seen from its parent) would shadow an editable install; Python 3.11+ leaves it off.
+export PYTHONSAFEPATH=1
 
 # The environment lptrain was installed in (outside a container, which brings its own).
 if [ -z "$CONTAINER_IMAGE" ] && [ -n "$ENV_ACTIVATE" ]; then
@@ -186,6 +189,7 @@ else
   # Check the recipe for the world this allocation really has before any GPU is touched.
   # (${OVERRIDES[@]+...}: bash < 4.4 calls an empty array unbound under `set -u`.)
   "$PYTHON" -m lptrain validate-config --recipe "$RECIPE" --dp "$DP" ${OVERRIDES[@]+"${OVERRIDES[@]}"}
+  export LPTRAIN_RULES_REPORTED=1  # its warnings are not printed again by rank 0
 fi
 
 # Preemption: SLURM sends USR1 to this shell SIGNAL_LEAD_S before the time limit.

@@ -300,7 +300,8 @@ class TrainEngine(EngineCheckpointState):
         """Local (lm_loss, total_loss) means over this rank's micro-batches, fp64, on the
         device (read once per step, after the loss all-reduce). Under pipeline parallelism
         the schedule runs them (the losses are the last stage's)."""
-        if self.pipeline is not None:
+        if self.pipeline is not None:  # (its stages call before_micro_batch per micro-batch)
+            self.pipeline.before_micro_batch = self.before_micro_batch
             return self.pipeline.forward_backward([self._to_device(b) for b in micro_batches])
         model, ddp = self.model, self.ddp
         n = len(micro_batches)

@@ -106,14 +106,10 @@ class NaNInjector:
         d = cfg.debug
         self.sample = d.nan_sample
         self.tensor = d.nan_tensor
-        modules = dict(model.named_modules())
-        module = modules.get(d.nan_module) if d.nan_module else None
-        if module is None:
-            gemms = [n for n, m in modules.items() if getattr(m, "name", None) == n and n]
-            raise InputError(f"debug.nan_module={d.nan_module!r} names no module of this model "
-                             f"(e.g. {', '.join(gemms[:3]) or 'layers.0'})", key="debug.nan_module",
-                             fix="name a module by its state-dict prefix")
-        self.handle = module.register_forward_hook(self._hook)
+        module = dict(model.named_modules()).get(d.nan_module) if d.nan_module else None
+        if module is None:  # on another pipeline stage, or in no stage (refused)
+            check_nan_module(cfg)
+        self.handle = module.register_forward_hook(self._hook) if module is not None else None
         self.target: Optional[int] = None
         self.active = False
 
@@ -139,6 +135,36 @@ class NaNInjector:
         if isinstance(output, torch.Tensor):
             return bad
         return type(output)(bad if o is t else o for o in output)
+
+
+def check_nan_module(cfg: LPTrainConfig) -> None:
+    """``debug.nan_module`` names a module of the whole model (every pipeline stage's layers
+    under their global names), else :class:`InputError` naming a few -- before the run
+    folder is written. A stage checks no longer against its own layers alone: under pipeline
+    parallelism every name was refused on some stage."""
+    d = cfg.debug
+    if d.nan_sample is None:
+        return
+    names = whole_module_names(cfg)
+    if d.nan_module in names:
+        return
+    gemms = [n for n in names if n.endswith(("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"))]
+    raise InputError(f"debug.nan_module={d.nan_module!r} names no module of this model "
+                     f"(e.g. {', '.join(gemms[:3]) or 'layers.0'})", key="debug.nan_module",
+                     fix="name a module by its state-dict prefix")
+
+
+def whole_module_names(cfg: LPTrainConfig) -> list[str]:
+    """The state-dict names of every module of the whole model (built on the meta device,
+    without pipeline stages; tensor-parallel shards have the same names)."""
+    import copy
+
+    from lptrain.memory.plan import meta_model
+
+    whole = copy.deepcopy(cfg)
+    whole.model.pipeline_model_parallel_size = 1
+    whole.model.virtual_pipeline_model_parallel_size = None
+    return [n for n, _ in meta_model(whole).named_modules() if n]
 
 
 class FirstNonFinite:
@@ -214,7 +240,12 @@ def investigate(engine: TrainEngine, micro_batches: Sequence[dict[str, torch.Ten
         finder.remove()
     findings = _all_findings(finder.finding(engine.rank, samples))
     found = [f for f in findings if f is not None]
-    culprit = next((f for f in found if f["tensor"] == "output"), found[0] if found else None)
+    # forwards run from the first pipeline stage to the last, backwards the other way: the
+    # first output grad to go bad is the latest stage's (pipeline ranks are outermost)
+    stage = engine.groups.dims.coords
+    grads = sorted((f for f in found if f["tensor"] != "output"),
+                   key=lambda f: (-stage(f["rank"])["pp"], f["rank"]))
+    culprit = next((f for f in found if f["tensor"] == "output"), grads[0] if grads else None)
     return {"culprit": culprit, "ranks": [f["rank"] for f in found], "numerics": numerics}
 
 

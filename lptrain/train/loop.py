@@ -65,6 +65,7 @@ from lptrain.train.policies import (
 )
 from lptrain.train.run_dir import RunPlan, plan_run, rebase_on_output_dir, start_run
 from lptrain.train.run_lock import run_lock
+from lptrain.train.schedule_resume import apply_resumed_schedule
 from lptrain.train.signals import StopWatcher, TrainingInterrupted
 from lptrain.train.summary import JobState, RunSummary
 
@@ -90,10 +91,13 @@ def pretrain(cfg: LPTrainConfig, output_dir: str | Path, *, overwrite: bool = Fa
     with run_lock(out) if main else contextlib.nullcontext():
         plan = plan_run(cfg, out, overwrite)
         hf_arch = _check_init_from_hf(cfg, plan)
+        schedule_note = apply_resumed_schedule(cfg, plan.schedule_changes, plan.resume_step)
         engine = TrainEngine(cfg)
         log = RunLog(engine.is_main, cfg)
         for note in plan.notes:
             log.line(f"warning: skipping checkpoint {note}")
+        if schedule_note:
+            log.line(schedule_note)
         if plan.restart:
             log.line(plan.restart)
         loaders = _open_data(cfg, engine)
@@ -254,7 +258,7 @@ class _Job:
         self.log.line(
             f"lptrain {cfg.run.name}: {n_params / 1e6:.2f}M params, {t.train_iters} steps x "
             f"{t.global_batch_size} seqs x {cfg.model.seq_length} tokens, "
-            f"{self.engine.world_size} rank(s)" + (f"; resuming at step {start + 1}" if start else "")
+            f"{self.engine.groups.dims.describe()}" + (f"; resuming at step {start + 1}" if start else "")
         )
         if not self.evals.enabled:
             why = ("no validation split (data.split_valid_fraction=0)" if self.valid_it is None
@@ -428,6 +432,7 @@ class _Job:
         summary = RunSummary.of_job(self.state, self.outputs.records, elapsed,
                                     self.meter.tokens_per_step, self.outputs.wandb_id, memory)
         summary.anomalies = self.anomalies.summary()
+        summary.parallel = self.engine.groups.dims.layout()
         return self._finish(summary)
 
     def _try_write(self, path: Path, write: Any) -> None:
@@ -458,6 +463,8 @@ class _Job:
         if self.outputs.finish_wandb(result):
             files.append(out / "wandb")
         written = [p.name for p in files if p.exists() and str(p) not in self.unwritten_paths]
-        for line in summary.closing_lines(out, written):
+        o = self.cfg.optimizer
+        follows = o.decay_iters is None and o.lr_schedule != "constant"  # a longer run moves it
+        for line in summary.closing_lines(out, written, schedule_follows_train_iters=follows):
             self.log.line(line)
         return result

@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 import torch
 
-from lptrain.checkpoint import find_checkpoints, load_checkpoint
+from lptrain.checkpoint import find_checkpoints, load_checkpoint, read_train_state
 from lptrain.errors import InputError
 from lptrain.train.anomalies import read_anomalies
 from lptrain.train.forensics import NaNInjector, SpikeDetector, investigate, micro_batch_samples
@@ -89,13 +89,24 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
-def replay_step(run_dir: str | Path, step: int) -> ReplayResult:
-    """Replay ``step`` of the run in ``run_dir`` (see the module doc)."""
-    from lptrain.data.loader import load_data_state
-    from lptrain.train.engine import TrainEngine
-    from lptrain.train.loop import _open_data, _resume
-    from lptrain.train.metrics import finite_or_none
+@dataclass
+class ReplayPlan:
+    """What a replay of ``step`` reads, checked before any rank builds an engine."""
 
+    cfg: Any
+    step: int
+    line: Optional[dict[str, Any]]
+    anomaly: Optional[dict[str, Any]]
+    valid: list[Path]  # the run's valid checkpoints, newest first
+    before: list[Path]  # those before ``step``, newest first
+    world_size: int  # the ranks that wrote the checkpoint replayed from
+
+
+def plan_replay(run_dir: str | Path, step: int, world_size: int) -> ReplayPlan:
+    """The checkpoint to replay ``step`` from and what the run recorded for it; an
+    :class:`InputError` (one line) when the step, a checkpoint before it, or a replay on
+    ``world_size`` ranks cannot be had -- said by the launcher of a multi-rank replay once,
+    before any rank starts."""
     run_dir = Path(run_dir)
     cfg = _run_config(run_dir)
     line, anomaly = _recorded(run_dir, step)
@@ -103,11 +114,54 @@ def replay_step(run_dir: str | Path, step: int) -> ReplayResult:
         raise InputError(f"{run_dir} recorded no step {step} (metrics.jsonl and anomalies.jsonl)",
                          fix="pass a step the run took: see metrics.jsonl")
     found = find_checkpoints(cfg.checkpoint.save)
-    before = [f for f in found.valid if int(f.name.rsplit("_", 1)[-1]) < step]
+    before = [f for f in found.valid if _iteration(f) < step]
     if not before:
-        raise InputError(f"no valid checkpoint before step {step} in {cfg.checkpoint.save}",
-                         key="checkpoint.save",
-                         fix="replay a step after the first checkpoint (checkpoint.save_interval)")
+        raise _no_checkpoint_before(cfg, step, found.valid)
+    wrote = int(read_train_state(before[0]).get("world_size", world_size))
+    if wrote != world_size:
+        m = cfg.model
+        raise InputError(
+            f"{before[0]} was written by {wrote} rank(s) (TP {m.tensor_model_parallel_size} x PP "
+            f"{m.pipeline_model_parallel_size} x DP {wrote // max(1, m.tensor_model_parallel_size * m.pipeline_model_parallel_size)}), "
+            f"this replay runs {world_size}: a step is bitwise the same only at the run's size",
+            fix=f"lptrain replay {run_dir} --step {step} --nproc-per-node {wrote}")
+    return ReplayPlan(cfg, step, line, anomaly, found.valid, before, wrote)
+
+
+def _iteration(folder: Path) -> int:
+    return int(folder.name.rsplit("_", 1)[-1])
+
+
+def _no_checkpoint_before(cfg: Any, step: int, valid: list[Path]) -> InputError:
+    """Why no checkpoint precedes ``step``: none was written yet, or the ones written were
+    pruned (``checkpoint.keep_latest``; this used to blame ``save_interval``)."""
+    ck = cfg.checkpoint
+    where = f"no valid checkpoint before step {step} in {ck.save}"
+    if valid and ck.save_interval and ck.save_interval < step:
+        kept = sorted(_iteration(f) for f in valid)
+        return InputError(
+            f"{where}: checkpoint.keep_latest={ck.keep_latest} kept the newest "
+            f"{len(kept)} (step(s) {', '.join(map(str, kept))}); the older ones were pruned",
+            key="checkpoint.keep_latest",
+            fix=f"replay a step after {kept[0]} (--step {kept[0] + 1} or later), or raise "
+                "checkpoint.keep_latest for the run to replay")
+    first = f" (the first is at step {min(map(_iteration, valid))})" if valid else ""
+    return InputError(f"{where}{first}", key="checkpoint.save_interval",
+                      fix="replay a step after the first checkpoint, or save earlier "
+                          "(checkpoint.save_interval) in the run to replay")
+
+
+def replay_step(run_dir: str | Path, step: int) -> ReplayResult:
+    """Replay ``step`` of the run in ``run_dir`` (see the module doc)."""
+    from lptrain.data.loader import load_data_state
+    from lptrain.distributed.launch_env import world_from_env
+    from lptrain.train.engine import TrainEngine
+    from lptrain.train.loop import _open_data, _resume
+    from lptrain.train.metrics import finite_or_none
+
+    run_dir = Path(run_dir)
+    plan = plan_replay(run_dir, step, world_from_env()[1])
+    cfg, line, anomaly, before = plan.cfg, plan.line, plan.anomaly, plan.before
     engine = TrainEngine(cfg)
     engine.returns_anomalies = True
     train_it, valid_it = _open_data(cfg, engine)
@@ -119,10 +173,6 @@ def replay_step(run_dir: str | Path, step: int) -> ReplayResult:
     state = _resume(engine, before[:1], _Quiet(), True)  # type: ignore[arg-type]
     load_data_state(state["data"], train_it, valid_it)
     start = int(state["iteration"])
-    if state.get("world_size", engine.world_size) != engine.world_size:
-        raise InputError(f"the run's checkpoint was written by {state.get('world_size')} ranks, this "
-                         f"replay runs {engine.world_size}: a step is bitwise only at the same size",
-                         fix="replay under torchrun with the run's number of ranks")
     jumps = {int(r["to_step"]): int(r["skipped_samples"][1])
              for r in read_anomalies(run_dir) if r.get("action") == "rollback"}
     t = cfg.train
@@ -167,17 +217,34 @@ def replay_step(run_dir: str | Path, step: int) -> ReplayResult:
         if res.anomaly is not None:
             found_now = investigate(engine, micro, samples, dispatch)
             check("first non-finite tensor", found_now["culprit"], anomaly.get("culprit"))
-    at_step = [f for f in found.valid if int(f.name.rsplit("_", 1)[-1]) == step]
+    at_step = [f for f in plan.valid if _iteration(f) == step]
     if at_step and res.anomaly is None:
         _compare_weights(engine, at_step[0], check)
     return out
 
 
 def _compare_weights(engine: Any, folder: Path, check: Any) -> None:
-    """Every fp32 master after the replayed step against the run's checkpoint of that step."""
+    """Every fp32 master after the replayed step against the run's checkpoint of that step:
+    each rank compares the ones it holds (a pipeline stage holds its layers only), and the
+    differences of all ranks are the verdict's (a weight no rank holds is one)."""
     saved, _ = load_checkpoint(folder, engine.rank, engine.world_size)
     with engine.params_synced():
         now = engine.checkpoint_state()["global"]["model"]
     want = saved["global"]["model"]
-    differ = [n for n in want if n not in now or not torch.equal(now[n], want[n])]
+    held = [n for n in want if n in now]
+    differ = [n for n in held if not torch.equal(now[n], want[n])]
+    everyone = _gathered((held, differ))
+    all_held = {n for h, _ in everyone for n in h}
+    differ = sorted({n for _, d in everyone for n in d} | (set(want) - all_held))
     check(f"{len(want)} fp32 master weights (checkpoint {folder.name})", differ, [])
+
+
+def _gathered(mine: Any) -> list[Any]:
+    """``mine`` of every rank (``[mine]`` in one process)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return [mine]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, mine)
+    return out

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from lptrain.checkpoint.atomic import remove_stale_temps, write_atomically
-from lptrain.checkpoint.compat import check_resume_compatible
+from lptrain.checkpoint.compat import check_resume_compatible, saved_config, schedule_changes
 from lptrain.checkpoint.store import LATEST, find_checkpoints, read_train_state, step_dirs, validate
 from lptrain.errors import OutputDirError
 from lptrain.train.anomalies import trim_anomalies
@@ -60,6 +60,10 @@ class RunPlan:
     overwrite: bool = False
     source: str = "fresh"  # fresh | auto (checkpoint.save) | explicit (checkpoint.load)
     restart: str | None = None  # a killed run without a checkpoint is replaced: the note saying so
+    resume_step: int = 0  # the newest checkpoint's step
+    # lr schedule settings this config changes against the newest checkpoint's: (key, saved,
+    # new); a resume goes on only with override_ or use_checkpoint_opt_param_scheduler
+    schedule_changes: list[tuple[str, Any, Any]] = field(default_factory=list)
 
 
 def _existing_run_files(out: Path) -> list[str]:
@@ -116,9 +120,14 @@ def plan_run(cfg: Any, out: str | Path, overwrite: bool = False) -> RunPlan:
             raise RunDirRefused(
                 f"the run in {out} already finished: checkpoint {newest} is at step {done} >= "
                 f"train.train_iters={cfg.train.train_iters}; raise train.train_iters to train "
-                "further, pass --overwrite to start over, or choose a new --output-dir"
+                "further (with optimizer.use_checkpoint_opt_param_scheduler=true or "
+                "optimizer.override_opt_param_scheduler=true where the lr decay follows it), pass "
+                "--overwrite to start over, or choose a new --output-dir"
             )
         check_resume_compatible(newest, _as_dict(cfg))
+        saved = saved_config(newest)
+        plan.resume_step = done
+        plan.schedule_changes = schedule_changes(saved, _as_dict(cfg)) if saved else []
     return plan
 
 

@@ -54,6 +54,8 @@ class RunSummary:
     # every anomaly of the run and what was done about it (anomalies.jsonl, without the
     # statistics); [] when there was none
     anomalies: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    # the ranks' layout: tp, cp, pp, dp, ep, etp sizes and the world size (ParallelDims)
+    parallel: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of_job(cls, job: JobState, records: list[dict[str, Any]], seconds: float,
@@ -83,9 +85,11 @@ class RunSummary:
             del d["signal"]
         return d
 
-    def closing_lines(self, out: Path, written: list[str]) -> list[str]:
+    def closing_lines(self, out: Path, written: list[str],
+                      schedule_follows_train_iters: bool = False) -> list[str]:
         """The main rank's last lines: how the job ended, the files ``written`` and, after
-        a save, how to go on."""
+        a save, how to go on (with a decay that follows ``train.train_iters``, a larger one
+        changes the lr schedule: which of the two to follow must be said)."""
         if self.status == "diverged":
             return [f"stopped: {self.error}; metrics up to the previous step in {out}"]
         what = f"stopped by {self.signal}" if self.status == "interrupted" else _STOPPED.get(self.status, self.status)
@@ -100,5 +104,9 @@ class RunSummary:
         if self.checkpoint:
             how = ("train further: the same command with a larger train.train_iters"
                    if self.status == "completed" else "resume: the same command again")
+            if self.status == "completed" and schedule_follows_train_iters:
+                how += (" and optimizer.use_checkpoint_opt_param_scheduler=true (the saved lr "
+                        "schedule goes on) or optimizer.override_opt_param_scheduler=true (the "
+                        "decay re-planned over the longer run)")
             lines.append(f"checkpoint: {self.checkpoint} ({how}, without --overwrite)")
         return lines

@@ -176,7 +176,25 @@ def world2(rank: int, world: int, root: str) -> dict[str, Any]:
     second = pretrain_run(base / "pp2_split", *PP2, half)
     out["split_status"] = (first["status"], second["status"], second.get("resumed_from_step"))
     pretrain_run(base / "from_pp1", *PP2)  # a copy of the PP 1 half run, resumed at PP 2
+    out["parallel"] = second.get("parallel")  # summary.json's layout
+    # `lptrain replay --nproc-per-node 2` of a PP 2 run: every rank replays, rank 0 says it
+    from lptrain.train.replay import replay_step
+
+    out["replay"] = replay_step(base / "pp2_split", CKPT_STEPS).lines()
+    out["nan_module"] = nan_on_the_last_stage(base / "pp2_nan")
     return out
+
+
+def nan_on_the_last_stage(out: Path) -> str:
+    """``debug.nan_module`` naming a layer of the second stage (refused on the first one
+    before: each stage checked the name against its own layers)."""
+    from lptrain.train.engine import TrainingDivergedError
+
+    try:
+        pretrain_run(out, *PP2, "debug.nan_sample=1", "debug.nan_module=layers.1.mlp.linear_fc2")
+    except TrainingDivergedError as e:
+        return str(e)
+    return "no error"
 
 
 def world4(rank: int, world: int, root: str) -> dict[str, Any]:

@@ -197,6 +197,37 @@ def test_nonfinite_gradient_names_the_stage_rank_and_tensor(runs: dict[str, Any]
         assert r["nonfinite"].startswith(want), r["nonfinite"]
 
 
+def test_injected_nan_on_the_last_stage_is_named(runs: dict[str, Any]) -> None:
+    """``debug.nan_module`` of a layer on stage 1: accepted (each stage used to check it
+    against its own layers, so stage 0 refused it), injected there, and named: the first
+    bad output grad of a backward is the latest stage's (it was the lowest rank's)."""
+    want = ("first non-finite: output grad of 'layers.1.mlp.linear_fc2' (rank 1, micro-batch 1, "
+            "sample 1); stopping (train.on_anomaly=stop)")
+    for r in runs["two"]:
+        assert r["nan_module"].endswith(want), r["nan_module"]
+
+
+def test_replay_of_a_pp_run_on_its_ranks_is_bitwise(runs: dict[str, Any]) -> None:
+    """``lptrain replay --nproc-per-node 2``: the step and every stage's masters (each rank
+    compares the ones it holds) are bitwise the run's; and the run's layout is in its summary."""
+    for r in runs["two"]:
+        assert r["replay"][1].startswith("bitwise the same: loss, grad norm, 15 fp32 master weights"), r["replay"]
+        assert r["parallel"] == {"tp": 1, "cp": 1, "pp": 2, "dp": 1, "ep": 1, "etp": 1, "world_size": 2}
+
+
+def test_replay_at_the_wrong_size_says_the_flag(runs: dict[str, Any]) -> None:
+    from typer.testing import CliRunner
+
+    from lptrain.cli import app
+
+    run = runs["root"] / "pp2_split"
+    r = CliRunner().invoke(app, ["replay", str(run), "--step", "3"])
+    assert r.exit_code == 2
+    assert r.stderr == (f"error: {run}/ckpt/iter_0000002 was written by 2 rank(s) (TP 1 x PP 2 x DP 1), "
+                        "this replay runs 1: a step is bitwise the same only at the run's size; fix: "
+                        f"lptrain replay {run} --step 3 --nproc-per-node 2\n")
+
+
 def test_tied_embeddings_stay_in_sync_within_tolerance(runs: dict[str, Any]) -> None:
     """Tied embeddings at PP 2: the first stage's table and the last stage's copy get the
     same summed gradient and stay equal (``_joined`` checks the copies bitwise); the run

@@ -42,11 +42,12 @@ def assert_one_line(r, status: int, *names: str) -> None:
 
 
 def assert_rule(r, rule: str, *texts: str) -> None:
-    """Exit 1 with the rule report (stdout), naming ``texts``, no traceback."""
+    """Exit 1 with the rule's one line on stderr (``error: RULE: ...``) and the verdict,
+    naming ``texts``, no traceback."""
     assert r.exit_code == 1, r.output
-    assert "Traceback" not in r.output and rule in r.stdout
+    assert "Traceback" not in r.output and f"error: {rule}: " in r.stderr
     for text in texts:
-        assert text in r.stdout, (text, r.stdout)
+        assert text in r.output, (text, r.output)
 
 
 # --------------------------------------------------------------------------- data fixtures
@@ -146,7 +147,7 @@ def test_split_valid_fraction_out_of_range(tmp_path: Path) -> None:
 def test_micro_batch_size_zero_has_a_sensible_fix() -> None:
     r = run("validate-config", "train.micro_batch_size=0")
     assert_rule(r, "RANGE-TRAIN", "train.micro_batch_size=0")
-    assert "BATCH-DIVISIBLE" not in r.stdout and "multiple of 0" not in r.stdout
+    assert "BATCH-DIVISIBLE" not in r.output and "multiple of 0" not in r.output
 
 
 # --------------------------------------------------------------------------- data through pretrain
@@ -169,7 +170,7 @@ def test_missing_idx(ds_copy: Path, tmp_path: Path) -> None:
     idx_path(ds_copy).unlink()
     r = pretrain(ds_copy, tmp_path)
     assert_one_line(r, 2, f"{ds_copy}.idx", "not found", "prepare-data")
-    assert "DATA-UNREADABLE" in r.stdout  # validation warned before the run started
+    assert "warning: DATA-UNREADABLE: " in r.stdout  # validation warned before the run started
 
 
 def test_corrupt_token_checksum(ds_copy: Path, tmp_path: Path) -> None:

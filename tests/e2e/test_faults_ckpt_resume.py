@@ -153,7 +153,9 @@ def test_incompatible_resume_refused_and_fresh_optimizer_override(
     assert "checkpoint.load_optimizer=false" in line
     assert _fingerprint(out) == before  # resolved_config.yaml included: nothing changed
 
-    r = _run(out, cache, "optimizer.name=muon", "checkpoint.load_optimizer=false", "train.train_iters=3")
+    # (optimizer.decay_iters: the saved run's decay length, as a shorter train_iters would change it)
+    r = _run(out, cache, "optimizer.name=muon", "checkpoint.load_optimizer=false", "train.train_iters=3",
+             f"optimizer.decay_iters={N}")
     assert r.exit_code == 0, r.output
     assert "the optimizer starts fresh from the saved weights" in r.stdout
     # step 3's loss is the forward pass of the weights saved at step 2 on the same batch
@@ -163,7 +165,7 @@ def test_incompatible_resume_refused_and_fresh_optimizer_override(
     assert not any("momentum_buffer" in entry for entry in _state(base, 3)["optimizer"].values())
 
     before = _fingerprint(out)  # now a Muon run: back to AdamW is refused the same way
-    r = _run(out, cache, "train.train_iters=4")
+    r = _run(out, cache, "train.train_iters=4", f"optimizer.decay_iters={N}")
     line = _one_error_line(r)
     assert r.exit_code == 2 and "optimizer.name is 'muon' there, 'adamw' now" in line
     assert _fingerprint(out) == before

@@ -36,7 +36,8 @@ def _error_lines(stderr: str) -> list[str]:
 
 def test_refusals_are_judged_before_the_ranks_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "run"
-    r = CliRunner().invoke(app, ["pretrain", "--output-dir", str(out), *BASE, "train.train_iters=2"])
+    base = [*BASE, "optimizer.decay_iters=2"]  # the lr schedule stays when train_iters grows
+    r = CliRunner().invoke(app, ["pretrain", "--output-dir", str(out), *base, "train.train_iters=2"])
     assert r.exit_code == 0, r.output
     spawned: list[list[str]] = []
     monkeypatch.setattr("lptrain.launch.local.launch_local", lambda n, args: spawned.append(args) or 0)
@@ -46,12 +47,12 @@ def test_refusals_are_judged_before_the_ranks_start(tmp_path: Path, monkeypatch:
     }
     for words, extra in cases.items():
         r = CliRunner().invoke(app, ["pretrain", "--output-dir", str(out), "--nproc-per-node", "2",
-                                     *BASE, *extra])
+                                     *base, *extra])
         lines = _error_lines(r.stderr)
         assert r.exit_code == 2 and len(lines) == 1 and words in lines[0], r.output
     assert spawned == []  # no rank was started for either
     r = CliRunner().invoke(app, ["pretrain", "--output-dir", str(out), "--nproc-per-node", "2",
-                                 *BASE, "train.train_iters=4"])
+                                 *base, "train.train_iters=4"])
     assert r.exit_code == 0 and len(spawned) == 1, r.output  # a compatible resume starts
 
 

@@ -361,10 +361,12 @@ GATES: tuple[Gate, ...] = (
     ),
     Gate(
         rule_id="INERT-CKPT-NO-RESUME",
-        keys=("checkpoint.load_optimizer",),
+        keys=("checkpoint.load_optimizer", "optimizer.override_opt_param_scheduler",
+              "optimizer.use_checkpoint_opt_param_scheduler"),
         context=("checkpoint.save", "checkpoint.load"),
         idle=lambda c, w: not c.checkpoint.save and not c.checkpoint.load,
-        condition="checkpoint.save and checkpoint.load null -> load_optimizer at its default",
+        condition="checkpoint.save and checkpoint.load null -> load_optimizer, "
+                  "override_opt_param_scheduler and use_checkpoint_opt_param_scheduler at their defaults",
         because="neither checkpoint.save nor checkpoint.load is set, so no checkpoint is resumed",
         fix="set checkpoint.load=<folder> (or checkpoint.save) to resume from a checkpoint",
     ),

@@ -125,6 +125,19 @@ RULES = [
         section=S, supersedes=("SCHED-WARMUP",),
     ),
     Rule(
+        id="SCHED-OVERRIDE-OR-CHECKPOINT", severity="error",
+        keys=("optimizer.override_opt_param_scheduler", "optimizer.use_checkpoint_opt_param_scheduler"),
+        when=lambda c, w: c.optimizer.override_opt_param_scheduler and c.optimizer.use_checkpoint_opt_param_scheduler,
+        message="override_opt_param_scheduler and use_checkpoint_opt_param_scheduler are both set: a "
+                "resume can follow this config's lr schedule or the checkpoint's, not both",
+        fix="set optimizer.use_checkpoint_opt_param_scheduler=false (this config's schedule), or "
+            "optimizer.override_opt_param_scheduler=false (the checkpoint's)",
+        condition="not (override_opt_param_scheduler and use_checkpoint_opt_param_scheduler)",
+        why="Megatron-LM's OptimizerParamScheduler asserts the same ('both override and "
+            "use-checkpoint are set')",
+        section=S,
+    ),
+    Rule(
         id="SCHED-WARMUP", severity="warning", keys=("optimizer.warmup_iters", "train.train_iters"),
         when=lambda c, w: c.optimizer.warmup_iters > c.train.train_iters,
         message="warmup_iters={cfg.optimizer.warmup_iters} exceeds "

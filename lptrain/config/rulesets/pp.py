@@ -39,10 +39,17 @@ def micro_batches(c: LPTrainConfig, w: World) -> int:
 
 
 def _world_not_divisible(c: LPTrainConfig, w: World) -> Any:
-    mp = max(1, c.model.tensor_model_parallel_size) * pp_size(c)
+    tp = max(1, c.model.tensor_model_parallel_size)
+    mp = tp * pp_size(c)
     if pp_size(c) <= 1 or w.ranks is None or w.ranks % mp == 0:
         return False
-    return {"mp": mp}
+    # the largest smaller pipeline size this world, the layers and the batch take (at this TP)
+    mbs, gbs = c.train.micro_batch_size, c.train.global_batch_size
+    fits = [p for p in range(pp_size(c) - 1, 0, -1) if w.ranks % (tp * p) == 0
+            and PipelineLayout(c.model.num_layers, p, vpp_size(c) if p > 1 else 1).divides()
+            and mbs > 0 and gbs % (mbs * (w.ranks // (tp * p))) == 0]
+    other = f", or set model.pipeline_model_parallel_size={fits[0]}" if fits else ""
+    return {"mp": mp, "or_other_sizes": other}
 
 
 def _layers_bad(c: LPTrainConfig, w: World) -> Any:
@@ -87,6 +94,20 @@ def _stages_without_moe(c: LPTrainConfig, w: World) -> Any:
     return {"stages": ", ".join(map(str, dense))} if dense else False
 
 
+def _schedule_disagrees(c: LPTrainConfig, w: World) -> Any:
+    """The interleaved schedule without virtual chunks, or virtual chunks under another
+    schedule; the fix says which one to change to what (it said "set vpp >= 2" to a run
+    whose vpp was 2 and schedule 1f1b)."""
+    interleaved = c.model.pipeline_schedule == "interleaved_1f1b"
+    if interleaved == (vpp_size(c) > 1):
+        return False
+    if interleaved:
+        return {"make_them_agree": "model.virtual_pipeline_model_parallel_size=2 (or more chunks "
+                                   "per rank) for interleaved_1f1b"}
+    return {"make_them_agree": f"model.pipeline_schedule=interleaved_1f1b for "
+                               f"virtual_pipeline_model_parallel_size={vpp_size(c)}"}
+
+
 RULES = [
     Rule(
         id="LAUNCH-PP-DIVIDES-WORLD", severity="error",
@@ -95,8 +116,7 @@ RULES = [
         message="tensor x pipeline parallel = {cfg.model.tensor_model_parallel_size} x "
                 "{cfg.model.pipeline_model_parallel_size} = {mp} ranks hold one model copy and must "
                 "divide the world of {world.ranks} ranks (the data-parallel size is world / {mp})",
-        fix="launch a multiple of {mp} ranks (--nproc-per-node), or lower "
-            "model.pipeline_model_parallel_size",
+        fix="launch a multiple of {mp} ranks ({world.launcher}){or_other_sizes}",
         condition="world % (tensor_model_parallel_size x pipeline_model_parallel_size) == 0",
         why="Megatron-LM's initialize_model_parallel refuses the same: every rank is in exactly "
             "one pipeline of PP stages",
@@ -132,12 +152,11 @@ RULES = [
     Rule(
         id="PP-SCHEDULE-VIRTUAL", severity="error",
         keys=("model.pipeline_schedule", "model.virtual_pipeline_model_parallel_size"),
-        when=lambda c, w: (c.model.pipeline_schedule == "interleaved_1f1b") != (vpp_size(c) > 1),
+        when=_schedule_disagrees,
         message="pipeline_schedule={cfg.model.pipeline_schedule} with "
                 "virtual_pipeline_model_parallel_size={cfg.model.virtual_pipeline_model_parallel_size}: "
                 "the interleaved schedule runs exactly when each rank holds several model chunks",
-        fix="set model.virtual_pipeline_model_parallel_size >= 2 for interleaved_1f1b, or leave "
-            "model.pipeline_schedule=null (derived from it)",
+        fix="set {make_them_agree}, or model.pipeline_schedule=null (derived from the virtual size)",
         condition="pipeline_schedule == interleaved_1f1b <-> virtual_pipeline_model_parallel_size > 1",
         why="Megatron-LM selects the interleaved schedule by the virtual size alone; a 1f1b run "
             "with virtual chunks, or an interleaved one without, would not be what was asked",

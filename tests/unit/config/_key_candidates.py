@@ -135,6 +135,8 @@ CANDIDATES: dict[str, Candidates] = {
     "optimizer.lr_schedule": _others("linear", "wsd", "cosine", "constant"),
     "optimizer.warmup_iters": _int_steps(1, -1),
     "optimizer.decay_iters": _decay_iters,
+    "optimizer.override_opt_param_scheduler": _flip,
+    "optimizer.use_checkpoint_opt_param_scheduler": _flip,
     "optimizer.layer_wise_param_layout": _others("padded", "compact"),
     "optimizer.use_layer_wise_optimizer": _flip,
     "optimizer.muon.lr": lambda v, c: [c.optimizer.lr * 2] if v is None else [v * 2],
