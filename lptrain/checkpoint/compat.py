@@ -114,10 +114,15 @@ def check_resume_compatible(folder: str | Path, new: Mapping[str, Any]) -> None:
     ``resolved_config.yaml`` is not judged here (loading still checks shapes)."""
     import yaml
 
+    from lptrain.config.errors import ConfigError
+    from lptrain.config.yaml_files import load_bounded
+
     path = Path(folder) / CONFIG
     try:
-        saved = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError):
+        saved = load_bounded(path.read_text(), str(path))
+    except (OSError, ValueError, yaml.YAMLError):  # UnicodeDecodeError is a ValueError
+        return
+    except ConfigError:  # an alias bomb: not a config lptrain wrote; loading judges the rest
         return
     if isinstance(saved, Mapping):
         lines = incompatible_lines(saved, new, str(folder))

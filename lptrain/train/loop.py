@@ -36,13 +36,14 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from lptrain.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from lptrain.checkpoint.atomic import write_atomically
+from lptrain.checkpoint.folders import iteration_of
 from lptrain.config import World, derive
 from lptrain.config.render import config_yaml
 from lptrain.config.schema import LPTrainConfig
 from lptrain.data.loader import BatchIterator, data_state, eval_micro_batches, load_data_state
 from lptrain.distributed.progress import mark_step
 from lptrain.errors import RunFailedError
-from lptrain.train.anomalies import AnomalyLog, AnomalyPolicy, RollBack, action_text
+from lptrain.train.anomalies import AnomalyLog, AnomalyPolicy, Decision, RollBack, action_text
 from lptrain.train.console import LogWindow, RunLog
 from lptrain.train.engine import StepResult, TrainEngine, TrainingDivergedError
 from lptrain.train.forensics import (
@@ -358,6 +359,9 @@ class _Job:
         t = self.cfg.train
         found = investigate(self.engine, micro, samples, self.dispatch)
         decision = self.anomaly_policy.decide(step)
+        loaded: dict[str, Any] = {}
+        if decision.action == "rollback":
+            decision, loaded = self._load_rollback(decision, step)
         skip_to = self.train_it.consumed_samples
         action = action_text(decision, skip_to, t.on_anomaly or "stop")
         culprit = found["culprit"]
@@ -378,13 +382,24 @@ class _Job:
             raise TrainingDivergedError(res.note)
         if decision.action == "rollback":
             self.log.line(f"warning: {res.note}")
-            raise RollBack(decision, skip_to)
+            raise RollBack(decision, skip_to, loaded)
+
+    def _load_rollback(self, d: Decision, step: int) -> tuple[Decision, dict[str, Any]]:
+        """Load the checkpoint a rollback goes to, falling back past one that cannot be loaded
+        to the older ones (as a resume does); none loadable: the anomaly stops the run."""
+        folders = [d.folder, *d.fallbacks]
+        try:
+            train_state = _resume(self.engine, folders, self.log, True)
+        except CheckpointError as e:
+            return Decision("stop", why=f"no checkpoint before step {step} could be loaded ({e})"), {}
+        folder = next(f for f in folders if iteration_of(f) == int(train_state["iteration"]))
+        return d.loaded(folder, train_state), train_state
 
     def _rollback(self, rb: RollBack) -> None:
-        """Reload the checkpoint before the anomaly and skip the data since it: the step
-        count, metrics and loss history go back to that step, the data position does not."""
-        d = rb.decision
-        train_state = _resume(self.engine, [d.folder], self.log, True)
+        """The engine holds the checkpoint before the anomaly (:meth:`_load_rollback`); skip
+        the data since it: the step count, metrics and loss history go back to that step, the
+        data position does not."""
+        d, train_state = rb.decision, rb.train_state
         load_data_state(train_state["data"], self.train_it, self.valid_it)
         self.train_it.load_state_dict({"consumed_samples": rb.skip_to})
         self.state.step = d.to_step

@@ -52,7 +52,7 @@ def load_series(run_dir: str | Path) -> Series:
         operands.update(dict.fromkeys(r["numerics"]))
     values: dict[str, dict[str, list[Optional[float]]]] = {}
     for stat in STATISTICS:
-        values[stat] = {op: [r["numerics"].get(op, {}).get(stat) for r in recs] for op in operands}
+        values[stat] = {op: [(r["numerics"].get(op) or {}).get(stat) for r in recs] for op in operands}
     return Series([int(r["step"]) for r in recs], list(operands), values)
 
 
