@@ -202,15 +202,17 @@ def read_global(folder: Path, keys: Optional[set[str]] = None) -> dict[str, Any]
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.metadata import StorageMeta
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     from lptrain.checkpoint.save_errors import describe
 
+    # Read (restricted) before DCP starts: DCP would otherwise unpickle it itself, and a
+    # failure there logs two tracebacks on stderr as it tries a per-rank metadata file.
+    metadata = read_metadata(folder / ".metadata")
+
     class Reader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            from torch.distributed.checkpoint.metadata import StorageMeta
-
-            metadata = read_metadata(Path(self._get_metadata_path(kwargs.get("rank"))))
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id

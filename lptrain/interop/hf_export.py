@@ -39,7 +39,7 @@ from lptrain.checkpoint.store import (
 )
 from lptrain.config.schema import LPTrainConfig
 from lptrain.errors import InputError
-from lptrain.interop.export_folder import check_output, staged_output
+from lptrain.interop.export_folder import check_output, resolve_output, staged_output
 from lptrain.interop.hf_arch import Architecture, architecture_for, hf_config
 from lptrain.interop.hf_weights import to_hf
 from lptrain.interop.safetensors_io import DEFAULT_MAX_SHARD, parse_size, write_safetensors
@@ -201,7 +201,7 @@ def export_hf(
     if dtype not in DTYPES:
         raise InputError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}", fix="pass --dtype bf16")
     max_bytes = parse_size(max_shard_size)
-    out = Path(output)
+    out = resolve_output(Path(output))  # through a symbolic link, into its target
     check_output(out, overwrite)
     notes: list[str] = []
     pinned = _read_pinned(export_candidates(source), notes)

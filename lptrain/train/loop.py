@@ -40,7 +40,13 @@ from lptrain.checkpoint.folders import iteration_of
 from lptrain.config import World, derive
 from lptrain.config.render import config_yaml
 from lptrain.config.schema import LPTrainConfig
-from lptrain.data.loader import BatchIterator, data_state, eval_micro_batches, load_data_state
+from lptrain.data.loader import (
+    BatchIterator,
+    check_data_present,
+    data_state,
+    eval_micro_batches,
+    load_data_state,
+)
 from lptrain.distributed.progress import mark_step
 from lptrain.errors import RunFailedError
 from lptrain.train.anomalies import AnomalyLog, AnomalyPolicy, Decision, RollBack, action_text
@@ -88,6 +94,7 @@ def pretrain(cfg: LPTrainConfig, output_dir: str | Path, *, overwrite: bool = Fa
     out = Path(output_dir)
     cfg = rebase_on_output_dir(cfg, out)
     main = int(os.environ.get("RANK", "0")) == 0  # rank 0 owns the run folder (and its lock)
+    check_data_present(cfg.data)  # a missing dataset: refused before the folder is touched
     with run_lock(out) if main else contextlib.nullcontext():
         plan = plan_run(cfg, out, overwrite)
         hf_arch = _check_init_from_hf(cfg, plan)
