@@ -68,7 +68,13 @@ def reading(folder: str | Path) -> Iterator[str | None]:
 
 
 def remove_unless_read(folder: Path) -> bool:
-    """Delete the step folder ``folder`` unless a reader holds its lease; whether it went."""
+    """Delete the step folder ``folder`` unless a reader holds its lease; whether it went.
+    A step folder that is a symbolic link loses the link only: nothing is created or deleted
+    in its target, which lies outside the run."""
+    if folder.is_symlink():
+        with contextlib.suppress(FileNotFoundError):
+            folder.unlink()
+        return True
     fd = _open_lease(folder)
     if fd is None:
         shutil.rmtree(folder, ignore_errors=True)

@@ -288,6 +288,8 @@ def _write_overlay(run_a: str | Path, run_b: str | Path, path: str | Path,
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from lptrain.train.plots import save_png
+
     runs = [_records(Path(run_a)), _records(Path(run_b))]
     fig, axes = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
     for ax, key, label in ((axes[0], "loss", "train loss"), (axes[1], "grad_norm", "grad norm")):
@@ -303,7 +305,7 @@ def _write_overlay(run_a: str | Path, run_b: str | Path, path: str | Path,
         axes[0].legend(fontsize=8)
     axes[1].set_xlabel("step")
     fig.tight_layout()
-    out = Path(path)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    try:
+        return save_png(fig, Path(path), dpi=110)
+    finally:
+        plt.close(fig)

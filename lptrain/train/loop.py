@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from lptrain.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from lptrain.checkpoint import CheckpointError, save_checkpoint
 from lptrain.checkpoint.atomic import write_atomically
 from lptrain.checkpoint.folders import iteration_of
 from lptrain.config import World, derive
@@ -70,8 +70,9 @@ from lptrain.train.policies import (
     StopPolicy,
     StopReason,
 )
+from lptrain.train.resume import resume as _resume
 from lptrain.train.run_dir import RunPlan, plan_run, rebase_on_output_dir, start_run
-from lptrain.train.run_lock import run_lock
+from lptrain.train.run_lock import folder_lost, run_lock
 from lptrain.train.signals import StopWatcher, TrainingInterrupted
 from lptrain.train.summary import JobState, RunSummary
 
@@ -154,56 +155,6 @@ def _restore(cfg: LPTrainConfig, engine: TrainEngine, plan: RunPlan, loaders: Lo
     return {}
 
 
-def _resume(engine: TrainEngine, candidates: list[Path], log: RunLog,
-            load_optimizer: bool = True) -> dict[str, Any]:
-    """Load the newest loadable checkpoint into the engine; returns its train state.
-
-    Any failure on any rank -- a checksum mismatch, an unreadable file, a load error -- falls
-    back to the next older checkpoint on every rank (they agree after each try), naming the
-    file and what failed. ``load_optimizer=False`` keeps the weights and drops the saved
-    optimizer state (``checkpoint.load_optimizer=false``)."""
-    failures = []
-    for i, folder in enumerate(candidates):
-        error = None
-        try:
-            state, train_state = load_checkpoint(folder, engine.rank, engine.world_size)
-            if not load_optimizer:
-                state["global"]["optimizer"] = {}
-            engine.load_checkpoint_state(state)
-        except (CheckpointError, KeyError, RuntimeError, ValueError) as e:
-            error = str(e)
-        error = _first_error(error)
-        if error is not None:
-            failures.append(error)
-            nxt = candidates[i + 1] if i + 1 < len(candidates) else None
-            log.line(f"warning: could not load checkpoint {folder} ({error}); "
-                     + (f"falling back to {nxt}" if nxt else "no older valid checkpoint"))
-            continue
-        if not state["verified"]:
-            log.line(f"note: {folder} has no checksums (written before lptrain recorded them): "
-                     "its files could not be verified")
-        if state["local"] is None:
-            log.line(f"note: {folder} was written at world size {train_state.get('world_size')}; "
-                     "per-rank RNG streams start afresh")
-        if not load_optimizer:
-            log.line("note: checkpoint.load_optimizer=false: the optimizer starts fresh from the "
-                     "saved weights")
-        log.line(f"resuming from {folder} (step {train_state['iteration']})")
-        return train_state
-    raise CheckpointError("no checkpoint could be loaded: " + "; ".join(failures))
-
-
-def _first_error(error: Optional[str]) -> Optional[str]:
-    """The first rank's error of this try (every rank gets the same answer)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return error
-    errors: list[Optional[str]] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    return next((f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None), None)
-
-
 def _claim(plan: RunPlan, cfg: LPTrainConfig, start_iter: int, resolved: str, main: bool) -> None:
     """The main rank takes the folder (:func:`~lptrain.train.run_dir.start_run`). Every rank
     has planned (read the folder) before: without the barrier a slow rank would see the
@@ -249,6 +200,7 @@ class _Job:
         self.window = LogWindow()
         self.unwritten: list[str] = []  # files of the run's end that could not be written
         self.unwritten_paths: set[str] = set()
+        self.folder_gone = False  # the run folder was deleted under the run: write nothing more
         self.outputs = RunOutputs(cfg, out, engine.is_main, train_state.get("wandb_run_id"))
         start_iter = int(train_state.get("iteration", 0))
         self.state = JobState(step=start_iter, start_iter=start_iter)
@@ -276,6 +228,7 @@ class _Job:
         self.log.start(state.start_iter, self.cfg.train.train_iters)
         # The watcher also covers finish(): a launcher's SIGTERM while the summary and plots
         # are written is recorded, not raised (it would lose them and the real error).
+        failure: Optional[RunFailedError] = None
         with StopWatcher(self.cfg.train.exit_duration_mins) as watcher:
             try:
                 while state.step < self.cfg.train.train_iters:
@@ -288,7 +241,7 @@ class _Job:
                 state.status, state.error = "diverged", str(e)
                 raise
             except RunFailedError as e:  # a failed save, a full disk: one line, exit 3
-                state.status, state.error = "failed", str(e)
+                state.status, state.error, failure = "failed", str(e), e
                 raise
             except BaseException as e:
                 if state.status == "running":
@@ -296,6 +249,8 @@ class _Job:
                 raise
             finally:
                 summary = self.finish()
+                if failure is not None and self.unwritten:  # the one error line says it too
+                    failure.message += f"; not written either: {', '.join(self.unwritten_names())}"
             if state.signum is not None:
                 # Every rank stops after the same step; none exits before the main rank has
                 # written its summary and plots (a launcher tears the world down at the first
@@ -320,6 +275,7 @@ class _Job:
             n = eval_micro_batches(self.valid_it, self.cfg.train.eval_iters)  # same samples at any DP
             rec["val_loss"] = self.engine.evaluate(self.valid_it, n)
         self.outputs.write(rec)
+        self._check_folder(state.step)
         self._print(rec, dt)
         signum, late = watcher.poll(self.device)
         state.signum = signum
@@ -329,6 +285,19 @@ class _Job:
         if self.saves.due(state.step, stop, signum):
             state.saved = self._save(state.step)
         return stop
+
+    def _check_folder(self, step: int) -> None:
+        """Stop (exit 3) when the run folder was deleted or replaced under the run (main
+        rank, one ``stat`` per step): going on recreated ``checkpoints/`` in a folder without
+        the run's metrics or lock, and wrote the end files nowhere."""
+        why = folder_lost(self.out) if self.engine.is_main else None
+        if why is not None:
+            self.folder_gone = True
+            raise RunFailedError(
+                f"the run folder {self.out} {why} while the run was writing to it (found after "
+                f"step {step}): its metrics and lock went with it, so the run stops here",
+                fix="restore the folder and resume (the same command), or start again in a new "
+                    "--output-dir")
 
     def _before_micro_batch(self, i: int) -> None:
         for callback in self.dispatch:
@@ -463,10 +432,13 @@ class _Job:
             self.unwritten_paths.add(str(e.filename or path))
             self.log.line(f"warning: {what}")
 
+    def unwritten_names(self) -> list[str]:
+        return [Path(p).name for p in sorted(self.unwritten_paths)]
+
     def _finish(self, summary: RunSummary) -> dict[str, Any]:
         """Summary, plots and W&B close-out (main rank writes); returns the summary."""
         result = summary.to_dict()
-        if not self.engine.is_main:
+        if not self.engine.is_main or self.folder_gone:  # nowhere to write the end files
             return result
         out = self.out
         files = [out / "resolved_config.yaml", out / "metrics.jsonl", out / "summary.json",
