@@ -128,13 +128,17 @@ def is_step_dir(path: str | Path) -> bool:
     return bool(STEP_DIR.match(Path(path).name)) or (Path(path) / MARKER).exists()
 
 
+def is_link(path: Path) -> bool:
+    return path.is_symlink()
+
+
 def read_latest(root: str | Path) -> tuple[Optional[Path], Optional[str]]:
     """The step folder ``root/latest`` names, or ``(None, why it was ignored)``; ``(None,
     None)`` without a pointer. Read as bytes: a corrupt pointer is a note, not a crash."""
     pointer = Path(root) / LATEST
     if not os.path.lexists(pointer):
         return None, None
-    if pointer.is_symlink():  # lptrain writes a plain file: a link may lead out of the folder
+    if is_link(pointer):  # lptrain writes a plain file: a link may lead out of the folder
         return None, (f"pointer {pointer} is a symbolic link, not the file lptrain writes there: "
                       "ignored without reading it, the newest valid checkpoint is used")
     if pointer.is_dir():

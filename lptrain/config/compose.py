@@ -38,7 +38,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from lptrain.config.errors import ConfigError
 from lptrain.config.schema import LPTrainConfig
-from lptrain.config.yaml_files import check_length, load_bounded, short_repr
+from lptrain.config.yaml_files import MAX_YAML_CHARS, check_length, load_bounded, short_repr
 from lptrain.config.yaml_files import first_line as _first_line
 from lptrain.config.yaml_files import read_yaml as _read_yaml
 
@@ -354,11 +354,13 @@ def parse_overrides(overrides: Iterable[str]) -> tuple[_Layer, dict[str, Any]]:
         except UnicodeEncodeError:
             raise ConfigError(f"{source} {item!a}: not valid UTF-8 text") from None
         if "=" not in item:
-            raise ConfigError(f"{source} '{item}': expected key=value (e.g. model.num_layers=4)")
+            raise ConfigError(f"{source} {short_repr(item)}: expected key=value (e.g. model.num_layers=4)")
         key, raw = item.split("=", 1)
         key = key.strip()
         if not key:
-            raise ConfigError(f"{source} '{item}': empty key")
+            raise ConfigError(f"{source} {short_repr(item)}: empty key")
+        if len(raw) > MAX_YAML_CHARS:  # refused before YAML parses it
+            check_length(raw, key, source)
         try:
             value = load_bounded(raw, f"{source} '{key}'") if raw.strip() else None
         except (yaml.YAMLError, ValueError, RecursionError, OverflowError):

@@ -110,6 +110,9 @@ def check_expansion(node: Any, where: str) -> None:
 # The longest text any key takes: names, paths (Linux's PATH_MAX), module lists. A 10 MB
 # run.name was accepted and echoed into every console line and resolved_config.yaml.
 MAX_STRING_CHARS = 4096
+# The longest recipe file or override lptrain parses (PyYAML reads about a megabyte a second;
+# a recipe is a few kilobytes, a long data.paths list a few hundred).
+MAX_YAML_CHARS = 1 << 20
 
 
 def _too_long(value: Any) -> Optional[int]:
@@ -156,6 +159,9 @@ def read_yaml(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
         raw = path.read_bytes()
     except OSError as e:
         raise ConfigError(f"{path}: cannot read: {e.strerror or e}") from None
+    if len(raw) > MAX_YAML_CHARS:
+        raise ConfigError(f"{path}: {len(raw)} bytes; a recipe or fragment is read up to "
+                          f"{MAX_YAML_CHARS} bytes", fix="split it into fragments, or shorten its values")
     text = _decode(raw, path)
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
