@@ -32,6 +32,7 @@ import json
 import os
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Optional
 
 from lptrain.checkpoint import CheckpointError, save_checkpoint
@@ -336,8 +337,9 @@ class _Job:
         found = investigate(self.engine, micro, samples, self.dispatch)
         decision = self.anomaly_policy.decide(step)
         loaded: dict[str, Any] = {}
+        said: list[str] = []  # the load's lines, printed after the anomaly's
         if decision.action == "rollback":
-            decision, loaded = self._load_rollback(decision, step)
+            decision, loaded = self._load_rollback(decision, step, said)
         skip_to = self.train_it.consumed_samples
         action = action_text(decision, skip_to, t.on_anomaly or "stop")
         culprit = found["culprit"]
@@ -355,17 +357,23 @@ class _Job:
         self.anomalies.write(record)
         res.note = f"{res.note}; {describe(culprit)}; {action}"
         if decision.action == "stop":
+            for line in said:  # the checkpoints a failed rollback tried
+                self.log.line(line)
             raise TrainingDivergedError(res.note)
         if decision.action == "rollback":
             self.log.line(f"warning: {res.note}")
+            for line in said:
+                self.log.line(line)
             raise RollBack(decision, skip_to, loaded)
 
-    def _load_rollback(self, d: Decision, step: int) -> tuple[Decision, dict[str, Any]]:
+    def _load_rollback(self, d: Decision, step: int, said: list[str]) -> tuple[Decision, dict[str, Any]]:
         """Load the checkpoint a rollback goes to, falling back past one that cannot be loaded
-        to the older ones (as a resume does); none loadable: the anomaly stops the run."""
+        to the older ones (as a resume does; its lines into ``said``); none loadable: the
+        anomaly stops the run."""
         folders = [d.folder, *d.fallbacks]
+        log = SimpleNamespace(line=said.append)
         try:
-            train_state = _resume(self.engine, folders, self.log, True)
+            train_state = _resume(self.engine, folders, log, True)  # type: ignore[arg-type]
         except CheckpointError as e:
             return Decision("stop", why=f"no checkpoint before step {step} could be loaded ({e})"), {}
         folder = next(f for f in folders if iteration_of(f) == int(train_state["iteration"]))

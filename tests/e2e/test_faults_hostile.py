@@ -255,6 +255,7 @@ def test_a_rollback_falls_back_past_a_corrupt_checkpoint(tmp_path: Path, monkeyp
             "global/__0_0.distcp fails its checksum") in r.stdout
     assert f"falling back to {ck}/iter_0000002" in r.stdout
     assert f"resuming from {ck}/iter_0000002 (step 2)" in r.stdout
+    assert r.stdout.index("; rolled back to step 2") < r.stdout.index("could not load checkpoint")
     (record,) = [json.loads(x) for x in (out / "anomalies.jsonl").read_text().splitlines()]
     assert record["action"] == "rollback" and record["to_step"] == 2
     assert record["skipped_samples"] == [4, 8]  # the samples read since step 2's checkpoint

@@ -144,3 +144,27 @@ class _StorageBlob:
         from torch.storage import _load_from_bytes
 
         return (_load_from_bytes, (self.blob,))
+
+
+def test_a_scrambled_metadata_is_one_error_without_tracebacks(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 52, item 18: in a checkpoint without checksums a scrambled ``.metadata`` reached
+    DCP, which logged two tracebacks (26 lines on stderr) while it tried a per-rank file; now
+    it is read (restricted) before DCP starts, and is one error naming it."""
+    import logging
+
+    folder = _checkpoint(tmp_path / "ckpt")
+    marker = json.loads((folder / store.MARKER).read_text())  # a marker with sizes only
+    marker["files"] = {rel: info["bytes"] for rel, info in marker["files"].items()}
+    del marker["checksum"], marker["format"]
+    (folder / store.MARKER).write_text(json.dumps(marker))
+    meta = folder / "global" / ".metadata"
+    meta.write_bytes(bytes(range(256)) * (meta.stat().st_size // 256) + b"\0" * (meta.stat().st_size % 256))
+    capfd.readouterr()
+    caplog.set_level(logging.INFO)
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(folder, rank=0, world_size=1)
+    assert str(err.value).startswith(f"{meta} could not be read (UnpicklingError: ")
+    assert capfd.readouterr().err == ""
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
