@@ -14,7 +14,8 @@ What lptrain reads, and how (the trust model is in docs/checkpoints.md):
 * ``global/.metadata``: :class:`RestrictedUnpickler` with DCP's own metadata types
   (:data:`METADATA_TYPES`), nothing else;
 * DCP's tensor data: ``torch.load(weights_only=True)`` (DCP's own reader) and its byte items
-  (the checkpoint's numbers and strings) the same way (:class:`SafeLoadPlanner`);
+  (the checkpoint's numbers and strings) the same way (a planner whose ``load_bytes`` reads
+  weights-only: :func:`read_global`);
 * a Transformer Engine module's extra state (a byte tensor TE itself unpickles in
   ``set_extra_state``): checked first by :func:`check_te_extra_state`, which unpickles it
   here with TE's recipe classes and torch's tensor rebuilders only; a file whose pickle names
@@ -54,9 +55,11 @@ def _is_dtype(obj: Any) -> bool:
 Rule = tuple[Optional[frozenset[str]], Callable[[Any], bool]]
 
 METADATA_TYPES: dict[str, Rule] = {
-    # DCP's Metadata, TensorStorageMetadata, ChunkStorageMetadata, BytesStorageMetadata,
-    # TensorProperties, MetadataIndex, StorageMeta, _MEM_FORMAT_ENCODING: plain data classes
-    "torch.distributed.checkpoint.metadata": (None, _is_class),
+    # DCP's plain data classes (and one enum); a new one in a later torch shows up as a
+    # refused lptrain checkpoint in tests/unit/checkpoint's round trips, never silently
+    "torch.distributed.checkpoint.metadata": (frozenset({
+        "Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "BytesStorageMetadata",
+        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"}), _is_class),
     "torch.distributed.checkpoint.filesystem": (frozenset({"_StorageInfo"}), _is_class),
     "torch": (None, lambda obj: _is_dtype(obj) or obj is torch.Size),
     "torch.serialization": (frozenset({"_get_layout"}), callable),  # a layout by its name
