@@ -159,9 +159,15 @@ def saved_config(folder: str | Path) -> Optional[Mapping[str, Any]]:
     """The checkpoint's ``resolved_config.yaml`` as nested dicts (None when unreadable)."""
     import yaml
 
+    from lptrain.config.errors import ConfigError
+    from lptrain.config.yaml_files import load_bounded
+
+    path = Path(folder) / CONFIG
     try:
-        saved = yaml.safe_load((Path(folder) / CONFIG).read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        saved = load_bounded(path.read_text(), str(path))
+    except (OSError, ValueError, yaml.YAMLError):  # UnicodeDecodeError is a ValueError
+        return None
+    except ConfigError:  # an alias bomb: not a config lptrain wrote; loading judges the rest
         return None
     return saved if isinstance(saved, Mapping) else None
 

@@ -7,8 +7,9 @@ folder is skipped, never an exception. A reader that must keep a folder while it
 holds a lease (:mod:`lptrain.checkpoint.lease`), which the pruner respects.
 
 The ``latest`` pointer is a hint, read as bytes: a pointer that is not UTF-8 text, does not
-name an ``iter_*`` folder, or is a folder itself is ignored with a note, and the newest valid
-checkpoint is used instead.
+name an ``iter_*`` folder (its content is never printed), is a symbolic link (never followed:
+it could lead out of the checkpoint folder) or is a folder itself is ignored with a note, and
+the newest valid checkpoint is used instead.
 """
 
 from __future__ import annotations
@@ -127,12 +128,19 @@ def is_step_dir(path: str | Path) -> bool:
     return bool(STEP_DIR.match(Path(path).name)) or (Path(path) / MARKER).exists()
 
 
+def is_link(path: Path) -> bool:
+    return path.is_symlink()
+
+
 def read_latest(root: str | Path) -> tuple[Optional[Path], Optional[str]]:
     """The step folder ``root/latest`` names, or ``(None, why it was ignored)``; ``(None,
     None)`` without a pointer. Read as bytes: a corrupt pointer is a note, not a crash."""
     pointer = Path(root) / LATEST
     if not os.path.lexists(pointer):
         return None, None
+    if is_link(pointer):  # lptrain writes a plain file: a link may lead out of the folder
+        return None, (f"pointer {pointer} is a symbolic link, not the file lptrain writes there: "
+                      "ignored without reading it, the newest valid checkpoint is used")
     if pointer.is_dir():
         return None, (f"pointer {pointer} is a folder, not the file lptrain writes there: "
                       "ignored (remove or rename it before the next save)")
@@ -145,9 +153,9 @@ def read_latest(root: str | Path) -> tuple[Optional[Path], Optional[str]]:
     except UnicodeDecodeError:
         return None, (f"pointer {pointer} holds bytes that are not text (corrupt): ignored, "
                       "the newest valid checkpoint is used")
-    if not STEP_DIR.fullmatch(name):
-        return None, (f"pointer {pointer} names {name[:40]!r}, not an iter_* folder: ignored, "
-                      "the newest valid checkpoint is used")
+    if not STEP_DIR.fullmatch(name):  # its content is not echoed: it may be anything
+        return None, (f"pointer {pointer} does not name an iter_* folder ({len(raw)} bytes): "
+                      "ignored, the newest valid checkpoint is used")
     return Path(root) / name, None
 
 

@@ -67,8 +67,21 @@ def reading(folder: str | Path) -> Iterator[str | None]:
         os.close(fd)
 
 
+def unlinked_if_link(folder: Path) -> bool:
+    """Remove ``folder`` if it is a symbolic link (the link, never its target); whether it was."""
+    if not folder.is_symlink():
+        return False
+    with contextlib.suppress(FileNotFoundError):
+        folder.unlink()
+    return True
+
+
 def remove_unless_read(folder: Path) -> bool:
-    """Delete the step folder ``folder`` unless a reader holds its lease; whether it went."""
+    """Delete the step folder ``folder`` unless a reader holds its lease; whether it went.
+    A step folder that is a symbolic link loses the link only: nothing is created or deleted
+    in its target, which lies outside the run."""
+    if unlinked_if_link(folder):
+        return True
     fd = _open_lease(folder)
     if fd is None:
         shutil.rmtree(folder, ignore_errors=True)

@@ -282,14 +282,13 @@ def load_checkpoint(folder: str | Path, rank: int, world_size: int) -> tuple[dic
     rank do not map across sizes; the engine re-seeds them). ``verified`` is False for a
     checkpoint without checksums (written before lptrain recorded them). Any failure --
     a checksum mismatch, DCP's ``CheckpointException`` (a ``BaseException``), a torn pickle --
-    is one :class:`CheckpointError` naming the file and what failed. The folder is read under
+    is one :class:`CheckpointError` naming the file and what failed, and so is a file whose
+    pickle names anything outside lptrain's allow-lists (:mod:`lptrain.checkpoint.restricted`:
+    a checkpoint never runs code). The folder is read under
     a reader lease (:mod:`lptrain.checkpoint.lease`): a run still saving into it does not
     prune it meanwhile.
     """
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    from lptrain.checkpoint.restricted import load_local, read_global
 
     folder = Path(folder)
     with reading(folder) as why:  # pinned: a live run's pruner leaves it until this returns
@@ -299,18 +298,11 @@ def load_checkpoint(folder: str | Path, rank: int, world_size: int) -> tuple[dic
         if problem is not None:
             raise CheckpointError(f"checkpoint {folder}: {problem}")
         train_state = read_train_state(folder)
-        state: dict[str, Any] = {}
-        try:
-            # Every rank reads the full replicated state on its own: no collective, no template.
-            _load_state_dict(state, storage_reader=FileSystemReader(str(folder / "global")),
-                             planner=_EmptyStateDictLoadPlanner(), no_dist=True)
-        except (Exception, CheckpointException) as e:
-            raise CheckpointError(f"checkpoint {folder}/global could not be read ({describe(e)})") from None
+        # Every rank reads the full replicated state on its own: no collective, no template;
+        # nothing is unpickled outside an allow-list (lptrain.checkpoint.restricted).
+        state = read_global(folder / "global")
         local = None
         local_file = folder / "local" / f"rank_{rank:05d}.pt"
         if train_state.get("world_size") == world_size and local_file.is_file():
-            try:
-                local = torch.load(local_file, map_location="cpu", weights_only=False)
-            except Exception as e:
-                raise CheckpointError(f"checkpoint {local_file} could not be read ({describe(e)})") from None
+            local = load_local(local_file)
         return {"global": decode_keys(state), "local": local, "verified": verified}, train_state

@@ -10,7 +10,9 @@ Every command (including those added by ``register(app)`` hooks) runs inside
   (``every_rank``: a failed save, a NaN step) is printed by rank 0 only;
 * Ctrl-C exits 130, SIGTERM 143, each with one line -- none for the SIGTERM with which a
   launcher stops a rank after another rank failed (that rank's line says what happened);
-* a collective that failed because a peer rank died is one line ``rank N lost peer M``, exit 3
+* a collective that failed because a peer rank died is one line ``rank N lost peer M``, exit 3,
+  printed by the first rank of the launch to print any error only (the others, and the
+  launcher, then say nothing: one failure, one line)
   (also when it arrives inside a ``BaseException`` such as torch's ``CheckpointException``);
   one that waited past ``dist.distributed_timeout_minutes`` is one line too, exit 3 -- none
   when the launcher's watchdog has already named the hung rank;
@@ -119,6 +121,13 @@ def _other_rank() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1 and int(os.environ.get("RANK", "0")) != 0
 
 
+def _claim_the_word() -> bool:
+    """Whether this rank is the first of its launch to print an error (:mod:`lptrain.launch.peers`)."""
+    from lptrain.launch.peers import claim_the_word
+
+    return claim_the_word()
+
+
 def _stopped_for_a_peer() -> bool:
     from lptrain.launch.peers import peer_failed_first
 
@@ -165,6 +174,7 @@ class LPTrainGroup(TyperGroup):
                 _leave_with_the_job(exc.exit_code)
             if debug_enabled(ctx):
                 _print_traceback(exc)
+            _claim_the_word()  # a peer that then loses this rank says nothing more
             for line in getattr(exc, "lines", None) or [str(exc)]:
                 _echo_err(f"error: {' '.join(str(line).split())}")
             raise typer.Exit(exc.exit_code) from None
@@ -186,7 +196,7 @@ class LPTrainGroup(TyperGroup):
             if lost is not None:  # a peer rank died or hung: not a bug here, one line and exit 3
                 if debug_enabled(ctx):
                     _print_traceback(exc)
-                if not _watchdog_spoke():
+                if not _watchdog_spoke() and _claim_the_word():  # one line for the job
                     _echo_err(f"error: {lost}")
                 raise typer.Exit(lost.exit_code) from None
             _print_traceback(exc)

@@ -110,29 +110,39 @@ def _print_tables(run: Path, series: object, report: dict, limits: dict[str, flo
 def compare(
     run_a: str = typer.Argument(..., help="The first run folder."),
     run_b: str = typer.Argument(..., help="The second run folder."),
-    tol: float = typer.Option(0.0, "--tol", min=0.0,
+    tol: float = typer.Option(0.0, "--tolerance", "--tol", min=0.0,
                               help="Relative tolerance |a-b|/max(|a|,|b|) (0: bitwise)."),
-    plot: Optional[Path] = typer.Option(None, "--plot",
-                                        help="Overlay plot PNG (default: compare.png here)."),
+    plot: Optional[Path] = typer.Option(
+        None, "--plot", help="Overlay plot: FILE.png, or a folder to write compare_vs_<B>.png "
+        "into (default: into RUN_A)."),
+    no_plot: bool = typer.Option(False, "--no-plot", help="Write no overlay plot."),
     as_json: bool = typer.Option(False, "--json", help="Print a machine-readable report."),
 ) -> None:
     """The first step where loss, grad norm, lr or any layer's statistics differ, and which
-    layer differs first; "identical" when nothing does. Writes an overlay plot."""
-    from lptrain.train.compare import compare_runs, report_lines, write_overlay
+    layer differs first; "identical" when nothing does. Exit 0 when the runs agree within
+    --tolerance on their common steps, 1 when they differ or have no step in common (a CI
+    gate). Writes an overlay plot."""
+    from lptrain.train.compare import compare_runs, plot_path, report_lines, write_overlay
 
     a, b = _run_dir(run_a), _run_dir(run_b)
+    target = None if no_plot else plot_path(plot, a, b)  # a bad --plot: refused before comparing
     cmp = compare_runs(a, b, tol)
-    path = write_overlay(a, b, plot or Path("compare.png"), cmp.first_step, (str(a), str(b)))
+    path = None if target is None else write_overlay(a, b, target, cmp.first_step, (str(a), str(b)))
+    agree = cmp.identical and bool(cmp.common)
     if as_json:
         first = [d.__dict__ for d in cmp.first]
         layer = cmp.first_layer.__dict__ if cmp.first_layer else None
         typer.echo(json.dumps({"identical": cmp.identical, "first_step": cmp.first_step,
                                "first": first, "first_layer": layer, "common_steps": len(cmp.common),
-                               "settings": cmp.settings, "plot": str(path)}, indent=2, default=str))
-        return
-    for line in report_lines(cmp, str(a), str(b)):
-        typer.echo(line)
-    typer.echo(f"wrote {path}")
+                               "settings": cmp.settings, "plot": None if path is None else str(path)},
+                              indent=2, default=str))
+    else:
+        for line in report_lines(cmp, str(a), str(b)):
+            typer.echo(line)
+        if path is not None:
+            typer.echo(f"wrote {path}")
+    if not agree:
+        raise typer.Exit(1)
 
 
 def replay(

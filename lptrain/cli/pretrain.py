@@ -116,6 +116,9 @@ def pretrain(
         for line in [*notes, *preflight.dry_run(cfg, world).lines()]:
             typer.echo(line)
         raise typer.Exit(0)
+    from lptrain.data.loader import check_data_present
+
+    check_data_present(cfg.data)  # a missing dataset: one line, before the folder or its lock
     with run_lock(out, note=typer.echo):  # one run per folder, before anything is written
         plan_run(cfg, out, overwrite)  # resume, or refuse a folder holding another run (exit 2)
         preflight.prepare_output_dir(out)  # OutputDirError (exit 2) before anything is written
@@ -131,11 +134,13 @@ def _judge_before_spawn(cfg: LPTrainConfig, overwrite: bool) -> None:
     has no room, one another run holds, a finished run, a resume the config cannot load -- is
     refused here, once, before N ranks start (each used to print it or be stopped for it)."""
     from lptrain.cli import preflight
+    from lptrain.data.loader import check_data_present
     from lptrain.train.run_dir import plan_run
     from lptrain.train.run_lock import locked_by, refusal
 
     out = Path(cfg.run.output_dir)
     preflight.check_paths(cfg, out)  # its warnings are rank 0's to print
+    check_data_present(cfg.data)
     holder = locked_by(out)
     if holder is not None:
         raise refusal(out, holder)

@@ -38,6 +38,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from lptrain.config.errors import ConfigError
 from lptrain.config.schema import LPTrainConfig
+from lptrain.config.yaml_files import MAX_YAML_CHARS, check_length, load_bounded, short_repr
 from lptrain.config.yaml_files import first_line as _first_line
 from lptrain.config.yaml_files import read_yaml as _read_yaml
 
@@ -227,8 +228,10 @@ def _validate(data: Any, cls: type, prefix: str, layer: _Layer) -> None:
         elif not _type_ok(value, tp):
             raise ConfigError(
                 f"{_where(layer.source, layer.lines, key)}: {key} expects {_type_name(tp)}, "
-                f"got {value!r} ({type(value).__name__})"
+                f"got {short_repr(value)} ({type(value).__name__})"
             )
+        else:
+            check_length(value, key, _where(layer.source, layer.lines, key))
 
 
 # --------------------------------------------------------------------------- lookup
@@ -365,13 +368,15 @@ def parse_overrides(overrides: Iterable[str]) -> tuple[_Layer, dict[str, Any]]:
         except UnicodeEncodeError:
             raise ConfigError(f"{source} {item!a}: not valid UTF-8 text") from None
         if "=" not in item:
-            raise ConfigError(f"{source} '{item}': expected key=value (e.g. model.num_layers=4)")
+            raise ConfigError(f"{source} {short_repr(item)}: expected key=value (e.g. model.num_layers=4)")
         key, raw = item.split("=", 1)
         key = key.strip()
         if not key:
-            raise ConfigError(f"{source} '{item}': empty key")
+            raise ConfigError(f"{source} {short_repr(item)}: empty key")
+        if len(raw) > MAX_YAML_CHARS:  # refused before YAML parses it
+            check_length(raw, key, source)
         try:
-            value = yaml.safe_load(raw) if raw.strip() else None
+            value = load_bounded(raw, f"{source} '{key}'") if raw.strip() else None
         except (yaml.YAMLError, ValueError, RecursionError, OverflowError):
             value = raw  # not YAML: kept as text (a type error names it if text is wrong)
         if key.startswith("meta."):
@@ -468,7 +473,9 @@ def _check_resolved_types(cfg: Any, prefix: str = "") -> None:
         if dataclasses.is_dataclass(tp):
             _check_resolved_types(value, key + ".")
         elif not _type_ok(value, tp) and not (tp is str or _accepts_str(tp)):
-            raise ConfigError(f"{key} expects {_type_name(tp)}, got {value!r} after interpolation")
+            raise ConfigError(f"{key} expects {_type_name(tp)}, got {short_repr(value)} after interpolation")
+        else:
+            check_length(value, key, "after interpolation")
 
 
 def compose(

@@ -2,14 +2,15 @@
 
 Split out of :mod:`lptrain.config.compose`: besides YAML syntax errors (with the line), a
 file is refused when its bytes are not UTF-8, when it is empty (it would silently mean "all
-defaults") and when a mapping holds the same key twice (PyYAML keeps the last one silently).
-Every refusal is a :class:`ConfigError` naming the file and line.
+defaults"), when a mapping holds the same key twice (PyYAML keeps the last one silently) and
+when its aliases expand past :data:`MAX_EXPANDED_NODES` values (an alias bomb kept validation
+busy for minutes). Every refusal is a :class:`ConfigError` naming the file and line.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import yaml
 
@@ -50,6 +51,93 @@ def _check_duplicates(node: yaml.Node, prefix: str, path: Path) -> None:
         _check_duplicates(v, f"{prefix}{name}." if name is not None else prefix, path)
 
 
+# Values a YAML document may expand to through its aliases (``*name`` repeats the node
+# ``&name`` anchors). A recipe is a few hundred; nine levels of aliased lists in 501 bytes are
+# 10^9, which the composer shares but every later walk (duplicate check, OmegaConf) expands.
+MAX_EXPANDED_NODES = 10_000
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    return []
+
+
+def expanded_size(root: yaml.Node, limit: int = MAX_EXPANDED_NODES) -> int:
+    """The number of nodes ``root`` holds with every alias expanded, counted over the shared
+    nodes once each (linear in the file), capped at ``limit + 1``; a node that contains itself
+    (``&a [*a]``) is infinite, so also ``limit + 1``."""
+    size: dict[int, int] = {}
+    open_: set[int] = set()  # started, not finished: the current path of the walk
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, finished = stack.pop()
+        key = id(node)
+        if finished:
+            size[key] = min(limit + 1, 1 + sum(size[id(c)] for c in _children(node)))
+            open_.discard(key)
+            continue
+        if key in size:
+            continue
+        open_.add(key)
+        stack.append((node, True))
+        for child in _children(node):
+            if id(child) in open_:
+                return limit + 1
+            if id(child) not in size:
+                stack.append((child, False))
+    return size[id(root)]
+
+
+def load_bounded(text: str, where: str) -> Any:
+    """``yaml.safe_load(text)``, refusing (:class:`ConfigError` naming ``where``) a document
+    whose aliases expand past :data:`MAX_EXPANDED_NODES` values, before anything expands it."""
+    node = yaml.compose(text, Loader=yaml.SafeLoader)
+    check_expansion(node, where)
+    return yaml.safe_load(text)
+
+
+def check_expansion(node: Any, where: str) -> None:
+    if node is not None and expanded_size(node) > MAX_EXPANDED_NODES:
+        raise ConfigError(
+            f"{where}: YAML aliases (*name) expand to more than {MAX_EXPANDED_NODES} values "
+            "(an alias bomb, or a node that contains itself); refused before expanding them",
+            fix="write the values out, or alias less deeply")
+
+
+# The longest text any key takes: names, paths (Linux's PATH_MAX), module lists. A 10 MB
+# run.name was accepted and echoed into every console line and resolved_config.yaml.
+MAX_STRING_CHARS = 4096
+# The longest recipe file or override lptrain parses (PyYAML reads about a megabyte a second;
+# a recipe is a few kilobytes, a long data.paths list a few hundred).
+MAX_YAML_CHARS = 1 << 20
+
+
+def _too_long(value: Any) -> Optional[int]:
+    """The length of the first string in ``value`` (a string or a list of them) longer than
+    :data:`MAX_STRING_CHARS`, else None."""
+    for v in value if isinstance(value, list) else [value]:
+        if isinstance(v, str) and len(v) > MAX_STRING_CHARS:
+            return len(v)
+    return None
+
+
+def check_length(value: Any, key: str, where: str) -> None:
+    """:class:`ConfigError` when a string of ``value`` is longer than :data:`MAX_STRING_CHARS`."""
+    n = _too_long(value)
+    if n is not None:
+        raise ConfigError(f"{where}: {key} is {n} characters long; the limit is {MAX_STRING_CHARS}",
+                          fix=f"give {key} a value of at most {MAX_STRING_CHARS} characters")
+
+
+def short_repr(value: Any) -> str:
+    """``repr(value)``, cut to 120 characters for an error line."""
+    text = repr(value)
+    return text if len(text) <= 120 else text[:100] + f"... ({len(text)} characters)"
+
+
 def _decode(raw: bytes, path: Path) -> str:
     try:
         return raw.decode("utf-8")
@@ -71,10 +159,16 @@ def read_yaml(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
         raw = path.read_bytes()
     except OSError as e:
         raise ConfigError(f"{path}: cannot read: {e.strerror or e}") from None
+    if len(raw) > MAX_YAML_CHARS:
+        raise ConfigError(f"{path}: {len(raw)} bytes; a recipe or fragment is read up to "
+                          f"{MAX_YAML_CHARS} bytes", fix="split it into fragments, or shorten its values")
     text = _decode(raw, path)
     try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        check_expansion(node, str(path))  # before anything walks the expanded tree
         data = yaml.safe_load(text)
-        node = yaml.compose(text)
+    except ConfigError:
+        raise
     except (ValueError, RecursionError, OverflowError) as e:  # e.g. a 5000-digit integer
         raise ConfigError(f"{path}: cannot parse a value: {first_line(str(e))}") from None
     except yaml.MarkedYAMLError as e:

@@ -220,14 +220,24 @@ def encode_index(header: dict[str, Any], offsets: np.ndarray) -> bytes:
     return MAGIC + struct.pack("<Q", len(body)) + body + np.ascontiguousarray(offsets, "<i8").tobytes()
 
 
-def read_index(prefix: str | os.PathLike[str]) -> tuple[dict[str, Any], np.ndarray]:
-    """Header and offsets of ``PREFIX.idx``; raises :class:`DataError` on any inconsistency."""
+def check_present(prefix: str | os.PathLike[str]) -> None:
+    """:class:`DataError` unless ``PREFIX.idx`` and ``PREFIX.bin`` exist: cheap, so a run
+    checks it before it takes or writes its folder (opening the dataset checks the rest)."""
     path = idx_path(prefix)
     if not path.is_file():
         raise DataError(
             f"dataset index not found: {path} (not prepared yet, or a wrong path?)",
             fix="prepare it with `lptrain prepare-data --input ... --output PREFIX`, or fix data.source/data.paths",
         )
+    if not bin_path(prefix).is_file():
+        raise DataError(f"token file not found: {bin_path(prefix)} (its index exists: {path})",
+                        fix=REPREPARE)
+
+
+def read_index(prefix: str | os.PathLike[str]) -> tuple[dict[str, Any], np.ndarray]:
+    """Header and offsets of ``PREFIX.idx``; raises :class:`DataError` on any inconsistency."""
+    path = idx_path(prefix)
+    check_present(prefix)
     raw = path.read_bytes()
     if raw[: len(MAGIC)] != MAGIC or len(raw) < len(MAGIC) + 8:
         raise DataError(f"{path} is not an lptrain index (bad magic bytes)", fix=REPREPARE)

@@ -23,7 +23,7 @@ from lptrain.data.blend import BlendedStream
 from lptrain.data.builtin import ensure_builtin_dataset
 from lptrain.data.errors import DataError
 from lptrain.data.gpt_dataset import GPTDataset, split_documents, split_seed
-from lptrain.data.indexed import IndexedDataset, tokenizer_fix
+from lptrain.data.indexed import IndexedDataset, check_present, tokenizer_fix
 from lptrain.data.sampler import GlobalBatchSampler
 from lptrain.data.token_file import DatasetChangedError
 
@@ -120,8 +120,12 @@ class BatchIterator:
         if strict and saved is not None and saved != self.stream.fingerprint:
             raise DataError(
                 "data state was saved for a different sample stream (dataset, split, seed, "
-                "seq_length or blend weights changed); pass strict=False to resume at "
-                f"consumed_samples={state['consumed_samples']} anyway"
+                "seq_length or blend weights changed): its position, consumed_samples="
+                f"{state['consumed_samples']}, means nothing in this one",
+                fix="resume with the data settings and model.seq_length of the checkpoint's "
+                    "resolved_config.yaml; to train its weights on other data, export them "
+                    "(lptrain export RUN_DIR --format hf --output DIR) and start a new run in "
+                    "another --output-dir with checkpoint.init_from_hf=DIR",
             )
         self.sampler.load_state_dict(state)
         self._it = None
@@ -149,6 +153,16 @@ def resolve_prefixes(data_cfg: Any) -> list[str]:
             )
         ]
     return [source]
+
+
+def check_data_present(data_cfg: Any) -> None:
+    """The configured datasets' files exist (``builtin:`` corpora are prepared when the run
+    opens them): checked before a run takes or writes its folder, so a missing dataset leaves
+    nothing behind (:func:`~lptrain.data.indexed.check_present`)."""
+    paths = [str(p) for p in getattr(data_cfg, "paths", None) or []]
+    source = str(data_cfg.source)
+    for prefix in paths or ([] if source.startswith("builtin:") else [source]):
+        check_present(prefix)
 
 
 def open_dataset(prefix: str, tokenizer: str, vocab_size: int) -> IndexedDataset:

@@ -8,6 +8,7 @@ removed it; and ``model.safetensors`` kept that temp file's mode 0600 while its 
 
 Now every file is written into ``.<name>.partial-<pid>`` next to ``--output`` and the folder
 is renamed into place at the end: ``--output`` holds a whole export or nothing new. A
+``--output`` that is a symbolic link is followed: the model goes into the link's target. A
 staging folder left by a killed export (its pid gone) is removed by the next export. With
 ``--overwrite`` the old folder is renamed aside, the new one in, and the old one removed.
 Files get the mode ``open()`` gives (0666 less the umask), as ``transformers`` writes them.
@@ -27,9 +28,28 @@ from lptrain.errors import OutputDirError
 _PARTIAL = ".partial-"
 
 
+def resolve_output(out: Path) -> Path:
+    """``--output`` with a symbolic link followed to its target: the export goes into the
+    folder the link names, and the link stays (renaming the staged folder onto the link's
+    own path replaced the link and left the target empty). A link to nothing, or to itself,
+    is :class:`OutputDirError` (exit 2)."""
+    if not out.is_symlink():
+        return out
+    target = Path(os.path.realpath(out))
+    if not target.exists() and not target.parent.is_dir():
+        raise OutputDirError(
+            f"--output {out} is a symbolic link to {os.readlink(out)}, which does not exist "
+            f"(nor does its folder {target.parent})",
+            fix="create the link's target folder, point the link elsewhere, or pass another --output")
+    if target.is_symlink():  # a loop: realpath gave up
+        raise OutputDirError(f"--output {out} is a symbolic link that loops",
+                             fix="remove the link or pass another --output")
+    return target
+
+
 def check_output(out: Path, overwrite: bool) -> None:
     """Refuse before anything is read: ``--output`` a file, or non-empty without
-    ``--overwrite`` (exit 2)."""
+    ``--overwrite`` (exit 2). ``out`` is :func:`resolve_output`'s."""
     if out.exists() and not out.is_dir():
         raise OutputDirError(f"--output {out} is a file", fix="choose a folder")
     if out.is_dir() and any(out.iterdir()) and not overwrite:

@@ -29,8 +29,8 @@ import torch
 from lptrain.checkpoint.lease import reading
 from lptrain.checkpoint.store import (
     CONFIG,
+    CheckpointError,
     decode_keys,
-    describe,
     find_checkpoints,
     is_step_dir,
     read_train_state,
@@ -39,7 +39,7 @@ from lptrain.checkpoint.store import (
 )
 from lptrain.config.schema import LPTrainConfig
 from lptrain.errors import InputError
-from lptrain.interop.export_folder import check_output, staged_output
+from lptrain.interop.export_folder import check_output, resolve_output, staged_output
 from lptrain.interop.hf_arch import Architecture, architecture_for, hf_config
 from lptrain.interop.hf_weights import to_hf
 from lptrain.interop.safetensors_io import DEFAULT_MAX_SHARD, parse_size, write_safetensors
@@ -115,17 +115,12 @@ def find_checkpoint(source: str | Path) -> Path:
 
 def read_masters(step: Path) -> dict[str, torch.Tensor]:
     """The fp32 masters (canonical names) of one complete checkpoint, without the optimizer."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    from lptrain.checkpoint.restricted import read_global
 
-    state: dict[str, Any] = {}
-    try:
-        _load_state_dict(state, storage_reader=FileSystemReader(str(step / "global")),
-                         planner=_EmptyStateDictLoadPlanner(keys={"model"}), no_dist=True)
-    except (Exception, CheckpointException) as e:  # DCP's is a BaseException
-        raise InputError(f"checkpoint {step} could not be read: {describe(e)}") from None
+    try:  # allow-listed unpickling only: a crafted checkpoint cannot run code here
+        state = read_global(step / "global", keys={"model"})
+    except CheckpointError as e:
+        raise InputError(str(e)) from None
     model = decode_keys(state).get("model")
     if not isinstance(model, dict) or not model:
         raise InputError(f"checkpoint {step} holds no model weights", fix="export another checkpoint")
@@ -206,7 +201,7 @@ def export_hf(
     if dtype not in DTYPES:
         raise InputError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}", fix="pass --dtype bf16")
     max_bytes = parse_size(max_shard_size)
-    out = Path(output)
+    out = resolve_output(Path(output))  # through a symbolic link, into its target
     check_output(out, overwrite)
     notes: list[str] = []
     pinned = _read_pinned(export_candidates(source), notes)

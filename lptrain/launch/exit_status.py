@@ -31,12 +31,14 @@ def normalized(exitcode: int) -> int:
 
 
 def describe(exitcode: int) -> str:
-    """``exit 143`` or ``exit -9 (SIGKILL)``: how a rank ended, for one error line."""
+    """``exit 143`` or ``exit 137 (SIGKILL)``: how a rank ended, for one error line, as a
+    shell and a survivor's ``lost peer`` line give it (128 + N for a death by signal N; the
+    launcher's own code for it is -N)."""
     if exitcode < 0:
         try:
-            return f"exit {exitcode} ({signal.Signals(-exitcode).name})"
+            return f"exit {normalized(exitcode)} ({signal.Signals(-exitcode).name})"
         except ValueError:
-            return f"exit {exitcode} (signal {-exitcode})"
+            return f"exit {normalized(exitcode)} (signal {-exitcode})"
     return f"exit {exitcode}"
 
 

@@ -5,7 +5,7 @@ of ``python -m lptrain pretrain ...`` through torch's elastic launcher (the API 
 ``torchrun``) with a c10d rendezvous on this host. When any rank fails, the agent ends the
 others and the launch exits with that rank's status: a rank that printed its own error line
 (exit 1, 2, 3 or 70) is not repeated; a rank that could not (killed by a signal) is named in
-one line, exit 3. Each rank then joins the
+one line, exit 3 -- by a survivor's ``lost peer`` line when one printed it, else here. Each rank then joins the
 world from its environment (:mod:`lptrain.distributed.launch_env`, which also provides
 :func:`world_from_env`). Ranks that all stopped on SIGTERM/SIGINT (checkpoint saved) make the
 launch exit 143/130, not "failed" (:mod:`lptrain.launch.exit_status`).
@@ -34,7 +34,7 @@ from lptrain.errors import (
     RunFailedError,
 )
 from lptrain.launch.exit_status import SIGNAL_STATUSES, describe, normalized, signal_stop_status
-from lptrain.launch.peers import publish_peer_exits
+from lptrain.launch.peers import publish_peer_exits, rank_spoke
 from lptrain.launch.torchrun import quiet_agent_logs
 from lptrain.launch.watchdog import HANG_FIX, watching
 
@@ -101,6 +101,8 @@ def launch_local(nproc: int, args: Sequence[str]) -> int:
         rank, failure = _first_real_failure(e.failures)
         if failure.exitcode in SPOKEN_STATUSES:  # the rank printed its own line: nothing to add
             raise SystemExit(failure.exitcode) from None
+        if rank_spoke():  # a survivor's "lost peer" line already named the killed rank
+            raise SystemExit(EXIT_RUN_FAILED) from None
         raise RunFailedError(
             f"rank {rank} of {nproc} failed with {describe(failure.exitcode)}; the other "
             "ranks were stopped (its error, if it could print one, is above)",

@@ -44,6 +44,7 @@ _PEER_GONE = (
 
 
 PEER_EXITS_ENV = "LPTRAIN_PEER_EXITS"
+RANK_SPOKE_ENV = "LPTRAIN_RANK_SPOKE"  # set in the launcher when a rank printed an error line
 _PUBLISH_WAIT_S = 2.0  # how long a survivor waits for the launcher's record
 
 
@@ -53,7 +54,9 @@ def publish_peer_exits() -> Iterator[None]:
     agent's process context sees is written (``{local rank: exit code}``) to
     ``$LPTRAIN_PEER_EXITS``, which the ranks inherit, before it stops the surviving ranks (the
     hook is the context's failure capture, which runs just before that teardown). Without
-    that hook in this torch version it does nothing (the survivors fall back to ``/proc``)."""
+    that hook in this torch version it does nothing (the survivors fall back to ``/proc``).
+    When the launch fails after a rank printed its error line (:func:`claim_the_word`),
+    ``$LPTRAIN_RANK_SPOKE`` is set in this process for :func:`rank_spoke`."""
     try:
         from torch.distributed.elastic.multiprocessing.api import SubprocessContext
     except ImportError:
@@ -80,6 +83,10 @@ def publish_peer_exits() -> Iterator[None]:
     SubprocessContext._capture_process_failures = capture  # type: ignore[method-assign]
     try:
         yield
+    except BaseException:
+        if (folder / _SPOKEN).exists():  # a rank printed the job's error line: none from here
+            os.environ[RANK_SPOKE_ENV] = "1"
+        raise
     finally:
         SubprocessContext._capture_process_failures = original  # type: ignore[method-assign]
         if previous is None:
@@ -87,6 +94,26 @@ def publish_peer_exits() -> Iterator[None]:
         else:
             os.environ[PEER_EXITS_ENV] = previous
         shutil.rmtree(folder, ignore_errors=True)
+
+
+_SPOKEN = "spoken"  # beside the exits file: created by the first rank that printed an error
+
+
+def claim_the_word() -> bool:
+    """Whether this rank is the first of its launch to print an error line (then it must);
+    False when another rank already did. Under a launcher without lptrain's exits file (a
+    plain ``torchrun``, another node's), every rank may speak: True. One failure -- a killed
+    rank at TP 2 x PP 2 -- used to print a line from each survivor and one from the launcher."""
+    name = os.environ.get(PEER_EXITS_ENV)
+    if not name:
+        return True
+    try:
+        os.close(os.open(Path(name).with_name(_SPOKEN), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+    except FileExistsError:
+        return False
+    except OSError:  # the launcher's folder is gone (it is tearing down): say it anyway
+        return True
+    return True
 
 
 def _published_exit(local_rank: int) -> Optional[int]:
@@ -104,6 +131,11 @@ def _published_exit(local_rank: int) -> Optional[int]:
         if time.monotonic() >= deadline:
             return None
         time.sleep(0.05)
+
+
+def rank_spoke() -> bool:
+    """In the launcher, after the launch failed: whether a rank printed the job's error line."""
+    return os.environ.pop(RANK_SPOKE_ENV, None) == "1"
 
 
 def peer_failed_first() -> bool:

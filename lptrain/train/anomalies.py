@@ -4,8 +4,9 @@
 naming the step, rank, samples and tensor), ``skip_batch`` (no update for that batch; the
 run goes on) or ``rollback`` -- reload the newest checkpoint before N and skip the data the
 run read since it (the batches of the steps after the checkpoint up to N), as PaLM did for
-loss spikes, at most ``train.max_rollbacks`` times in a job; without such a checkpoint, or
-past the limit, the anomaly stops the run. Every decision is the same on every rank.
+loss spikes, at most ``train.max_rollbacks`` times in a job; a checkpoint that cannot be loaded
+(a corrupt file) falls back to the next older one, as a resume does; without a loadable one,
+or past the limit, the anomaly stops the run (exit 3). Every decision is the same on every rank.
 
 Each anomaly is one line of ``anomalies.jsonl`` in the run folder (:class:`AnomalyLog`:
 step, kind, rank, sample ids, the first non-finite tensor, that step's quantization
@@ -17,7 +18,7 @@ rollbacks.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -40,6 +41,14 @@ class Decision:
     to_step: int = 0
     from_samples: int = 0
     why: str = ""
+    # older valid checkpoints before the step, newest first: where a rollback falls back to
+    # when ``folder`` cannot be loaded (a corrupt file), as a resume does
+    fallbacks: tuple[Path, ...] = ()
+
+    def loaded(self, folder: Path, train_state: dict[str, Any]) -> Decision:
+        """This rollback as it happened: to ``folder``, the one that loaded."""
+        return replace(self, folder=folder, to_step=int(train_state["iteration"]),
+                       from_samples=int(train_state["consumed_samples"]), fallbacks=())
 
 
 class AnomalyPolicy:
@@ -63,7 +72,8 @@ class AnomalyPolicy:
         folder = found[0]
         state = read_train_state(folder)
         self.rollbacks += 1
-        return Decision("rollback", folder, int(state["iteration"]), int(state["consumed_samples"]))
+        return Decision("rollback", folder, int(state["iteration"]), int(state["consumed_samples"]),
+                        fallbacks=tuple(found[1:]))
 
 
 def _iteration(folder: Path) -> int:
@@ -71,12 +81,14 @@ def _iteration(folder: Path) -> int:
 
 
 class RollBack(Exception):
-    """Raised by the step to make the loop roll back (see :class:`Decision`)."""
+    """Raised by the step to make the loop roll back (see :class:`Decision`), once the engine
+    holds the checkpoint's state (``train_state``: its data positions)."""
 
-    def __init__(self, decision: Decision, skip_to: int) -> None:
+    def __init__(self, decision: Decision, skip_to: int, train_state: dict[str, Any]) -> None:
         super().__init__(f"roll back to step {decision.to_step}")
         self.decision = decision
         self.skip_to = skip_to
+        self.train_state = train_state
 
 
 def action_text(d: Decision, skip_to: int, on_anomaly: str) -> str:

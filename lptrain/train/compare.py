@@ -143,15 +143,32 @@ def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
 _IDENTITY = ("run.name", "run.output_dir", "checkpoint.save", "checkpoint.load", "logging.")
 
 
+def _settings(run: Path) -> Optional[dict[str, Any]]:
+    """A run's resolved settings, flattened; None without the file (the comparison goes on
+    without them); a file that is not UTF-8 or not YAML is an :class:`InputError` (exit 2)."""
+    import yaml
+
+    from lptrain.config.yaml_files import load_bounded
+
+    path = run / "resolved_config.yaml"
+    try:
+        text = path.read_bytes().decode("utf-8")
+        loaded = load_bounded(text, str(path))
+    except OSError:
+        return None
+    except (UnicodeDecodeError, yaml.YAMLError) as e:
+        what = "is not UTF-8 text" if isinstance(e, UnicodeDecodeError) else "is not valid YAML"
+        raise InputError(f"{path} {what} (the file was damaged or edited)", file=str(path),
+                         fix="restore it from the run's checkpoint (iter_*/resolved_config.yaml) "
+                             "or remove it to compare without settings") from None
+    return _flat(loaded) if isinstance(loaded, dict) else {}
+
+
 def setting_differences(a: Path, b: Path) -> list[tuple[str, Any, Any]]:
     """``(key, value in A, value in B)`` for the resolved settings that differ (where a run
     writes and what it is called left out)."""
-    import yaml
-
-    try:
-        ca = _flat(yaml.safe_load((a / "resolved_config.yaml").read_text()) or {})
-        cb = _flat(yaml.safe_load((b / "resolved_config.yaml").read_text()) or {})
-    except (OSError, yaml.YAMLError):
+    ca, cb = _settings(a), _settings(b)
+    if ca is None or cb is None:
         return []
     keys = [k for k in dict.fromkeys([*ca, *cb]) if not k.startswith(_IDENTITY)]
     return [(k, ca.get(k), cb.get(k)) for k in keys if ca.get(k) != cb.get(k)]
@@ -182,6 +199,25 @@ def _fmt(v: Any) -> str:
     return f"{v:.6g}" if isinstance(v, float) else str(v)
 
 
+def distinct(a: Any, b: Any) -> tuple[str, str]:
+    """``a`` and ``b`` with enough digits to tell them apart (6 significant digits when
+    those already differ, up to the 17 that round-trip a float): a differing value never
+    prints the same as its counterpart."""
+    if not (isinstance(a, float) and isinstance(b, float)) or a == b:
+        return _fmt(a), _fmt(b)
+    for digits in range(6, 18):
+        sa, sb = f"{a:.{digits}g}", f"{b:.{digits}g}"
+        if sa != sb:
+            return sa, sb
+    return repr(a), repr(b)
+
+
+def _diff_text(d: Difference) -> str:
+    a, b = distinct(d.a, d.b)
+    rel = "" if math.isinf(d.rel) else f" (relative {d.rel:.2g})"
+    return f"{d.what} {a} vs {b}{rel}"
+
+
 def report_lines(cmp: Comparison, a: str, b: str) -> list[str]:
     tol = "0 (bitwise)" if cmp.tolerance == 0 else f"{cmp.tolerance:g} (relative)"
     lines = [f"A: {a} ({cmp.steps_a} steps), B: {b} ({cmp.steps_b} steps); {len(cmp.common)} "
@@ -200,24 +236,59 @@ def report_lines(cmp: Comparison, a: str, b: str) -> list[str]:
         return lines
     if cmp.first:
         d0 = cmp.first[0]
-        diffs = "; ".join(f"{d.what} {_fmt(d.a)} vs {_fmt(d.b)}" for d in cmp.first[:6])
+        diffs = "; ".join(_diff_text(d) for d in cmp.first[:6])
         lines.append(f"first difference at step {d0.step}: {diffs}")
     if cmp.first_layer is not None:
         d = cmp.first_layer
+        a, b = distinct(d.a, d.b)
         lines.append(f"first layer to differ: {d.what.split(':')[0]} at step {d.step} "
-                     f"({d.what.split(': ')[1]} {_fmt(d.a)} vs {_fmt(d.b)}, relative {d.rel:.2g})")
+                     f"({d.what.split(': ')[1]} {a} vs {b}, relative {d.rel:.2g})")
     elif cmp.operands:
         lines.append("no layer's statistics differ on the steps that have them")
     return lines
 
 
+PLOT_FIX = "pass --plot FILE.png or --plot DIR naming a writable folder, or --no-plot"
+
+
+def plot_path(plot: Optional[Path], run_a: Path, run_b: Path) -> Path:
+    """Where the overlay goes: ``--plot FILE.png`` as named; ``--plot DIR`` (an existing
+    folder) or no ``--plot``: ``compare_vs_<B>.png`` in DIR, or in run A's folder (beside its
+    own plots, never the current folder). :class:`InputError` for a name that is not a PNG
+    or a folder that does not exist, before anything is compared."""
+    name = f"compare_vs_{run_b.resolve().name or 'run'}.png"
+    if plot is None:
+        return run_a / name
+    if plot.is_dir():
+        return plot / name
+    if plot.suffix.lower() != ".png":
+        raise InputError(f"--plot {plot}: the overlay is a PNG, and {plot.name!r} neither ends in "
+                         ".png nor is an existing folder", fix=PLOT_FIX)
+    if not plot.parent.is_dir():
+        raise InputError(f"--plot {plot}: folder {plot.parent} does not exist",
+                         fix=f"create it first, or {PLOT_FIX}")
+    return plot
+
+
 def write_overlay(run_a: str | Path, run_b: str | Path, path: str | Path,
                   first_step: Optional[int], labels: tuple[str, str]) -> Path:
-    """Loss and grad norm of both runs, one panel each, the first difference marked."""
+    """Loss and grad norm of both runs, one panel each, the first difference marked;
+    a file that cannot be written is an :class:`InputError` (exit 2) naming it."""
+    try:
+        return _write_overlay(run_a, run_b, path, first_step, labels)
+    except OSError as e:
+        raise InputError(f"cannot write the overlay plot {path}: {e.strerror or e}",
+                         fix=PLOT_FIX) from None
+
+
+def _write_overlay(run_a: str | Path, run_b: str | Path, path: str | Path,
+                   first_step: Optional[int], labels: tuple[str, str]) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    from lptrain.train.plots import save_png
 
     runs = [_records(Path(run_a)), _records(Path(run_b))]
     fig, axes = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
@@ -230,10 +301,11 @@ def write_overlay(run_a: str | Path, run_b: str | Path, path: str | Path,
             ax.axvline(first_step, color="red", alpha=0.5, label=f"first difference (step {first_step})")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
+    if axes[0].get_legend_handles_labels()[0]:  # two empty runs: no curve, no legend
+        axes[0].legend(fontsize=8)
     axes[1].set_xlabel("step")
     fig.tight_layout()
-    out = Path(path)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    try:
+        return save_png(fig, Path(path), dpi=110)
+    finally:
+        plt.close(fig)

@@ -32,17 +32,25 @@ import json
 import os
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Optional
 
-from lptrain.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from lptrain.checkpoint import CheckpointError, save_checkpoint
 from lptrain.checkpoint.atomic import write_atomically
+from lptrain.checkpoint.folders import iteration_of
 from lptrain.config import World, derive
 from lptrain.config.render import config_yaml
 from lptrain.config.schema import LPTrainConfig
-from lptrain.data.loader import BatchIterator, data_state, eval_micro_batches, load_data_state
+from lptrain.data.loader import (
+    BatchIterator,
+    check_data_present,
+    data_state,
+    eval_micro_batches,
+    load_data_state,
+)
 from lptrain.distributed.progress import mark_step
 from lptrain.errors import RunFailedError
-from lptrain.train.anomalies import AnomalyLog, AnomalyPolicy, RollBack, action_text
+from lptrain.train.anomalies import AnomalyLog, AnomalyPolicy, Decision, RollBack, action_text
 from lptrain.train.console import LogWindow, RunLog
 from lptrain.train.engine import StepResult, TrainEngine, TrainingDivergedError
 from lptrain.train.forensics import (
@@ -63,8 +71,9 @@ from lptrain.train.policies import (
     StopPolicy,
     StopReason,
 )
+from lptrain.train.resume import resume as _resume
 from lptrain.train.run_dir import RunPlan, plan_run, rebase_on_output_dir, start_run
-from lptrain.train.run_lock import run_lock
+from lptrain.train.run_lock import folder_lost, run_lock
 from lptrain.train.schedule_resume import apply_resumed_schedule
 from lptrain.train.signals import StopWatcher, TrainingInterrupted
 from lptrain.train.summary import JobState, RunSummary
@@ -88,6 +97,7 @@ def pretrain(cfg: LPTrainConfig, output_dir: str | Path, *, overwrite: bool = Fa
     out = Path(output_dir)
     cfg = rebase_on_output_dir(cfg, out)
     main = int(os.environ.get("RANK", "0")) == 0  # rank 0 owns the run folder (and its lock)
+    check_data_present(cfg.data)  # a missing dataset: refused before the folder is touched
     with run_lock(out) if main else contextlib.nullcontext():
         plan = plan_run(cfg, out, overwrite)
         hf_arch = _check_init_from_hf(cfg, plan)
@@ -150,56 +160,6 @@ def _restore(cfg: LPTrainConfig, engine: TrainEngine, plan: RunPlan, loaders: Lo
     return {}
 
 
-def _resume(engine: TrainEngine, candidates: list[Path], log: RunLog,
-            load_optimizer: bool = True) -> dict[str, Any]:
-    """Load the newest loadable checkpoint into the engine; returns its train state.
-
-    Any failure on any rank -- a checksum mismatch, an unreadable file, a load error -- falls
-    back to the next older checkpoint on every rank (they agree after each try), naming the
-    file and what failed. ``load_optimizer=False`` keeps the weights and drops the saved
-    optimizer state (``checkpoint.load_optimizer=false``)."""
-    failures = []
-    for i, folder in enumerate(candidates):
-        error = None
-        try:
-            state, train_state = load_checkpoint(folder, engine.rank, engine.world_size)
-            if not load_optimizer:
-                state["global"]["optimizer"] = {}
-            engine.load_checkpoint_state(state)
-        except (CheckpointError, KeyError, RuntimeError, ValueError) as e:
-            error = str(e)
-        error = _first_error(error)
-        if error is not None:
-            failures.append(error)
-            nxt = candidates[i + 1] if i + 1 < len(candidates) else None
-            log.line(f"warning: could not load checkpoint {folder} ({error}); "
-                     + (f"falling back to {nxt}" if nxt else "no older valid checkpoint"))
-            continue
-        if not state["verified"]:
-            log.line(f"note: {folder} has no checksums (written before lptrain recorded them): "
-                     "its files could not be verified")
-        if state["local"] is None:
-            log.line(f"note: {folder} was written at world size {train_state.get('world_size')}; "
-                     "per-rank RNG streams start afresh")
-        if not load_optimizer:
-            log.line("note: checkpoint.load_optimizer=false: the optimizer starts fresh from the "
-                     "saved weights")
-        log.line(f"resuming from {folder} (step {train_state['iteration']})")
-        return train_state
-    raise CheckpointError("no checkpoint could be loaded: " + "; ".join(failures))
-
-
-def _first_error(error: Optional[str]) -> Optional[str]:
-    """The first rank's error of this try (every rank gets the same answer)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return error
-    errors: list[Optional[str]] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    return next((f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None), None)
-
-
 def _claim(plan: RunPlan, cfg: LPTrainConfig, start_iter: int, resolved: str, main: bool) -> None:
     """The main rank takes the folder (:func:`~lptrain.train.run_dir.start_run`). Every rank
     has planned (read the folder) before: without the barrier a slow rank would see the
@@ -245,6 +205,7 @@ class _Job:
         self.window = LogWindow()
         self.unwritten: list[str] = []  # files of the run's end that could not be written
         self.unwritten_paths: set[str] = set()
+        self.folder_gone = False  # the run folder was deleted under the run: write nothing more
         self.outputs = RunOutputs(cfg, out, engine.is_main, train_state.get("wandb_run_id"))
         start_iter = int(train_state.get("iteration", 0))
         self.state = JobState(step=start_iter, start_iter=start_iter)
@@ -272,6 +233,7 @@ class _Job:
         self.log.start(state.start_iter, self.cfg.train.train_iters)
         # The watcher also covers finish(): a launcher's SIGTERM while the summary and plots
         # are written is recorded, not raised (it would lose them and the real error).
+        failure: Optional[RunFailedError] = None
         with StopWatcher(self.cfg.train.exit_duration_mins) as watcher:
             try:
                 while state.step < self.cfg.train.train_iters:
@@ -284,7 +246,7 @@ class _Job:
                 state.status, state.error = "diverged", str(e)
                 raise
             except RunFailedError as e:  # a failed save, a full disk: one line, exit 3
-                state.status, state.error = "failed", str(e)
+                state.status, state.error, failure = "failed", str(e), e
                 raise
             except BaseException as e:
                 if state.status == "running":
@@ -292,6 +254,8 @@ class _Job:
                 raise
             finally:
                 summary = self.finish()
+                if failure is not None and self.unwritten:  # the one error line says it too
+                    failure.message += f"; not written either: {', '.join(self.unwritten_names())}"
             if state.signum is not None:
                 # Every rank stops after the same step; none exits before the main rank has
                 # written its summary and plots (a launcher tears the world down at the first
@@ -316,6 +280,7 @@ class _Job:
             n = eval_micro_batches(self.valid_it, self.cfg.train.eval_iters)  # same samples at any DP
             rec["val_loss"] = self.engine.evaluate(self.valid_it, n)
         self.outputs.write(rec)
+        self._check_folder(state.step)
         self._print(rec, dt)
         signum, late = watcher.poll(self.device)
         state.signum = signum
@@ -325,6 +290,19 @@ class _Job:
         if self.saves.due(state.step, stop, signum):
             state.saved = self._save(state.step)
         return stop
+
+    def _check_folder(self, step: int) -> None:
+        """Stop (exit 3) when the run folder was deleted or replaced under the run (main
+        rank, one ``stat`` per step): going on recreated ``checkpoints/`` in a folder without
+        the run's metrics or lock, and wrote the end files nowhere."""
+        why = folder_lost(self.out) if self.engine.is_main else None
+        if why is not None:
+            self.folder_gone = True
+            raise RunFailedError(
+                f"the run folder {self.out} {why} while the run was writing to it (found after "
+                f"step {step}): its metrics and lock went with it, so the run stops here",
+                fix="restore the folder and resume (the same command), or start again in a new "
+                    "--output-dir")
 
     def _before_micro_batch(self, i: int) -> None:
         for callback in self.dispatch:
@@ -362,6 +340,10 @@ class _Job:
         t = self.cfg.train
         found = investigate(self.engine, micro, samples, self.dispatch)
         decision = self.anomaly_policy.decide(step)
+        loaded: dict[str, Any] = {}
+        said: list[str] = []  # the load's lines, printed after the anomaly's
+        if decision.action == "rollback":
+            decision, loaded = self._load_rollback(decision, step, said)
         skip_to = self.train_it.consumed_samples
         action = action_text(decision, skip_to, t.on_anomaly or "stop")
         culprit = found["culprit"]
@@ -379,16 +361,33 @@ class _Job:
         self.anomalies.write(record)
         res.note = f"{res.note}; {describe(culprit)}; {action}"
         if decision.action == "stop":
+            for line in said:  # the checkpoints a failed rollback tried
+                self.log.line(line)
             raise TrainingDivergedError(res.note)
         if decision.action == "rollback":
             self.log.line(f"warning: {res.note}")
-            raise RollBack(decision, skip_to)
+            for line in said:
+                self.log.line(line)
+            raise RollBack(decision, skip_to, loaded)
+
+    def _load_rollback(self, d: Decision, step: int, said: list[str]) -> tuple[Decision, dict[str, Any]]:
+        """Load the checkpoint a rollback goes to, falling back past one that cannot be loaded
+        to the older ones (as a resume does; its lines into ``said``); none loadable: the
+        anomaly stops the run."""
+        folders = [d.folder, *d.fallbacks]
+        log = SimpleNamespace(line=said.append)
+        try:
+            train_state = _resume(self.engine, folders, log, True)  # type: ignore[arg-type]
+        except CheckpointError as e:
+            return Decision("stop", why=f"no checkpoint before step {step} could be loaded ({e})"), {}
+        folder = next(f for f in folders if iteration_of(f) == int(train_state["iteration"]))
+        return d.loaded(folder, train_state), train_state
 
     def _rollback(self, rb: RollBack) -> None:
-        """Reload the checkpoint before the anomaly and skip the data since it: the step
-        count, metrics and loss history go back to that step, the data position does not."""
-        d = rb.decision
-        train_state = _resume(self.engine, [d.folder], self.log, True)
+        """The engine holds the checkpoint before the anomaly (:meth:`_load_rollback`); skip
+        the data since it: the step count, metrics and loss history go back to that step, the
+        data position does not."""
+        d, train_state = rb.decision, rb.train_state
         load_data_state(train_state["data"], self.train_it, self.valid_it)
         self.train_it.load_state_dict({"consumed_samples": rb.skip_to})
         self.state.step = d.to_step
@@ -446,10 +445,13 @@ class _Job:
             self.unwritten_paths.add(str(e.filename or path))
             self.log.line(f"warning: {what}")
 
+    def unwritten_names(self) -> list[str]:
+        return [Path(p).name for p in sorted(self.unwritten_paths)]
+
     def _finish(self, summary: RunSummary) -> dict[str, Any]:
         """Summary, plots and W&B close-out (main rank writes); returns the summary."""
         result = summary.to_dict()
-        if not self.engine.is_main:
+        if not self.engine.is_main or self.folder_gone:  # nowhere to write the end files
             return result
         out = self.out
         files = [out / "resolved_config.yaml", out / "metrics.jsonl", out / "summary.json",

@@ -52,7 +52,7 @@ def load_series(run_dir: str | Path) -> Series:
         operands.update(dict.fromkeys(r["numerics"]))
     values: dict[str, dict[str, list[Optional[float]]]] = {}
     for stat in STATISTICS:
-        values[stat] = {op: [r["numerics"].get(op, {}).get(stat) for r in recs] for op in operands}
+        values[stat] = {op: [(r["numerics"].get(op) or {}).get(stat) for r in recs] for op in operands}
     return Series([int(r["step"]) for r in recs], list(operands), values)
 
 
@@ -101,6 +101,8 @@ def write_heatmaps(run_dir: str | Path, series: Optional[Series] = None) -> list
     import matplotlib.pyplot as plt
     import numpy as np
 
+    from lptrain.train.plots import save_png
+
     run_dir = Path(run_dir)
     series = series if series is not None else load_series(run_dir)
     written: list[Path] = []
@@ -130,7 +132,7 @@ def write_heatmaps(run_dir: str | Path, series: Optional[Series] = None) -> list
         ax.set_title(f"{stat}: {label}")
         fig.tight_layout()
         path = run_dir / f"numerics_{stat}.png"
-        fig.savefig(path, dpi=100)
+        save_png(fig, path, dpi=100)  # whole or not at all
         plt.close(fig)
         written.append(path)
     return written

@@ -7,11 +7,27 @@ half-way can still be plotted. Only files actually written are returned and repo
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 from lptrain.train.jsonl import step_records
+
+
+def save_png(fig: Any, path: Path, dpi: int) -> Path:
+    """``fig`` as the PNG ``path``, whole or not at all: drawn into a temp file beside it and
+    renamed (a full disk left a 0-byte ``loss.png``). An ``OSError`` names ``path``."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        fig.savefig(tmp, dpi=dpi, format="png")
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise OSError(e.errno, e.strerror or str(e), str(path)) from None
+    return path
 
 
 def _records(run_dir: Path) -> list[dict[str, Any]]:
@@ -41,8 +57,10 @@ def write_plots(run_dir: str | Path) -> list[Path]:
     for name, draw in figures:  # one figure open at a time
         fig = draw()
         fig.tight_layout()
-        fig.savefig(run_dir / name, dpi=110)
-        plt.close(fig)
+        try:
+            save_png(fig, run_dir / name, dpi=110)
+        finally:
+            plt.close(fig)
         written.append(run_dir / name)
     if any(isinstance(r.get("numerics"), dict) for r in recs):
         from lptrain.train.numerics_report import write_heatmaps

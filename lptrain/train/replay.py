@@ -15,7 +15,6 @@ points at the hardware or at non-determinism. Nothing is written into the run fo
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +26,7 @@ from lptrain.checkpoint import find_checkpoints, load_checkpoint, read_train_sta
 from lptrain.errors import InputError
 from lptrain.train.anomalies import read_anomalies
 from lptrain.train.forensics import NaNInjector, SpikeDetector, investigate, micro_batch_samples
+from lptrain.train.jsonl import step_records
 
 
 @dataclass
@@ -54,6 +54,7 @@ class ReplayResult:
 def _run_config(run_dir: Path) -> Any:
     from lptrain.config import World, derive
     from lptrain.config.compose import load
+    from lptrain.train.run_dir import rebase_on_output_dir
 
     path = run_dir / "resolved_config.yaml"
     if not path.is_file():
@@ -61,6 +62,9 @@ def _run_config(run_dir: Path) -> Any:
                          file=str(path), fix="pass the run folder (it holds resolved_config.yaml)")
     cfg = derive(load(path).cfg, World.detect())
     cfg.logging.progress = False
+    # checkpoints the run kept inside its folder are this folder's (a copied or moved run
+    # folder, another working directory), never the original's
+    cfg = rebase_on_output_dir(cfg, run_dir)
     save = Path(cfg.checkpoint.save) if cfg.checkpoint.save else None
     if save is None or not save.exists():  # a relative path from elsewhere: the run's own folder
         cfg.checkpoint.save = str(run_dir / "checkpoints")
@@ -71,12 +75,8 @@ def _recorded(run_dir: Path, step: int) -> tuple[Optional[dict[str, Any]], Optio
     """Step ``step``'s metrics line and its anomaly record, if any (a rolled-back anomaly is
     not the step of the run's surviving history: that step was taken again)."""
     line = None
-    for text in (run_dir / "metrics.jsonl").read_text().splitlines():
-        try:
-            rec = json.loads(text)
-        except ValueError:
-            continue
-        if isinstance(rec, dict) and rec.get("step") == step:
+    for rec in step_records(run_dir / "metrics.jsonl"):  # damage: one line naming it, exit 2
+        if rec["step"] == step:
             line = rec
     anomaly = next((r for r in reversed(read_anomalies(run_dir))
                     if r["step"] == step and r.get("action") != "rollback"), None)

@@ -37,6 +37,7 @@ from lptrain.checkpoint.compat import check_resume_compatible, saved_config, sch
 from lptrain.checkpoint.store import LATEST, find_checkpoints, read_train_state, step_dirs, validate
 from lptrain.errors import OutputDirError
 from lptrain.train.anomalies import trim_anomalies
+from lptrain.train.jsonl import read_lines, step_records
 
 RUN_FILES = ("metrics.jsonl", "summary.json", "anomalies.jsonl")
 PLOT_FILES = ("loss.png", "lr.png", "grad_norm.png", "memory.png")
@@ -125,6 +126,9 @@ def plan_run(cfg: Any, out: str | Path, overwrite: bool = False) -> RunPlan:
                 "--overwrite to start over, or choose a new --output-dir"
             )
         check_resume_compatible(newest, _as_dict(cfg))
+        for name in ("metrics.jsonl", "anomalies.jsonl"):  # damage named before anything is read
+            if (out / name).exists():
+                step_records(out / name)
         saved = saved_config(newest)
         plan.resume_step = done
         plan.schedule_changes = schedule_changes(saved, _as_dict(cfg)) if saved else []
@@ -208,17 +212,18 @@ def trim_metrics(path: Path, last_step: int) -> None:
     drop a torn last line left by a kill."""
     if not path.exists():
         return
+    step_records(path)  # a damaged line is one error naming it (exit 2), before anything changes
+    lines = read_lines(path)
     keep = []
-    for line in path.read_text().splitlines():
+    for line in lines:
         try:
             rec = json.loads(line)
         except ValueError:
             continue
         if isinstance(rec, dict) and int(rec.get("step", 0)) <= last_step:
             keep.append(line)
-    text = "".join(line + "\n" for line in keep)
-    if text != path.read_text():
-        write_atomically(path, text)
+    if keep != lines:
+        write_atomically(path, "".join(line + "\n" for line in keep))
 
 
 def rebase_on_output_dir(cfg: Any, out: str | Path) -> Any:

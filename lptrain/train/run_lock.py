@@ -127,6 +127,27 @@ def run_lock(out: str | Path, note: Callable[[str], None] = print) -> Iterator[N
         _release(key)
 
 
+def folder_lost(out: str | Path) -> Optional[str]:
+    """Why the run folder ``out`` whose lock this process holds is no longer the one it
+    locked (deleted, or replaced by another folder), else None. One ``stat``: cheap enough
+    for every step. (The lock file lives in the folder, so an ``rm -rf`` of the folder
+    unlinks it while the run still holds it open.)"""
+    path = Path(out) / LOCK_FILE
+    held = _HELD.get(os.path.realpath(path))
+    if held is None:
+        return None
+    mine = os.fstat(held[0])
+    try:
+        now = os.stat(path)
+    except FileNotFoundError:
+        return "was deleted" if not Path(out).exists() else f"lost its lock file {LOCK_FILE}"
+    except OSError as e:
+        return f"cannot be read any more ({e.strerror or e})"
+    if (now.st_dev, now.st_ino) != (mine.st_dev, mine.st_ino):
+        return "was replaced by another folder"
+    return None
+
+
 def _release(key: str) -> None:
     fd, depth = _HELD[key]
     if depth > 1:

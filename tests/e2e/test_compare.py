@@ -47,9 +47,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def _compare(a: Path, b: Path, tmp_path: Path, *extra: str) -> dict:
     r = CliRunner().invoke(app, ["compare", str(a), str(b), "--json", "--plot",
                                  str(tmp_path / "cmp.png"), *extra])
-    assert r.exit_code == 0, r.output
+    got = json.loads(r.output)
+    assert r.exit_code == (0 if got["identical"] else 1), r.output  # compare gates CI
     assert (tmp_path / "cmp.png").read_bytes()[:4] == b"\x89PNG"
-    return json.loads(r.output)
+    return got
 
 
 def test_identical_runs_say_identical(runs: dict[str, Path], tmp_path: Path) -> None:

@@ -74,6 +74,7 @@ def test_one_rank_terminated_then_one_rank_killed(tmp_path: Path) -> None:
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     # the launcher recorded how rank 1 ended before it stopped rank 0
     assert errors[0].startswith("error: rank 0 lost peer 1 (exit 137, signal SIGKILL)"), r.stderr
+    assert len(errors) == 1, r.stderr  # one failure, one line (issue 52, item 18)
     assert "Traceback" not in r.stderr and "bug in lptrain" not in r.stderr, r.stderr
     assert "resuming" in r.stdout
     assert [read_train_state(c)["iteration"] for c in find_checkpoints(out / "checkpoints").valid] == [step]

@@ -76,3 +76,55 @@ def test_latest_folder_is_refused_before_the_run_starts(two_checkpoints: Path) -
     with pytest.raises(RunDirRefused, match=r"latest is a folder.*remove or rename it") as info:
         plan_run(_cfg(root), root.parent)
     assert info.value.exit_code == 2 and "\n" not in str(info.value)
+
+
+def test_a_pointer_leading_out_of_the_folder_is_not_followed_nor_echoed(
+    two_checkpoints: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 52, item 21: ``latest`` linked to a file outside the checkpoint folder was read
+    and its content printed (``root:x:0:0:...`` of /etc/passwd)."""
+    root = two_checkpoints
+    secret = tmp_path / "passwd"
+    secret.write_text("root:x:0:0:root:/root:/bin/bash\n")
+    (root / "latest").unlink()
+    (root / "latest").symlink_to(secret)
+    found = find_checkpoints(root)
+    assert [p.name for p in found.valid] == ["iter_0000002", "iter_0000001"]
+    assert found.skipped == [f"pointer {root / 'latest'} is a symbolic link, not the file lptrain "
+                             "writes there: ignored without reading it, the newest valid "
+                             "checkpoint is used"]
+    (root / "latest").unlink()
+    (root / "latest").write_text("root:x:0:0:root:/root:/bin/bash\n")  # a copy of it: not echoed
+    (note,) = find_checkpoints(root).skipped
+    assert "root:" not in note and "does not name an iter_* folder (32 bytes)" in note
+
+    (root / "latest").unlink()
+    (root / "latest").symlink_to(secret)
+    monkeypatch.setattr(folders, "is_link", lambda path: False)  # the fix removed: followed
+    (note,) = find_checkpoints(root).skipped
+    assert "(32 bytes)" in note  # it read the file outside the folder
+
+
+def test_pruning_a_linked_step_folder_removes_the_link_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 52, item 21: the pruner created ``.readers.lock`` inside the target of a step
+    folder that was a symbolic link to a checkpoint outside the run."""
+    from lptrain.checkpoint import lease, prune
+
+    outside = tmp_path / "elsewhere"
+    _save(outside, 1)
+    root = tmp_path / "run" / "ckpt"
+    (root).mkdir(parents=True)
+    (root / "iter_0000001").symlink_to(outside / "iter_0000001")
+    for it in (2, 3, 4):
+        _save(root, it)  # keep_latest=3: iter_0000001 goes
+    assert not (root / "iter_0000001").exists() and not (root / "iter_0000001").is_symlink()
+    target = outside / "iter_0000001"
+    assert sorted(p.name for p in target.iterdir()) == sorted(
+        ["COMPLETE.json", "global", "local", "resolved_config.yaml", "train_state.json"])
+    assert not (target / lease.LEASE).exists()
+
+    (root / "iter_0000002").rename(root / "moved")  # the fix removed: the lease goes into the target
+    (root / "iter_0000002").symlink_to(root / "moved")
+    monkeypatch.setattr(lease, "unlinked_if_link", lambda folder: False)
+    prune(root, keep_latest=2)
+    assert (root / "moved" / lease.LEASE).exists()

@@ -131,8 +131,17 @@ def test_state_from_another_stream_is_refused(tmp_path: Path) -> None:
     next(tr)
     state = tr.state_dict()
     other, _ = build_train_valid_loaders(_cfg([p], seed=2), SEQ, MBS, GBS, 0, 1, 259)
-    with pytest.raises(DataError, match="data state was saved for a different sample stream"):
+    with pytest.raises(DataError, match="data state was saved for a different sample stream") as err:
         other.load_state_dict(state)
+    # the fix names what the command line can do (it said "pass strict=False", a Python
+    # argument no command takes: issue 52, item 21)
+    assert str(err.value) == (
+        "data state was saved for a different sample stream (dataset, split, seed, seq_length or "
+        f"blend weights changed): its position, consumed_samples={MBS}, means nothing in this "
+        "one; fix: resume with the data settings and model.seq_length of the checkpoint's "
+        "resolved_config.yaml; to train its weights on other data, export them (lptrain export "
+        "RUN_DIR --format hf --output DIR) and start a new run in another --output-dir with "
+        "checkpoint.init_from_hf=DIR")
     other.load_state_dict(state, strict=False)
     assert other.consumed_samples == MBS
     # Another DP size or micro-batch size is the same stream: accepted.
