@@ -38,7 +38,8 @@ from lptrain.cli import app
 ARGS = ["--recipe", "tiny_cpu.yaml", "data.builtin_max_mb=1", "logging.progress=false",
         "logging.plots=false", "train.eval_iters=1", "train.log_interval=null",
         "train.global_batch_size=2", "train.micro_batch_size=2", "model.seq_length=32",
-        "optimizer.warmup_iters=1", "checkpoint.save_interval=1", "checkpoint.keep_latest=4"]
+        "optimizer.warmup_iters=1", "checkpoint.save_interval=1", "checkpoint.keep_latest=4",
+        "optimizer.decay_iters=8"]  # resumes lengthen train_iters: the lr schedule stays the same
 
 
 @pytest.fixture(autouse=True)
