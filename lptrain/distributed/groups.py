@@ -211,10 +211,11 @@ def _check_sizes(world: int, num_instances: int, ep: int, tp: int = 1, pp: int =
     return ParallelDims.from_world(world, tp=tp, cp=cp, pp=pp, ep=ep)  # (the checks above cover its refusals)
 
 
-def _new_groups(rank: int, all_ranks: list[list[int]]) -> Group:
+def _new_groups(rank: int, all_ranks: list[list[int]], own: bool = False) -> Group:
     """Create every group of a partition (collectively, same order everywhere); this rank's.
-    A partition into one group of the whole world reuses the world group."""
-    if len(all_ranks) == 1 and dist.is_initialized() and len(all_ranks[0]) == dist.get_world_size():
+    A partition into one group of the whole world reuses the world group, unless ``own``
+    (a group whose point-to-point traffic must not queue behind the world's collectives)."""
+    if not own and len(all_ranks) == 1 and dist.is_initialized() and len(all_ranks[0]) == dist.get_world_size():
         return Group(dist.group.WORLD, len(all_ranks[0]), all_ranks[0].index(rank))
     mine = SINGLE
     for ranks in all_ranks:
@@ -245,13 +246,15 @@ def build_groups(num_instances: int = 1, ep: int = 1, tp: int = 1,
     tp_dp = _new_groups(rank, dims.group_ranks(*stage_dims)) if split else None
     extra: dict[str, Any] = {}
     if cp > 1:
-        extra["cp"] = _new_groups(rank, dims.group_ranks("cp"))
+        # (its own communicator: the ring's sends run while the gradient buckets' reductions
+        # are in flight on the data-parallel groups, which may be the world's)
+        extra["cp"] = _new_groups(rank, dims.group_ranks("cp"), own=True)
         extra["dp_cp"] = _new_groups(rank, dims.group_ranks(*GRAD_REDUCTION_DIMS))
         extra["tp_cp"] = _new_groups(rank, dims.group_ranks("tp", "cp")) if tp > 1 else extra["cp"]
         if hierarchical_cp:
             inner, outer = dims.cp_levels(hierarchical_cp)
             extra["cp_a2a"] = _new_groups(rank, inner)
-            extra["cp_p2p"] = _new_groups(rank, outer)
+            extra["cp_p2p"] = _new_groups(rank, outer, own=True)
     # (read at call time: a regression test narrows it to show what the CP part is for)
     amax_dims = tuple(_dims.AMAX_REDUCTION_DIMS)
     if set(amax_dims) != set(stage_dims):
