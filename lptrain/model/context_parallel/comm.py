@@ -151,7 +151,9 @@ class RingExchange:
     """Send ``tensor`` to the next rank of ``group``'s ring and receive the previous rank's
     (same shape and dtype) without waiting: :meth:`wait` returns what arrived. Both sends of a
     step are posted before the caller computes on what it already holds, so the transfer runs
-    under that compute (the ring attention's overlap)."""
+    under that compute (the ring attention's overlap). The send and the receive go out as one
+    batch (``batch_isend_irecv``): with NCCL, two ranks that each posted a lone send to the
+    other first would wait for each other's receive."""
 
     def __init__(self, tensor: torch.Tensor, group: Any, ranks: list[int], tag: int = 0) -> None:
         n, r = group.size, group.rank
@@ -160,10 +162,10 @@ class RingExchange:
         _record("p2p", _nbytes(tensor))
         send = tensor.contiguous()
         self._keep = send  # (alive until the send completes)
-        self._works: list[Optional[Any]] = [
-            dist.isend(send, nxt, group=group.pg, tag=tag),
-            dist.irecv(self.out, prev, group=group.pg, tag=tag),
-        ]
+        self._works: list[Optional[Any]] = list(dist.batch_isend_irecv([
+            dist.P2POp(dist.isend, send, nxt, group.pg, tag),
+            dist.P2POp(dist.irecv, self.out, prev, group.pg, tag),
+        ]))
 
     def wait(self) -> torch.Tensor:
         for w in self._works:
@@ -171,3 +173,38 @@ class RingExchange:
                 w.wait()
         self._works = []
         return self.out
+
+
+def cp_attention_traffic(comm_type: str, *, cp: int, batch: int, local_tokens: int, heads: int,
+                         kv_heads: int, head_dim: int, itemsize: int, a2a: int = 1) -> int:
+    """Bytes one rank sends for one attention layer's forward and backward of one
+    micro-batch (what :func:`count_cp_traffic` counts), by comm type. ``local_tokens`` is the
+    rank's ``seq / CP``; ``heads`` and ``kv_heads`` those of the rank (``/ TP``); ``itemsize``
+    the activation dtype's bytes (the ring's key/value gradients travel in fp32); ``a2a`` the
+    first level of ``a2a+p2p``.
+
+    * ``p2p``: the keys and values (``2 b g s_r d``) go round the ring, ``CP - 1`` hops forward
+      and again backward, their fp32 gradients ``CP`` hops (the last one home);
+    * ``a2a``: q, k, v and the output, and their gradients, each all-to-all'd once: a rank
+      sends ``(CP - 1) / CP`` of each;
+    * ``allgather``: k and v all-gathered forward, their gradients reduce-scattered backward:
+      ``(CP - 1)`` of the rank's part each way;
+    * ``a2a+p2p``: the all-to-all inside the ``a2a`` level, then the ring over ``CP / a2a``
+      ranks on ``a2a`` times the tokens and ``1 / a2a`` of the heads (as many bytes a hop).
+    """
+    b, s, n, g, d = batch, local_tokens, heads, kv_heads, head_dim
+    kv = 2 * b * g * s * d
+    if comm_type == "p2p":
+        return (cp - 1) * kv * itemsize * 2 + cp * kv * 4
+    if comm_type == "a2a":
+        return 2 * (cp - 1) * b * s * d * (2 * n + 2 * g) * itemsize // cp
+    if comm_type == "allgather":
+        return 2 * (cp - 1) * kv * itemsize
+    if comm_type == "a2a+p2p":
+        ring = cp // a2a
+        inner = cp_attention_traffic("a2a", cp=a2a, batch=b, local_tokens=s, heads=n, kv_heads=g,
+                                     head_dim=d, itemsize=itemsize) if a2a > 1 else 0
+        outer = cp_attention_traffic("p2p", cp=ring, batch=b, local_tokens=s * a2a, heads=n // a2a,
+                                     kv_heads=g // a2a, head_dim=d, itemsize=itemsize) if ring > 1 else 0
+        return inner + outer
+    raise ValueError(f"unknown cp_comm_type {comm_type!r}")
