@@ -433,21 +433,11 @@ class TrainEngine(EngineCheckpointState):
                                 pipeline=self.groups.pp)
 
     def _reduce_router_counts(self) -> None:
-        """The expert-bias update sees global token counts (summed over data-parallel ranks)."""
-        import torch.distributed as dist
+        """The expert-bias update sees global token counts (summed over the stats group)."""
+        from lptrain.model.moe.metrics import reduce_router_counts
 
-        g = self.stats_group
-        if not g.active or not self.has_moe:
-            return
-        counts = self.model.expert_bias_counts()
-        if not counts:
-            return
-        flat = torch.cat([c.reshape(-1) for c in counts])
-        dist.all_reduce(flat, group=g.pg)
-        off = 0
-        for c in counts:
-            c.copy_(flat[off : off + c.numel()].view_as(c))
-            off += c.numel()
+        if self.has_moe:
+            reduce_router_counts(self.model, self.stats_group)
 
     def evaluate(self, batches: Iterator[dict[str, torch.Tensor]], n: int) -> float:
         """Mean LM loss over ``n`` batches per rank, averaged over data-parallel replicas (the

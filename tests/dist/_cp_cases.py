@@ -35,6 +35,18 @@ PARAM_GATHER = {
     "fp4_off": [*DISTOPT, "precision.fp4_format=e2m1"],
     "fp4_on": [*DISTOPT, "precision.fp4_format=e2m1", "precision.fp4_param_gather=true"],
 }
+# the data-parallel engine's sharding strategies over DP x CP, each against ZeRO-1
+ZERO = {
+    "optim": DISTOPT,
+    "optim_grads": ["ddp.data_parallel_sharding_strategy=optim_grads"],
+    "optim_grads_params": ["ddp.data_parallel_sharding_strategy=optim_grads_params", "ddp.overlap_grad_reduce=true",
+                           "ddp.overlap_param_gather=true", "ddp.bucket_size=20000"],
+}
+# MoE at CP 2 with the experts split over the two CP ranks (EP 2: the expert-parallel group is
+# the CP group, expert data parallelism 1): dense grads over DP x CP, expert grads over EDP
+MOE = ["model.seq_length=128"]
+MOE_CP2_EP2 = [*MOE, *CP2, "model.moe.expert_model_parallel_size=2"]
+MOE_STEPS = 3
 CKPT_STEPS = 4  # the split runs stop after half (train.exit_interval) and resume
 
 
@@ -149,6 +161,8 @@ def world2(rank: int, world: int, root: str) -> dict[str, Any]:
     out["dp2"] = run("fp8_delayed_cpu.yaml", [])
     out["tp2"] = run("mxfp8_muon_cpu.yaml", [*MX, *TP2])
     out["param_gather"] = {k: run("tiny_cpu.yaml", [*CP2, *v], steps=2) for k, v in PARAM_GATHER.items()}
+    out["zero"] = {k: run("tiny_cpu.yaml", [*CP2, *v], steps=2) for k, v in ZERO.items()}
+    out["moe"] = run("moe_mxfp8_cpu.yaml", MOE_CP2_EP2, steps=MOE_STEPS)
     pretrain_run(base / "cp2_straight", *CP2)
     out["half"] = pretrain_run(base / "cp2_half", *CP2, f"train.exit_interval={CKPT_STEPS // 2}")
     return out

@@ -1,6 +1,8 @@
 """Context parallelism through the real engine: each sequence split over the CP ranks, in every
 comm type, against the runs without it; the fixes that make it right, each shown to matter;
-FP8/FP4 param gather over the CP ranks; checkpoints across CP sizes; the Hugging Face export.
+every optimizer path over DP x CP (the distributed optimizer with FP8/FP4 param gather, ZeRO-2/3,
+layer-wise Muon, MoE experts over the CP ranks); checkpoints across CP sizes; the Hugging Face
+export.
 
 Worlds: this process runs CP 1 (one rank), one spawned 2-rank world CP 2 (every comm type, the
 regressions, the DP 2 and TP 2 baselines), one 4-rank world a2a+p2p at CP 4 (2 x 2), DP 4,
@@ -35,6 +37,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _cp_cases import (  # noqa: E402
     CKPT_STEPS,
     COMM_TYPES,
+    MOE,
+    MOE_STEPS,
     SMALL,
     STEPS,
     metrics,
@@ -56,6 +60,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     torch.set_num_threads(1)  # as every spawned rank: tiny GEMMs, and the ranks share the cores
     try:
         cp1 = run("tiny_cpu.yaml", [])
+        moe1 = run("moe_mxfp8_cpu.yaml", MOE, steps=MOE_STEPS)
         two = run_distributed(world2, 2, args=(str(root),), timeout_s=600)
         shutil.copytree(root / "cp2_half", root / "cp1_from_cp2")
         shutil.copytree(root / "cp2_half", root / "cp4_from_cp2")
@@ -63,7 +68,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         pretrain_run(root / "cp1_from_cp2")
     finally:
         torch.set_num_threads(threads)
-    return {"root": root, "cp1": cp1, "two": two, "four": four}
+    return {"root": root, "cp1": cp1, "moe1": moe1, "two": two, "four": four}
 
 
 def _assert_close(got: list[float], want: list[float]) -> None:
@@ -174,6 +179,25 @@ def test_quantized_param_gather_over_cp_ranks_is_bitwise(runs: dict[str, Any], f
     for r in runs["two"]:
         on, off = r["param_gather"][f"{fmt}_on"], r["param_gather"][f"{fmt}_off"]
         assert first_difference(on, off) is None, fmt
+
+
+@pytest.mark.parametrize("strategy", ["optim_grads", "optim_grads_params"])
+def test_zero2_and_zero3_over_dp_cp_are_bitwise_zero1(runs: dict[str, Any], strategy: str) -> None:
+    """ZeRO-2 and ZeRO-3 (overlapped, prefetching) shard over DP x CP and train bitwise like
+    ZeRO-1 there: the same reduction of the CP ranks' gradient parts, another placement."""
+    from lptrain.testing.parity import first_difference
+
+    for r in runs["two"]:
+        assert first_difference(r["zero"][strategy], r["zero"]["optim"]) is None, strategy
+
+
+def test_moe_with_experts_over_the_cp_ranks_matches_cp1(runs: dict[str, Any]) -> None:
+    """moe_mxfp8_cpu.yaml at CP 2 x EP 2 (the expert-parallel group is the CP group: each rank
+    routes its chunks' tokens to both ranks' experts; router statistics summed over CP; dense
+    grads over DP x CP, expert grads over expert DP) against CP 1, EP 1."""
+    reports = [r["moe"] for r in runs["two"]]
+    assert reports[0]["losses"] == reports[1]["losses"]
+    _assert_close(reports[0]["losses"], runs["moe1"]["losses"])
 
 
 @pytest.mark.parametrize(("resumed", "note"), [("cp1_from_cp2", "saved at CP 2, resumed at CP 1"),
