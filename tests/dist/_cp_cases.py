@@ -47,6 +47,7 @@ ZERO = {
 MOE = ["model.seq_length=128"]
 MOE_CP2_EP2 = [*MOE, *CP2, "model.moe.expert_model_parallel_size=2"]
 MOE_STEPS = 3
+PP_STEPS = 3
 CKPT_STEPS = 4  # the split runs stop after half (train.exit_interval) and resume
 
 
@@ -170,12 +171,13 @@ def world2(rank: int, world: int, root: str) -> dict[str, Any]:
 
 def world4(rank: int, world: int, root: str) -> dict[str, Any]:
     """a2a+p2p at CP 4 (2 x 2) and DP 4 (CP 1 on 4 ranks); fp8_delayed at CP 2 x DP 2;
-    mxfp8_muon at CP 2 x TP 2; the CP 2 save resumed at CP 4."""
+    mxfp8_muon at CP 2 x TP 2; CP 2 x PP 2; the CP 2 save resumed at CP 4."""
     out: dict[str, Any] = {
         "hierarchical": run("tiny_cpu.yaml", HIERARCHICAL),
         "dp4": run("tiny_cpu.yaml", ["train.micro_batch_size=1"]),  # (the same 4 sequences a step)
         "cp2dp2": run("fp8_delayed_cpu.yaml", CP2),
         "cp2tp2": run("mxfp8_muon_cpu.yaml", [*MX, *TP2, *CP2]),
+        "cp2pp2": run("tiny_cpu.yaml", [*CP2, "model.pipeline_model_parallel_size=2"], steps=PP_STEPS),
     }
     pretrain_run(Path(root) / "cp4_from_cp2", "model.context_parallel_size=4")
     return out

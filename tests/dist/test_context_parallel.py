@@ -39,6 +39,7 @@ from _cp_cases import (  # noqa: E402
     COMM_TYPES,
     MOE,
     MOE_STEPS,
+    PP_STEPS,
     SMALL,
     STEPS,
     metrics,
@@ -69,6 +70,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     finally:
         torch.set_num_threads(threads)
     return {"root": root, "cp1": cp1, "moe1": moe1, "two": two, "four": four}
+
+
+def test_cp2_pp2_is_bitwise_cp2(runs: dict[str, Any]) -> None:
+    """Pipelining a CP 2 run (PP 2: each stage's hidden states are its CP rank's chunks, the
+    static shapes seq / CP) is a schedule: its losses are CP 2's, bitwise."""
+    for r in runs["four"]:
+        assert r["cp2pp2"]["losses"] == runs["two"][0]["cp2"]["p2p"]["losses"][:PP_STEPS]
 
 
 def _assert_close(got: list[float], want: list[float]) -> None:
