@@ -1,7 +1,7 @@
 """Parallel dimensions and the rank arithmetic of every process group (torch-free).
 
 One place computes which global ranks form each group, for the rules (``validate-config``
-judges the world as TP x DP x PP), the engine's process groups
+judges the world as TP x CP x DP x PP), the engine's process groups
 (:func:`lptrain.distributed.groups.build_groups`), the model's tensor-parallel shards, the
 memory planner and the checkpoint code. Nothing else does rank arithmetic.
 
@@ -26,18 +26,37 @@ their gradients sum over TP x DP (:mod:`lptrain.model.tensor_parallel`).
 
 Pipeline parallelism is outermost: a pipeline stage is the ``TP x CP x DP`` consecutive ranks
 of one pipeline rank, and every other group lies inside one stage (the split of the layers
-over stages is :mod:`lptrain.catalog.pipeline`'s). Context parallelism is a field with size 1:
-the order above already places it, so the later work adds groups, not a new layout.
+over stages is :mod:`lptrain.catalog.pipeline`'s).
+
+**Context parallelism** (CP) splits every sequence over the ``CP`` ranks of a context-parallel
+group (``TP`` apart: they hold the same tensor-parallel shard). For causal load balancing the
+sequence is cut into ``2 x CP`` equal chunks and CP rank ``i`` holds chunks ``i`` and
+``2 x CP - 1 - i`` (:func:`cp_chunk_ids`; Megatron-LM's layout): every rank then attends to the
+same number of (query, key) pairs. CP does not shard weights: the gradients of every parameter
+are reduced over data x context parallel (:data:`GRAD_REDUCTION_DIMS`, Megatron's
+data-and-context-parallel group), and delayed-scaling amaxes over tensor x context x data
+parallel (:data:`AMAX_REDUCTION_DIMS`, Megatron's amax-reduction group). Hierarchical CP
+(``a2a+p2p``) reads each CP group as ``[a2a size, p2p size]``: all-to-all among ``a``
+consecutive CP ranks, a ring over the ``p`` ranks ``a`` apart (:meth:`ParallelDims.cp_levels`).
+The expert layers fold CP into expert data parallelism (``EDP = world / (ETP x EP x PP)``), as
+Megatron's expert rank generator does.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
 
 DENSE_ORDER: tuple[str, ...] = ("tp", "cp", "dp", "pp")  # innermost first
 EXPERT_ORDER: tuple[str, ...] = ("etp", "ep", "edp", "pp")
+# Dense gradients are reduced over these dimensions (Megatron's data-and-context-parallel
+# group: each CP rank's gradient is its tokens' part of the sequence's gradient).
+GRAD_REDUCTION_DIMS: tuple[str, ...] = ("cp", "dp")
+# Delayed-scaling amaxes are MAX-reduced over these (one pipeline stage: Megatron's
+# amax-reduction group, context parallelism included).
+AMAX_REDUCTION_DIMS: tuple[str, ...] = ("tp", "cp", "dp")
 
 
 class ParallelSizeError(ValueError):
@@ -50,9 +69,9 @@ class ParallelDims:
 
     ``tp``: tensor-model-parallel size; ``sequence_parallel``: activations outside the
     tensor-parallel GEMMs are split along the sequence over the ``tp`` ranks; ``cp``: context
-    parallel size (1: not built yet); ``pp``: pipeline-parallel size; ``dp``: data-parallel
-    size; ``ep``: expert-model-parallel size; ``etp``: expert tensor-parallel size (1: the
-    experts are not split over TP).
+    parallel size (each sequence split over that many ranks); ``pp``: pipeline-parallel size;
+    ``dp``: data-parallel size; ``ep``: expert-model-parallel size; ``etp``: expert
+    tensor-parallel size (1: the experts are not split over TP).
     """
 
     tp: int = 1
@@ -175,24 +194,45 @@ class ParallelDims:
                 return g
         raise ValueError(f"rank {rank} not in the world of {self.world_size}")
 
+    # ---- context parallelism ---------------------------------------------------------------
+
+    def cp_levels(self, sizes: Optional[Sequence[int]]) -> tuple[list[list[int]], list[list[int]]]:
+        """``(a2a groups, p2p groups)`` of hierarchical context parallelism with
+        ``sizes = [a, p]`` (``a x p = CP``): inside each context-parallel group, the ``a2a``
+        groups are ``a`` consecutive CP indices and the ``p2p`` groups the ``p`` CP indices
+        ``a`` apart (Megatron-LM's hierarchical CP groups, first level innermost). Global rank
+        lists, sorted by first rank."""
+        if not sizes or len(sizes) != 2 or sizes[0] * sizes[1] != self.cp or min(sizes) < 1:
+            raise ParallelSizeError(f"hierarchical context-parallel sizes {list(sizes or [])} must be "
+                                    f"two sizes whose product is the context-parallel size {self.cp}")
+        a, p = sizes
+        inner: list[list[int]] = []
+        outer: list[list[int]] = []
+        for g in self.group_ranks("cp"):  # rank lists in CP order
+            inner += [g[o * a:(o + 1) * a] for o in range(p)]
+            outer += [g[m::a] for m in range(a)]
+        return sorted(inner, key=lambda g: g[0]), sorted(outer, key=lambda g: g[0])
+
     # ---- optimizer instances (partial sharding) ---------------------------------------------
 
     def instance_groups(self, instances: int, *, expert: bool = False) -> tuple[list[list[int]], list[list[int]]]:
         """``(intra, inter)`` partitions for ``ddp.num_distributed_optimizer_instances``: an
-        instance is a block of ``D / instances`` consecutive data-parallel indices (``D`` = dp,
-        or edp for ``expert``) -- a block of consecutive ranks holding whole tensor-parallel and
-        expert-parallel groups; ``intra`` = the data-parallel ranks of one instance (buckets
-        are reduce-scattered there), ``inter`` = the ranks holding the same shard in different
-        instances (the shard is all-reduced there)."""
-        order, dim = (EXPERT_ORDER, "edp") if expert else (DENSE_ORDER, "dp")
-        size = getattr(self, dim)
+        instance is a block of ``D / instances`` consecutive indices of the gradient-reduction
+        group (``D`` = CP x DP, :data:`GRAD_REDUCTION_DIMS`, or edp for ``expert``) -- a block
+        of consecutive ranks holding whole tensor-parallel and expert-parallel groups;
+        ``intra`` = the ranks of one instance (buckets are reduce-scattered there), ``inter`` =
+        the ranks holding the same shard in different instances (the shard is all-reduced
+        there)."""
+        order, dims = (EXPERT_ORDER, ("edp",)) if expert else (DENSE_ORDER, GRAD_REDUCTION_DIMS)
+        size = math.prod(getattr(self, d) for d in dims)
         if instances < 1 or size % instances:
-            raise ParallelSizeError(f"{instances} optimizer instance(s) must divide the "
-                                    f"{'expert-' if expert else ''}data-parallel size {size}")
+            what = "expert-data-parallel" if expert else (
+                "data x context parallel" if self.cp > 1 else "data-parallel")
+            raise ParallelSizeError(f"{instances} optimizer instance(s) must divide the {what} size {size}")
         per = size // instances
         intra: list[list[int]] = []
         inter: list[list[int]] = []
-        for g in self.group_ranks(dim, order=order):  # ranks by dp index inside one group
+        for g in self.group_ranks(*dims, order=order):  # ranks by (cp, dp) index inside one group
             intra += [g[i * per:(i + 1) * per] for i in range(instances)]
             inter += [g[j::per] for j in range(per)]
         return sorted(intra, key=lambda g: g[0]), sorted(inter, key=lambda g: g[0])
@@ -234,6 +274,28 @@ def shard_bounds(n: int, parts: int, index: int) -> tuple[int, int]:
     return index * per, (index + 1) * per
 
 
+def cp_chunk_ids(cp: int, cp_rank: int) -> tuple[int, ...]:
+    """The chunks of ``2 x cp`` equal chunks of a sequence that context-parallel rank
+    ``cp_rank`` holds, in the order it stores them: ``(i, 2 cp - 1 - i)`` (causal load
+    balancing: an early chunk, which attends to few keys, with a late one); ``(0,)`` at CP 1."""
+    if cp < 1 or not 0 <= cp_rank < cp:
+        raise ValueError(f"context-parallel rank {cp_rank} not in [0, {cp})")
+    if cp == 1:
+        return (0,)
+    return (cp_rank, 2 * cp - 1 - cp_rank)
+
+
+def cp_token_ranges(seq_length: int, cp: int, cp_rank: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` token ranges of one sequence that ``cp_rank`` holds (:func:`cp_chunk_ids`
+    of ``seq_length / (2 cp)`` tokens each; the whole sequence at CP 1)."""
+    ids = cp_chunk_ids(cp, cp_rank)
+    parts = 2 * cp if cp > 1 else 1
+    if seq_length % parts:
+        raise ParallelSizeError(f"seq_length {seq_length} does not split into {parts} equal chunks")
+    c = seq_length // parts
+    return [(i * c, (i + 1) * c) for i in ids]
+
+
 def padded_vocab_size(vocab: int, divisible_by: int, tp: int = 1) -> int:
     """Embedding/output rows: ``vocab`` rounded up to a multiple of ``divisible_by * tp``
     (Megatron-LM's padding, so every tensor-parallel rank holds the same number of rows)."""
@@ -242,8 +304,9 @@ def padded_vocab_size(vocab: int, divisible_by: int, tp: int = 1) -> int:
 
 
 def world_dims(tp: int, dp: Optional[int], world_size: Optional[int], **sizes: int) -> ParallelDims:
-    """The dims for a world known by its data-parallel size (``--dp N``: world = TP x N) or
-    by its total rank count (``$WORLD_SIZE``, ``--nproc-per-node``: dp = world / TP); with
+    """The dims for a world known by its data-parallel size (``--dp N``: world = TP x CP x PP
+    x N) or by its total rank count (``$WORLD_SIZE``, ``--nproc-per-node``: dp = world /
+    (TP x CP x PP)); with
     both unknown, one data-parallel rank. A world that TP does not divide raises
     :class:`ParallelSizeError`."""
     if world_size is not None:

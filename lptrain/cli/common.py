@@ -43,8 +43,8 @@ RECIPE_HELP = (
     "repo's recipes/; anything with a '/' is a path."
 )
 OVERRIDES_HELP = "Overrides as dotted key=value (e.g. model.num_layers=4 precision.fp8_format=e4m3); last wins."
-DP_HELP = ("Data-parallel size to check for; the world is model.tensor_model_parallel_size x it "
-           "(default: $WORLD_SIZE ranks, or 1 data-parallel rank).")
+DP_HELP = ("Data-parallel size to check for; the world is tensor x context x pipeline parallel "
+           "size x it (default: $WORLD_SIZE ranks, or 1 data-parallel rank).")
 TARGET_HELP = (
     "Hardware to check for (a GPU target assumes CUDA and a recent Transformer Engine); "
     "default: this machine."

@@ -50,6 +50,7 @@ LABELS = {
     "sharded_buckets": "full buckets in use (ZeRO-2/3)",
     "activations": "activations (1 micro-batch)",
     "pipeline_buffers": "pipeline receive buffers",
+    "cp_buffers": "CP attention buffers (1 layer)",
 }
 
 

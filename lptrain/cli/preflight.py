@@ -199,10 +199,15 @@ def dry_run(cfg: LPTrainConfig, world: Optional[World] = None) -> DryRunReport:
 
     build_cfg = cfg
     skipped = bool(cfg.precision.fp8_param_gather or cfg.precision.fp4_param_gather)
-    if skipped:
+    if skipped or cfg.model.context_parallel_size > 1:
         build_cfg = copy.deepcopy(cfg)
+    if skipped:
         build_cfg.precision.fp8_param_gather = False
         build_cfg.precision.fp4_param_gather = False
+    if cfg.model.context_parallel_size > 1:  # (CP shards no weight: the shapes are CP 1's)
+        build_cfg.model.context_parallel_size = 1
+        build_cfg.model.cp_comm_type = "p2p"
+        build_cfg.model.hierarchical_context_parallel_sizes = None
     virtual = world is not None and world.cuda and not torch.cuda.is_available()
     with contextlib.ExitStack() as stack:
         if virtual:

@@ -76,7 +76,7 @@ def pretrain(
     composed = load_recipe(recipe, all_overrides)
     spawn = nproc_per_node > 1 and env_world == 1 and not dry_run
     # the ranks this launch has: --nproc-per-node here, or the torchrun/SLURM world it joins
-    # ($WORLD_SIZE, read by detect); --dp, or a dry run, checks a world of TP x dp instead
+    # ($WORLD_SIZE, read by detect); --dp, or a dry run, checks a world of TP x CP x PP x dp instead
     ranks = nproc_per_node if env_world == 1 and dp is None and not dry_run else None
     world = detect_world(dp, target, te_version, cuda_version, ranks=ranks).for_config(composed.cfg)
     violations = check_composed(composed, world)

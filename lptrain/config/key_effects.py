@@ -67,6 +67,17 @@ LATER_KEYS: dict[str, LaterEffect] = {
         "cuts the layers into that many pipeline stages on as many ranks (a world of one rank "
         "cannot build it)",
         "tests/dist/test_pipeline_parallel.py::test_pp2_matches_pp1_bitwise"),
+    "model.context_parallel_size": LaterEffect(
+        "splits every sequence over that many ranks, attention exchanging keys and values (a "
+        "world of one rank cannot build it)",
+        "tests/dist/test_context_parallel.py::test_cp2_matches_cp1"),
+    "model.cp_comm_type": LaterEffect(
+        "with CP > 1: how attention exchanges keys and values (ring, all-to-all, all-gather, "
+        "hierarchical): the same attention",
+        "tests/dist/test_context_parallel.py::test_cp2_matches_cp1"),
+    "model.hierarchical_context_parallel_sizes": LaterEffect(
+        "with cp_comm_type=a2a+p2p: the all-to-all and ring levels of each CP group",
+        "tests/dist/test_context_parallel.py::test_hierarchical_cp4_matches_dp4"),
     "optimizer.muon.tp_mode": LaterEffect(
         "with TP > 1: how Newton-Schulz gets whole matrices (the same update either way)",
         "tests/dist/test_tp_training.py::test_duplicated_and_distributed_modes_give_identical_updates"),

@@ -168,6 +168,7 @@ def all_rules() -> list[Rule]:
     """Every rule, in catalog order: the sections of ``docs/rules.md``, one ruleset module each."""
     from lptrain.config.rulesets import (
         choices,
+        cp,
         data,
         ddp,
         ep,
@@ -183,8 +184,8 @@ def all_rules() -> list[Rule]:
         tp,
     )
 
-    return [*precision.RULES, *scaled_gemm.RULES, *ddp.RULES, *muon.RULES, *moe.RULES, *ep.RULES, *tp.RULES, *pp.RULES,
-            *model.RULES,
+    return [*precision.RULES, *scaled_gemm.RULES, *ddp.RULES, *muon.RULES, *moe.RULES, *ep.RULES,
+            *tp.RULES, *pp.RULES, *cp.RULES, *model.RULES,
             *choices.RULES, *ranges.RULES, *data.RULES, *loop.RULES, *inert.RULES]
 
 

@@ -87,6 +87,7 @@ RECOMPUTE_MODULES = ("core_attn", "mlp_act", "mlp")
 SHARDING_TYPES = ("dp_reshardable", "fully_reshardable", "fully_sharded_model_space")
 MUON_TP_MODES = ("duplicated", "distributed")
 PIPELINE_SCHEDULES = pipeline.SCHEDULES
+CP_COMM_TYPES = ("p2p", "a2a", "allgather", "a2a+p2p")  # model.cp_comm_type (Megatron's names)
 WANDB_MODES = ("online", "offline", "disabled")
 
 
@@ -176,6 +177,13 @@ class ModelConfig:
          "1f1b": "one forward, one backward (Schedule1F1B)",
          "interleaved_1f1b": "virtual chunks per rank (ScheduleInterleaved1F1B)"},
     )
+    context_parallel_size: int = opt(1, "Context-parallel size: each sequence split over this many "
+                                     "ranks, 2 chunks each (the world: TP x CP x DP x PP ranks).")
+    cp_comm_type: str = choice("p2p", CP_COMM_TYPES, "Context-parallel attention: {choices}.", {
+        "p2p": "ring, KV passed round", "a2a": "Ulysses all-to-all: heads for sequence",
+        "allgather": "KV all-gathered", "a2a+p2p": "a2a in the first hierarchical level, ring across"})
+    hierarchical_context_parallel_sizes: Optional[list[int]] = opt(None, "cp_comm_type=a2a+p2p: "
+                                                                   "[a2a size, p2p size], product CP.")
     recompute_granularity: Optional[str] = choice(
         None, RECOMPUTE_GRANULARITIES, "Activation recompute: {choices}.",
         {None: "off", "selective": "the recompute_modules of every layer",

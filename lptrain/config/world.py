@@ -5,9 +5,8 @@ Read from the running environment, or given explicitly (``--dp``, ``--target``,
 importing torch when there is visibly no NVIDIA driver, to keep ``validate-config`` fast.
 
 A world is known either by its data-parallel size (``--dp N``: the world is then
-``tensor_model_parallel_size x pipeline_model_parallel_size x N`` ranks) or by its rank count
-(``$WORLD_SIZE`` of a launched rank, ``--nproc-per-node``: the data-parallel size is then
-``ranks / (TP x PP)``).
+``tensor x context x pipeline x N`` ranks) or by its rank count (``$WORLD_SIZE`` of a launched
+rank, ``--nproc-per-node``: the data-parallel size is then ``ranks / (TP x CP x PP)``).
 :meth:`World.for_config` settles the other number from the config's parallel sizes; the
 checker and ``derive`` call it, so every rule reads ``world.dp`` as the data-parallel size and
 ``world.ranks`` as the world size (:mod:`lptrain.catalog.parallel_dims` has the arithmetic).
@@ -73,9 +72,9 @@ class World:
 
     def for_config(self, cfg: object) -> World:
         """This world with both sizes settled for ``cfg``'s model-parallel sizes (idempotent):
-        a known rank count gives ``dp = ranks / (TP x PP)`` (rounded down;
-        LAUNCH-TP-DIVIDES-WORLD and LAUNCH-PP-DIVIDES-WORLD report a remainder), a known ``dp``
-        gives ``ranks = TP x PP x dp``."""
+        a known rank count gives ``dp = ranks / (TP x CP x PP)`` (rounded down;
+        LAUNCH-TP-DIVIDES-WORLD, LAUNCH-CP-DIVIDES-WORLD and LAUNCH-PP-DIVIDES-WORLD report a
+        remainder), a known ``dp`` gives ``ranks = TP x CP x PP x dp``."""
         mp = model_parallel_size(cfg)
         if self.ranks is None or self.ranks_from_dp:
             return replace(self, ranks=self.dp * mp, model_parallel=mp, ranks_from_dp=True)
@@ -137,11 +136,13 @@ class World:
 
 
 def model_parallel_size(cfg: object) -> int:
-    """Ranks that hold one model copy between them: tensor x pipeline parallel size."""
+    """Ranks that train one data-parallel replica between them: tensor x context x pipeline
+    parallel size (context-parallel ranks hold the same weights but split each sequence)."""
     model = getattr(cfg, "model", None)
     tp = max(1, int(getattr(model, "tensor_model_parallel_size", 1) or 1))
+    cp = max(1, int(getattr(model, "context_parallel_size", 1) or 1))
     pp = max(1, int(getattr(model, "pipeline_model_parallel_size", 1) or 1))
-    return tp * pp
+    return tp * cp * pp
 
 
 def sm_number(target: str) -> int:

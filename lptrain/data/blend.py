@@ -80,12 +80,13 @@ class BlendedStream:
         self._extend(position + 1)
         return int(self._ds_idx[position]), int(self._ds_pos[position])
 
-    def sample_into(self, position: int, out: np.ndarray) -> None:
+    def sample_into(self, position: int, out: np.ndarray, start: int = 0) -> None:
+        """Tokens ``[start, start + len(out))`` of the sample at ``position``."""
         if len(self.datasets) == 1:
-            self.datasets[0].sample_into(position, out)
+            self.datasets[0].sample_into(position, out, start)
             return
         k, s = self.locate(position)
-        self.datasets[k].sample_into(s, out)
+        self.datasets[k].sample_into(s, out, start)
 
     def dataset_of(self, positions: np.ndarray) -> np.ndarray:
         """Dataset index of each position (for tests and statistics)."""

@@ -117,18 +117,25 @@ class GPTDataset:
             self._cache[epoch] = lay
         return lay
 
-    def sample_into(self, stream_index: int, out: np.ndarray) -> None:
-        """Write the ``seq_length + 1`` tokens of stream sample ``stream_index`` into ``out``."""
+    def sample_into(self, stream_index: int, out: np.ndarray, start: int = 0) -> None:
+        """Write tokens ``[start, start + len(out))`` of the ``seq_length + 1`` tokens of
+        stream sample ``stream_index`` into ``out`` (the whole sample by default; a
+        context-parallel rank reads only its chunks' spans)."""
         epoch, i = divmod(int(stream_index), self.samples_per_epoch)
         lay = self._cache.get(epoch) or self._layout(epoch)
-        need = self.seq_length + 1
+        need = len(out)
+        if start < 0 or start + need > self.seq_length + 1:
+            raise ValueError(f"tokens [{start}, {start + need}) are not inside a sample of "
+                             f"{self.seq_length + 1} tokens")
         if lay.single[i]:
-            a = int(lay.file_start[i])
+            a = int(lay.file_start[i]) + start
             out[:] = self.indexed.tokens[a : a + need]
             return
         j = int(lay.sample_perm[i])
-        pos = j * self.seq_length
+        pos = j * self.seq_length + start
         k = int(lay.first_doc[j])
+        while int(lay.cum[k + 1]) <= pos:  # the document holding the first token read
+            k += 1
         tokens = self.indexed.tokens
         filled = 0
         while filled < need:

@@ -5,7 +5,11 @@
 vocabulary, splits every dataset by documents (``split_valid_fraction``, ``seed``) and returns
 two :class:`BatchIterator` objects. Each yields ``{"tokens", "labels"}`` LongTensors of shape
 ``[micro_batch_size, seq_length]`` forever and exposes its position (``consumed_samples``, in
-global samples) through ``state_dict()``/``load_state_dict()`` for checkpoints. The validation
+global samples) through ``state_dict()``/``load_state_dict()`` for checkpoints. Under context
+parallelism (``context_parallel=(cp_rank, cp_size)``) each rank reads only its two chunks of
+every sample (:func:`lptrain.catalog.parallel_dims.cp_token_ranges`), side by side: tokens and
+labels ``[micro_batch_size, seq_length / cp_size]``; which samples, and in which order, does not
+depend on the context-parallel size (the sampler counts data-parallel ranks only). The validation
 iterator continues where it stopped; to evaluate the same batches every time, reset it with
 ``valid_iter.load_state_dict({"consumed_samples": 0})`` before each evaluation, and read
 :func:`eval_micro_batches` batches per rank (the same samples at any DP size).
@@ -33,23 +37,40 @@ _DEFAULT_CACHE = "~/.cache/lptrain"  # DataConfig.cache_dir's default: the envir
 class _PositionDataset(torch.utils.data.Dataset):
     """Map-style view for a torch DataLoader: a list of positions -> one collated micro-batch."""
 
-    def __init__(self, stream: BlendedStream) -> None:
+    def __init__(self, stream: BlendedStream, context_parallel: tuple[int, int] = (0, 1)) -> None:
         self.stream = stream
+        self.context_parallel = context_parallel
 
     def __getitem__(self, positions: Any) -> dict[str, torch.Tensor]:
-        return collate(self.stream, positions)
+        return collate(self.stream, positions, self.context_parallel)
 
 
-def collate(stream: BlendedStream, positions: Any) -> dict[str, torch.Tensor]:
-    """Read the samples at ``positions`` into ``tokens``/``labels`` (labels shifted by one)."""
-    buf = np.empty((len(positions), stream.seq_length + 1), dtype=np.int64)
+def collate(stream: BlendedStream, positions: Any,
+            context_parallel: tuple[int, int] = (0, 1)) -> dict[str, torch.Tensor]:
+    """Read the samples at ``positions`` into ``tokens``/``labels`` (labels shifted by one);
+    under context parallelism only this rank's chunks (see the module doc): each chunk
+    ``[lo, hi)`` reads tokens ``[lo, hi + 1)``, its labels one further."""
+    cp_rank, cp_size = context_parallel
+    if cp_size == 1:
+        spans = [(0, stream.seq_length)]
+    else:
+        from lptrain.catalog.parallel_dims import cp_token_ranges
+
+        spans = cp_token_ranges(stream.seq_length, cp_size, cp_rank)
+    width = sum(hi - lo for lo, hi in spans)
+    tokens = np.empty((len(positions), width), dtype=np.int64)
+    labels = np.empty((len(positions), width), dtype=np.int64)
+    buf = np.empty(max(hi - lo for lo, hi in spans) + 1, dtype=np.int64)
     for row, p in enumerate(positions):
-        stream.sample_into(int(p), buf[row])
+        at = 0
+        for lo, hi in spans:
+            n = hi - lo
+            stream.sample_into(int(p), buf[: n + 1], lo)
+            tokens[row, at : at + n] = buf[:n]
+            labels[row, at : at + n] = buf[1 : n + 1]
+            at += n
     # numpy copies + from_numpy: several times cheaper than two small torch ops per batch.
-    return {
-        "tokens": torch.from_numpy(np.ascontiguousarray(buf[:, :-1])),
-        "labels": torch.from_numpy(np.ascontiguousarray(buf[:, 1:])),
-    }
+    return {"tokens": torch.from_numpy(tokens), "labels": torch.from_numpy(labels)}
 
 
 class BatchIterator:
@@ -60,10 +81,12 @@ class BatchIterator:
     prefetched-but-unused samples.
     """
 
-    def __init__(self, stream: BlendedStream, sampler: GlobalBatchSampler, num_workers: int = 0) -> None:
+    def __init__(self, stream: BlendedStream, sampler: GlobalBatchSampler, num_workers: int = 0,
+                 context_parallel: tuple[int, int] = (0, 1)) -> None:
         self.stream = stream
         self.sampler = sampler
         self.num_workers = num_workers
+        self.context_parallel = context_parallel
         self._it: Iterator[dict[str, torch.Tensor]] | None = None
 
     @property
@@ -80,7 +103,7 @@ class BatchIterator:
             start,
         )
         loader = torch.utils.data.DataLoader(
-            _PositionDataset(self.stream),
+            _PositionDataset(self.stream, self.context_parallel),
             sampler=ahead,
             batch_size=None,
             num_workers=self.num_workers,
@@ -93,7 +116,7 @@ class BatchIterator:
 
     def __next__(self) -> dict[str, torch.Tensor]:
         if self.num_workers <= 0:
-            return collate(self.stream, self.sampler.next_positions())
+            return collate(self.stream, self.sampler.next_positions(), self.context_parallel)
         if self._it is None:
             self._it = self._worker_iter()
         try:
@@ -220,14 +243,17 @@ def build_train_valid_loaders(
     dp_rank: int,
     dp_size: int,
     vocab_size: int,
+    context_parallel: tuple[int, int] = (0, 1),
 ) -> tuple[BatchIterator, BatchIterator | None]:
-    """``(train_iter, valid_iter)`` for this DP rank; restore positions with ``load_state_dict``."""
+    """``(train_iter, valid_iter)`` for this DP rank (and context-parallel rank
+    ``context_parallel = (cp_rank, cp_size)``: its chunks of the same samples); restore
+    positions with ``load_state_dict``."""
     train, valid = build_streams(data_cfg, seq_length, vocab_size)
     workers = int(getattr(data_cfg, "num_workers", 0) or 0)
 
     def make(stream: BlendedStream) -> BatchIterator:
         sampler = GlobalBatchSampler(global_batch_size, micro_batch_size, dp_rank, dp_size)
-        return BatchIterator(stream, sampler, workers)
+        return BatchIterator(stream, sampler, workers, tuple(context_parallel))  # type: ignore[arg-type]
 
     return make(train), (make(valid) if valid is not None else None)
 

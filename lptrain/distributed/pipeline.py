@@ -107,8 +107,9 @@ class PipelineRunner:
         self.device = device
         self.layout = pipeline_layout(cfg.model)
         self.pp_rank = groups.pp.rank
-        amax_group = groups.everyone.pg  # the stage's ranks (a real group even of one rank)
-        self.chunks = [PipelineChunk(model, self.layout, c, amax_group, cfg.model.seq_length)
+        amax_group = groups.amax_reduction.pg  # the stage's ranks (a real group even of one rank)
+        seq = cfg.model.seq_length // max(1, cfg.model.context_parallel_size)  # (this rank's tokens)
+        self.chunks = [PipelineChunk(model, self.layout, c, amax_group, seq)
                        for c in self.layout.rank_chunks(self.pp_rank)]
         self.first = self.chunks[0].first
         self.last = self.chunks[-1].last

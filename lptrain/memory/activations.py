@@ -40,6 +40,9 @@ on every rank without SP and ``/ t`` with it (sequence shards). The QKV and fc1 
 all-gathered sequence under SP: Transformer Engine keeps only its shard and gathers again in
 the backward (``/ t``); the emulated layers keep the gathered input (whole). MoE layers run on
 the sequence shard (SP is required with TP): all ``/ t``.
+
+**Context parallelism** (``CP`` ranks) divides the tokens: a rank keeps these per-token terms
+for its ``seq_length / CP`` tokens (:mod:`lptrain.memory.context_parallel`).
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from typing import Any, Optional
 import torch
 
 from lptrain.config.schema import LPTrainConfig
+from lptrain.memory.context_parallel import tokens_per_rank
 
 
 class TPShares:
@@ -206,8 +210,9 @@ def activation_bytes(
     cfg: LPTrainConfig, model: torch.nn.Module, a: int, quantizers: Optional[Any], in_flight: float = 1.0
 ) -> tuple[int, int]:
     """(no recompute, full per-layer recompute) peak bytes of one micro-batch's activations
-    (of ``in_flight`` micro-batches on a pipeline stage: :func:`_peak_per_token`)."""
-    tokens = cfg.train.micro_batch_size * cfg.model.seq_length
+    (of ``in_flight`` micro-batches on a pipeline stage: :func:`_peak_per_token`) on one
+    rank: its ``seq_length / CP`` tokens of each sequence under context parallelism."""
+    tokens = tokens_per_rank(cfg)
     per_layer, savings = _layers(cfg, model, a, quantizers, ())
     head = _holds_head(model)
     none = _peak_per_token(cfg, a, per_layer, savings, None, "uniform", 1, head, in_flight)
@@ -234,7 +239,7 @@ def configured_activation_bytes(
     from lptrain.model.recompute import RecomputePlan
 
     plan = RecomputePlan.of(cfg.model)
-    tokens = cfg.train.micro_batch_size * cfg.model.seq_length
+    tokens = tokens_per_rank(cfg)
     per_layer, savings = _layers(cfg, model, a, quantizers, plan.modules)
     return int(tokens * _peak_per_token(cfg, a, per_layer, savings, plan.granularity, plan.method,
                                         plan.num_layers, _holds_head(model), in_flight))

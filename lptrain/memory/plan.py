@@ -50,6 +50,8 @@ from lptrain.config.schema import LPTrainConfig
 from lptrain.distributed.layout import BufferLayout, ParamSpec
 from lptrain.memory.accounting import OptimizerLayout, Sharding, StoredParam, rank_memory
 from lptrain.memory.breakdown import PERSISTENT as PERSISTENT  # the categories listed above
+from lptrain.memory.context_parallel import context_parallel_note, cp_buffer_bytes
+from lptrain.memory.stages import pipeline_buffer_bytes, sampled_stages, whole_params
 
 _WEIGHT_NAME = re.compile(r"weight\d*")
 _EXACT_NUMEL = 1 << 22  # quantize shapes up to 4M elements whole; larger ones by row slabs
@@ -79,8 +81,9 @@ class MemoryEstimate:
     params: int
     layout_report: str
     notes: list[str] = field(default_factory=list)
-    tp: int = 1  # tensor-parallel size (the world is tp x pp x dp ranks)
+    tp: int = 1  # tensor-parallel size (the world is tp x cp x pp x dp ranks)
     pp: int = 1  # pipeline-parallel size (ranks of every stage are in ``ranks``)
+    cp: int = 1  # context-parallel size
 
     @property
     def worst(self) -> RankMemory:
@@ -92,6 +95,7 @@ class MemoryEstimate:
             "dp": self.dp,
             "tp": self.tp,
             "pp": self.pp,
+            "cp": self.cp,
             "params": self.params,
             "worst_rank": w.rank,
             "bytes": dict(w.bytes),
@@ -109,6 +113,9 @@ def _planning_cfg(cfg: LPTrainConfig) -> LPTrainConfig:
     """``cfg`` as the meta build needs it: emulated backend (TE layers need CUDA), and no
     quantized primary weights (quantizing needs values; they are sized separately)."""
     out = copy.deepcopy(cfg)
+    out.model.context_parallel_size = 1  # (CP shards no weight: the shapes are CP 1's)
+    out.model.cp_comm_type = "p2p"
+    out.model.hierarchical_context_parallel_sizes = None
     out.precision.backend = "emulated"
     out.precision.fp8_param_gather = False
     out.precision.fp4_param_gather = False
@@ -262,11 +269,12 @@ def engine_layout(cfg: LPTrainConfig, specs: Sequence[ParamSpec], intra: int,
 
 def parallel_dims(cfg: LPTrainConfig, dp: int) -> Any:
     """The run's :class:`~lptrain.catalog.parallel_dims.ParallelDims` at data-parallel size
-    ``dp`` (the world is ``tensor_model_parallel_size x pipeline_model_parallel_size x dp``)."""
+    ``dp`` (the world is tensor x context x pipeline parallel x ``dp`` ranks)."""
     from lptrain.catalog.parallel_dims import ParallelDims
 
     moe = cfg.model.moe
     return ParallelDims(tp=max(1, cfg.model.tensor_model_parallel_size), dp=dp,
+                        cp=max(1, cfg.model.context_parallel_size),
                         pp=max(1, cfg.model.pipeline_model_parallel_size),
                         ep=moe.expert_model_parallel_size if moe.num_experts else 1,
                         sequence_parallel=cfg.model.sequence_parallel)
@@ -274,21 +282,22 @@ def parallel_dims(cfg: LPTrainConfig, dp: int) -> Any:
 
 def _group_sizes(cfg: LPTrainConfig, dp: int) -> tuple[int, int]:
     """(dense intra size, expert intra size): the shard groups of dense and expert buffers
-    (one optimizer instance's data-parallel ranks; expert-data-parallel spans the TP ranks)."""
+    (one optimizer instance's data x context parallel ranks; expert-data-parallel spans the
+    TP and CP ranks)."""
     inst = max(1, cfg.ddp.num_distributed_optimizer_instances)
     dims = parallel_dims(cfg, dp)
-    return dp // inst, max(1, dims.edp // inst)
+    return dp * dims.cp // inst, max(1, dims.edp // inst)
 
 
 def _sharding(cfg: LPTrainConfig, dp: int, rank: int) -> Sharding:
-    """Data-parallel rank ``rank`` (at tensor-parallel rank 0, on the first pipeline stage:
-    every stage's shards lie alike): its index in the dense and the expert shard groups, from
-    the rank arithmetic of :mod:`lptrain.catalog.parallel_dims`."""
+    """Rank ``rank`` of the data x context parallel group (at tensor-parallel rank 0, on the
+    first pipeline stage: every stage's shards lie alike): its index in the dense and the
+    expert shard groups, from the rank arithmetic of :mod:`lptrain.catalog.parallel_dims`."""
     from lptrain.catalog.parallel_dims import EXPERT_ORDER
 
     dense_n, expert_n = _group_sizes(cfg, dp)
     dims = parallel_dims(cfg, dp)
-    world_rank = dims.rank_of(dp=rank)
+    world_rank = dims.rank_of(cp=rank % dims.cp, dp=rank // dims.cp)
     return Sharding(dense_n, rank % dense_n, expert_n,
                     dims.coords(world_rank, EXPERT_ORDER)["edp"] % expert_n)
 
@@ -390,27 +399,31 @@ def estimate_memory(cfg: LPTrainConfig, dp: int, target: str = "cpu") -> MemoryE
     ranks: list[RankMemory] = []
     params, report = 0, ""
     recompute: dict[int, int] = {}  # stage -> its activations with full recompute
-    for stage in _sampled_stages(lay.pp):
+    for stage in sampled_stages(lay.pp):
         model = meta_model(cfg, pp_rank=stage)
         stage_ranks, recompute[stage], stage_report = _stage_memory(
             cfg, dp, model, quantizers, act_bytes, lay.in_flight(stage, micro),
-            _pipeline_buffer_bytes(cfg, lay, stage, micro, act_bytes))
+            pipeline_buffer_bytes(cfg, lay, stage, micro, act_bytes))
         for r in stage_ranks:
-            r.rank = dims.rank_of(dp=r.rank, pp=stage)
+            r.rank = dims.rank_of(cp=r.rank % dims.cp, dp=r.rank // dims.cp, pp=stage)
         ranks += stage_ranks
-        params += _whole_params(model, stage, lay.pp)
+        params += whole_params(model, stage, lay.pp)
         report = report or stage_report
     acts_rc = recompute[dims.coords(max(ranks, key=lambda r: (r.total, -r.rank)).rank)["pp"]]
     notes = []
-    if dp > _MAX_RANKS:
-        notes.append(f"{len(ranks) // len(_sampled_stages(lay.pp))} of {dp} data-parallel ranks "
-                     "evaluated (evenly spaced, first and last included)")
+    if dp * dims.cp > _MAX_RANKS:
+        notes.append(f"{len(ranks) // len(sampled_stages(lay.pp))} of {dp * dims.cp} data"
+                     f"{' x context' if dims.cp > 1 else ''}-parallel ranks evaluated (evenly "
+                     "spaced, first and last included)")
+    if dims.cp > 1:
+        notes.append(context_parallel_note(cfg))
     if cfg.model.moe.num_experts:
         notes.append("MoE activations are estimated for perfectly balanced routing")
     tp = max(1, cfg.model.tensor_model_parallel_size)
     if tp > 1:
         notes.append(f"tensor parallel {tp}{' + sequence parallel' if cfg.model.sequence_parallel else ''}: "
-                     f"{tp * dp * lay.pp} ranks; the figures are one rank's (its shards), params the whole model's")
+                     f"{tp * dims.cp * dp * lay.pp} ranks; the figures are one rank's (its shards), params "
+                     "the whole model's")
     if lay.pp > 1:
         worst = max(ranks, key=lambda r: (r.total, -r.rank))
         notes.append(
@@ -421,43 +434,8 @@ def estimate_memory(cfg: LPTrainConfig, dp: int, target: str = "cpu") -> MemoryE
             "them, and the schedule's receive buffers of every micro-batch")
     return MemoryEstimate(
         dp=dp, ranks=ranks, activations_recompute=acts_rc, params=params, layout_report=report,
-        notes=notes, tp=tp, pp=lay.pp,
+        notes=notes, tp=tp, pp=lay.pp, cp=dims.cp,
     )
-
-
-def _sampled_stages(pp: int) -> list[int]:
-    """The pipeline stages planned one by one: all up to 8, else the first two, a middle one
-    and the last two (the stages between are alike)."""
-    if pp <= 8:
-        return list(range(pp))
-    return sorted({0, 1, pp // 2, pp - 2, pp - 1})
-
-
-def _whole_params(model: torch.nn.Module, stage: int, pp: int) -> int:
-    """The stage's part of the whole model's parameter count (a tied head's copy of the
-    embedding on the last stage counted on the first)."""
-    from lptrain.model.tensor_parallel import whole_parameter_count
-
-    n = whole_parameter_count(model)
-    embedding = getattr(model, "embedding", None)
-    if pp > 1 and stage > 0 and embedding is not None:
-        n -= whole_parameter_count(embedding)
-    return n
-
-
-def _pipeline_buffer_bytes(cfg: LPTrainConfig, lay: Any, stage: int, micro: int, act_bytes: int) -> int:
-    """``torch.distributed.pipelining``'s receive buffers on ``stage``: one hidden-state
-    tensor per micro-batch of the step for the forward input of every chunk but the first,
-    and one for the output gradient of every chunk but the last (allocated once, kept)."""
-    if lay.pp == 1:
-        return 0
-    m = cfg.model
-    tp = max(1, m.tensor_model_parallel_size)
-    rows = m.seq_length // tp if m.sequence_parallel and tp > 1 else m.seq_length
-    hidden = cfg.train.micro_batch_size * rows * m.hidden_size * act_bytes
-    chunks = lay.rank_chunks(stage)
-    n = sum(c != 0 for c in chunks) + sum(c != lay.chunks - 1 for c in chunks)
-    return n * micro * hidden
 
 
 def _stage_memory(cfg: LPTrainConfig, dp: int, model: torch.nn.Module, quantizers: Optional[_Quantizers],
@@ -477,7 +455,8 @@ def _stage_memory(cfg: LPTrainConfig, dp: int, model: torch.nn.Module, quantizer
     stored = _stored(info)
     reuse = bool(cfg.ddp.reuse_grad_buf_for_mxfp8_param_ag)
     ranks = []
-    for r in _sampled_ranks(dp):
+    cp_buffers = cp_buffer_bytes(cfg, act_bytes)
+    for r in _sampled_ranks(dp * max(1, cfg.model.context_parallel_size)):
         b = rank_memory(layout, stored, _sharding(cfg, dp, r), optimizer,
                         reuse_grad_buffer=reuse).categories()
         b["weight_copies"] = copies
@@ -485,5 +464,7 @@ def _stage_memory(cfg: LPTrainConfig, dp: int, model: torch.nn.Module, quantizer
         b["activations"] = acts
         if buffers:
             b["pipeline_buffers"] = buffers
+        if cp_buffers:
+            b["cp_buffers"] = cp_buffers
         ranks.append(RankMemory(r, b))
     return ranks, acts_rc, layout.report()

@@ -23,9 +23,19 @@ from lptrain.model.recompute import RecomputePlan, run_checkpointed
 from lptrain.model.rope import apply_rotary
 
 
-def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """The attention core (what selective recompute's ``core_attn`` recomputes)."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+class CausalAttention(nn.Module):
+    """The attention core (what selective recompute's ``core_attn`` recomputes): causal SDPA of
+    ``q [b, heads, s, d]`` over ``k``, ``v [b, kv heads, s, d]`` (query head ``h`` reads kv
+    head ``h // q_per_group``). Context parallelism swaps it for an attention that exchanges
+    keys and values between the ranks holding the sequence's chunks
+    (:mod:`lptrain.model.context_parallel`)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        per = q.shape[1] // k.shape[1]
+        if per > 1:
+            k = k.repeat_interleave(per, dim=1)
+            v = v.repeat_interleave(per, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 def attention_shape(hidden: int, heads: int, groups: int | None) -> tuple[int, int, int]:
@@ -67,6 +77,7 @@ class SelfAttention(nn.Module):
             name=f"{prefix}linear_proj",
         )
 
+        self.core_attention: nn.Module = CausalAttention()
         self.q_layernorm: RMSNorm | None = None
         self.k_layernorm: RMSNorm | None = None
         if cfg.qk_layernorm:
@@ -91,9 +102,6 @@ class SelfAttention(nn.Module):
         v = qkv[:, :, :, qpg + 1].transpose(1, 2)
         q = apply_rotary(q.float(), cos, sin).to(x.dtype)
         k = apply_rotary(k.float(), cos, sin).to(x.dtype)
-        if qpg > 1:  # query head h reads KV group h // q_per_group
-            k = k.repeat_interleave(qpg, dim=1)
-            v = v.repeat_interleave(qpg, dim=1)
-        o = run_checkpointed(self.recompute_core, self.factory, _causal_attention, q, k, v)
+        o = run_checkpointed(self.recompute_core, self.factory, self.core_attention, q, k, v)
         o = o.transpose(1, 2).reshape(b, s, self.num_heads * hd).to(x.dtype)
         return self.linear_proj(o)

@@ -97,6 +97,7 @@ def build_model(
     tensor_parallel_group: ProcessGroup = SINGLE_RANK,
     device: Union[str, torch.device, None] = None,
     part: Optional[ModelPart] = None,
+    context_parallel: Optional[Any] = None,
 ) -> GPTModel:
     """Build the tagged ``GPTModel`` with every parameter and buffer on the run's device.
 
@@ -129,6 +130,11 @@ def build_model(
     weights equal the same layers of the whole model: init depends on names only), the
     embedding on the first stage and the head on the last
     (:func:`lptrain.model.pipeline.model_part`); None builds the whole model.
+
+    ``context_parallel`` (:class:`lptrain.model.context_parallel.ContextParallel`, from the
+    ``cp`` groups of ``build_groups``) makes the model run on this rank's two chunks of each
+    sequence (``model.context_parallel_size``): its weights are the single-rank ones, its
+    attention exchanges keys and values over the CP group (:mod:`lptrain.model.context_parallel`).
     """
     if factory is None:
         factory = default_factory(cfg)
@@ -162,14 +168,35 @@ def build_model(
         expert_parallel_group=expert_parallel_group,
     )
     compute_dtype = compute_dtype_for(target, dtype)
+    cp = max(1, cfg.model.context_parallel_size)
+    if cp > 1 and (context_parallel is None or context_parallel.group.size != cp):
+        raise ValueError(
+            f"model.context_parallel_size={cp} but no context-parallel group of {cp} ranks was "
+            "given; build the model with build_model(..., context_parallel=ContextParallel.of("
+            "groups, cfg.model.cp_comm_type)) (lptrain.model.context_parallel), as TrainEngine does"
+        )
 
     def construct() -> GPTModel:
-        if tp == 1:
-            return GPTModel(ctx, compute_dtype=compute_dtype, part=part)
-        from lptrain.model.tensor_parallel import build_parallel
+        from dataclasses import replace
 
-        return build_parallel(ctx, tensor_parallel_group, cfg.model.sequence_parallel,
-                              compute_dtype=compute_dtype, part=part)
+        c = ctx
+        if cp > 1:
+            from lptrain.model.context_parallel import ContextParallelFactory
+
+            c = replace(ctx, factory=ContextParallelFactory(ctx.factory, context_parallel.group))
+        if tp == 1:
+            model = GPTModel(c, compute_dtype=compute_dtype, part=part)
+        else:
+            from lptrain.model.tensor_parallel import build_parallel
+
+            model = build_parallel(c, tensor_parallel_group, cfg.model.sequence_parallel,
+                                   compute_dtype=compute_dtype, part=part)
+        model.factory = ctx.factory  # the run's own factory from here on
+        if cp > 1:
+            from lptrain.model.context_parallel import parallelize_context
+
+            parallelize_context(model, context_parallel)
+        return model
 
     with torch.device(target):
         model = construct()

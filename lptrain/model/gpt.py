@@ -97,7 +97,9 @@ class TiedHead(nn.Module):
 
 class LMLoss(nn.Module):
     """Mean next-token cross-entropy over the real vocabulary (the padded rows' logits are cut
-    off), ``-100`` labels ignored; ``logits()`` gives the whole ``[b, s, vocab]`` logits."""
+    off), ``-100`` labels ignored; ``logits()`` gives the whole ``[b, s, vocab]`` logits.
+    ``token_count`` divides the sum instead of this batch's own count of labels (context
+    parallelism: the count of the whole sequences, of which this rank holds chunks)."""
 
     def __init__(self, vocab_size: int) -> None:
         super().__init__()
@@ -106,9 +108,13 @@ class LMLoss(nn.Module):
     def logits(self, logits: torch.Tensor) -> torch.Tensor:
         return logits[..., : self.vocab_size] if logits.shape[-1] != self.vocab_size else logits
 
-    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def forward(self, logits: torch.Tensor, labels: torch.Tensor,
+                token_count: Optional[torch.Tensor] = None) -> torch.Tensor:
         logits = self.logits(logits)
-        return F.cross_entropy(logits.reshape(-1, self.vocab_size), labels.reshape(-1), ignore_index=-100)
+        flat, targets = logits.reshape(-1, self.vocab_size), labels.reshape(-1)
+        if token_count is None:
+            return F.cross_entropy(flat, targets, ignore_index=-100)
+        return F.cross_entropy(flat, targets, ignore_index=-100, reduction="sum") / token_count
 
 
 class TransformerLayer(nn.Module):

@@ -116,9 +116,11 @@ def chunk_io(cfg: ModelConfig, layout: PipelineLayout, chunk: int, micro_batch: 
     """Example ``(inputs, outputs)`` of model chunk ``chunk`` on the meta device: what a
     ``PipelineStage`` needs to allocate its receive buffers without running the model
     (static metadata: no forward is run to infer shapes). ``vocab_rows``: the logits' last
-    dimension on this rank (the padded vocabulary, ``/ TP`` under tensor parallelism)."""
+    dimension on this rank (the padded vocabulary, ``/ TP`` under tensor parallelism). A
+    context-parallel rank holds ``seq_length / CP`` tokens of each sequence."""
     tp = max(1, cfg.tensor_model_parallel_size)
-    rows = cfg.seq_length // tp if cfg.sequence_parallel and tp > 1 else cfg.seq_length
+    seq = cfg.seq_length // max(1, cfg.context_parallel_size)
+    rows = seq // tp if cfg.sequence_parallel and tp > 1 else seq
     meta = torch.device("meta")
 
     def hidden(requires_grad: bool) -> torch.Tensor:
@@ -134,12 +136,12 @@ def chunk_io(cfg: ModelConfig, layout: PipelineLayout, chunk: int, micro_batch: 
     start = layout.chunk_layers(chunk).start
     end = layout.chunk_layers(chunk).stop
     if chunk == 0:
-        inputs: tuple[torch.Tensor, ...] = (torch.empty(micro_batch, cfg.seq_length, dtype=torch.long,
+        inputs: tuple[torch.Tensor, ...] = (torch.empty(micro_batch, seq, dtype=torch.long,
                                                         device=meta),)
     else:
         inputs = (hidden(True), *aux(start))
     if chunk == layout.chunks - 1:
-        logits = torch.empty(micro_batch, cfg.seq_length, vocab_rows, dtype=torch.float32,
+        logits = torch.empty(micro_batch, seq, vocab_rows, dtype=torch.float32,
                              device=meta, requires_grad=True)
         outputs: tuple[torch.Tensor, ...] = (logits, *aux(end))
     else:

@@ -372,3 +372,17 @@ def maybe_reduce_amax(amax_t: torch.Tensor, reduction: Optional[object]) -> torc
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(reduction) > 1:
         dist.all_reduce(amax_t, op=dist.ReduceOp.MAX, group=reduction)
     return amax_t
+
+
+class AmaxOverGroups:
+    """An ``amax_reduction`` that MAX-reduces over several process groups in turn: the MAX
+    over their product (an operand split both by tensor parallelism and along the sequence by
+    context parallelism reduces over TP, then over CP)."""
+
+    def __init__(self, *groups: object) -> None:
+        self.groups = tuple(g for g in groups if g is not None)
+
+    def __call__(self, amax_t: torch.Tensor) -> torch.Tensor:
+        for g in self.groups:
+            amax_t = maybe_reduce_amax(amax_t, g)
+        return amax_t

@@ -46,6 +46,7 @@ import torch.distributed as dist
 from lptrain.catalog.parallel_dims import ShardLayout
 from lptrain.precision.collectives import all_gather_flat, reduce_scatter_flat
 from lptrain.precision.layers import InitMethod, Linear
+from lptrain.precision.scaling import AmaxOverGroups
 
 SEQ_DIM = 1  # activations are [batch, sequence, hidden]
 
@@ -381,12 +382,28 @@ class _ParallelLinear(Linear):
         if whole[dim] % (tp_size * self.layout.chunks):
             raise ValueError(f"{kw.get('name')}: {whole[dim]} features do not split into "
                              f"{self.layout.chunks} x {tp_size} shards")
-        amax_group = {role: tp_group.pg for role in SHARDED_ROLES[self.mode]} if tp_group.active else {}
-        super().__init__(local[1], local[0], amax_reduction=amax_group, **kw)
+        super().__init__(local[1], local[0],
+                         amax_reduction=_merged_amax(self.mode, tp_group, kw.pop("amax_reduction", None)),
+                         **kw)
         self.tp_group = tp_group
         self.sequence_parallel = sequence_parallel
         self.weight.tp_shard = TPShard(self.layout, tp_group)
         self.weight.tensor_model_parallel = True
+
+
+def _merged_amax(mode: str, tp_group: Any, other: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """Per role, what its per-tensor amax is MAX-reduced over: the tensor-parallel group for
+    the operands a ``mode`` split cuts, ``other``'s group for the operands split otherwise
+    (the sequence, under context parallelism), both in turn for an operand split both ways."""
+    tp_roles = SHARDED_ROLES[mode] if tp_group.active else ()
+    other = dict(other or {})
+    out: dict[str, Any] = {}
+    for role in (*tp_roles, *(r for r in other if r not in tp_roles)):
+        if role in tp_roles and role in other:
+            out[role] = AmaxOverGroups(tp_group.pg, other[role])
+        else:
+            out[role] = tp_group.pg if role in tp_roles else other[role]
+    return out
 
 
 class ColumnParallelLinear(_ParallelLinear):

@@ -103,6 +103,9 @@ def shrink(cfg: Any) -> tuple[Any, list[str]]:
         changed.append(f"pipeline parallelism {m.pipeline_model_parallel_size} -> 1")
         m.pipeline_model_parallel_size, m.virtual_pipeline_model_parallel_size = 1, None
         m.pipeline_schedule = None
+    if m.context_parallel_size != 1:
+        changed.append(f"context parallelism {m.context_parallel_size} -> 1")
+        m.context_parallel_size, m.cp_comm_type, m.hierarchical_context_parallel_sizes = 1, "p2p", None
     if m.moe.num_experts:
         m.moe.ffn_hidden_size = 64
         if m.moe.expert_model_parallel_size != 1:

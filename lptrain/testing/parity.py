@@ -64,6 +64,7 @@ def train_steps(
         dp_rank=engine.dp_rank,
         dp_size=engine.dp_size,
         vocab_size=cfg.model.vocab_size,
+        context_parallel=engine.context_parallel,
     )
     n = t.global_batch_size // (t.micro_batch_size * engine.dp_size)
     losses, norms = [], []
@@ -98,8 +99,10 @@ def train_steps(
     with engine.params_synced(), torch.no_grad():
         raw = {n: _param_snapshot(p) for n, p in engine.model.named_parameters()}
         canonical = canonical_params(engine.model)
-        logits = None  # (a pipeline stage holds part of the model: its params are compared)
-        if engine.pipeline is None:
+        # (a pipeline stage holds part of the model, a context-parallel rank part of each
+        # sequence: their params are compared)
+        logits = None
+        if engine.pipeline is None and engine.context_parallel[1] == 1:
             with engine.model.autocast():
                 logits = engine.model(probe.to(engine.device)).detach().cpu()
     return {

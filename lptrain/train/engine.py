@@ -94,15 +94,21 @@ class TrainEngine(EngineCheckpointState):
         moe = cfg.model.moe
         ep = moe.expert_model_parallel_size if moe.num_experts else 1
         pp = max(1, cfg.model.pipeline_model_parallel_size)
+        m = cfg.model
         self.groups = build_groups(cfg.ddp.num_distributed_optimizer_instances, ep=ep,
-                                   tp=cfg.model.tensor_model_parallel_size,
-                                   sequence_parallel=cfg.model.sequence_parallel, pp=pp,
-                                   tied_embeddings=cfg.model.tie_embeddings)
+                                   tp=m.tensor_model_parallel_size,
+                                   sequence_parallel=m.sequence_parallel, pp=pp,
+                                   tied_embeddings=m.tie_embeddings, cp=max(1, m.context_parallel_size),
+                                   hierarchical_cp=(m.hierarchical_context_parallel_sizes
+                                                    if m.cp_comm_type == "a2a+p2p" else None))
         self.rank, self.world_size = self.groups.rank, self.groups.world_size
         self.dp_rank, self.dp_size = self.groups.dp.rank, self.groups.dp.size
-        # the ranks that split each sequence (sequence parallelism): per-token statistics
-        # (router counts, MoE metrics) are summed over them as well as over dp
-        self.stats_group = self.groups.everyone if cfg.model.sequence_parallel else self.groups.dp
+        # (cp rank, cp size): which chunks of each sample this rank reads
+        self.context_parallel = (self.groups.cp.rank, self.groups.cp.size)
+        # the ranks that split each sequence (sequence and context parallelism): per-token
+        # statistics (router counts, MoE metrics) are summed over them as well as over dp
+        self.stats_group = (self.groups.everyone if cfg.model.sequence_parallel
+                            else self.groups.grad_reduction)
         self.is_main = self.rank == 0
         self.device = resolve_device(cfg)
         torch.manual_seed(cfg.train.seed)
@@ -136,6 +142,7 @@ class TrainEngine(EngineCheckpointState):
         as the one rank at that place draws without pipelining (pipeline ranks are outermost,
         so that is the rank itself at PP 1)."""
         from lptrain.model import build_model, default_factory
+        from lptrain.model.context_parallel import ContextParallel
         from lptrain.model.pipeline import model_part
 
         cfg = self.cfg
@@ -146,7 +153,8 @@ class TrainEngine(EngineCheckpointState):
         seed_device_rng(cfg.train.seed, stream_rank, self.device)  # TE draws its SR bits there
         return build_model(cfg, factory, expert_model_parallel_rank=self.groups.ep.rank,
                            expert_parallel_group=self.groups.ep, tensor_parallel_group=self.groups.tp,
-                           device=self.device, part=model_part(cfg.model, self.groups.pp.rank))
+                           device=self.device, part=model_part(cfg.model, self.groups.pp.rank),
+                           context_parallel=ContextParallel.of(self.groups, cfg.model.cp_comm_type))
 
     def stream_rank(self) -> int:
         """The rank whose random streams this rank draws (see :meth:`_build_model`): its
@@ -312,7 +320,7 @@ class TrainEngine(EngineCheckpointState):
                 self.before_micro_batch(i)
             ctx = ddp.no_sync() if i < n - 1 else contextlib.nullcontext()
             with ctx:
-                with model.autocast():
+                with model.autocast(self.groups.amax_reduction.pg):
                     loss, aux = model(b["tokens"], labels=b["labels"])
                 if i == 0:
                     ddp.after_first_forward()
@@ -326,11 +334,12 @@ class TrainEngine(EngineCheckpointState):
         """[ranks, 3] per rank (lm_loss, total_loss, non-finite grad code): one small
         all-reduce on the device over every rank (tensor-parallel ranks check their own
         shards' grads, and every rank must take the same decision), then one copy to the
-        host (the codes stay below 2^53, exact in fp64). Tensor-parallel ranks hold the same
-        LM loss, and their auxiliary losses (MoE losses of their sequence shards) add up: each
-        rank's total is its group's sum, so means over the rows are means over data-parallel
-        replicas."""
+        host (the codes stay below 2^53, exact in fp64); each row then holds its
+        data-parallel replica's losses (:func:`lptrain.train.step_losses.replica_losses`), so
+        means over the rows are means over replicas."""
         import torch.distributed as dist
+
+        from lptrain.train.step_losses import replica_losses
 
         g = self.groups.all_ranks
         out = torch.zeros(g.size, 3, dtype=torch.float64, device=self.device)
@@ -345,11 +354,7 @@ class TrainEngine(EngineCheckpointState):
             self._codes = [int(c) for c in out[:, 2].tolist()]
             out = out.view(self.groups.pp.size, -1, 3)[-1].clone()
             out[:, 2] = 0.0
-        tp = self.groups.tp.size
-        if tp > 1:
-            per = out.view(-1, tp, 3)  # [dp, tp]: tensor parallelism is innermost in the rank order
-            per[:, :, 1] = (per[:, 0, 0] + (per[:, :, 1] - per[:, :, 0]).sum(dim=1))[:, None]
-        return out
+        return replica_losses(out, self.groups.tp.size, self.groups.cp.size)
 
     def _nonfinite(self, losses: torch.Tensor, step: int) -> str | None:
         """Why this step cannot be taken (a rank's non-finite gradient, else a non-finite
@@ -424,30 +429,21 @@ class TrainEngine(EngineCheckpointState):
 
         if not self.has_moe:
             return {}
-        shards = self.groups.tp.size if self.cfg.model.sequence_parallel else 1
+        shards = (self.groups.tp.size if self.cfg.model.sequence_parallel else 1) * self.groups.cp.size
         return moe_step_metrics(self.model, self.stats_group, sequence_shards=shards,
                                 pipeline=self.groups.pp)
 
     def _reduce_router_counts(self) -> None:
-        """The expert-bias update sees global token counts (summed over data-parallel ranks)."""
-        import torch.distributed as dist
+        """The expert-bias update sees global token counts (summed over the stats group)."""
+        from lptrain.model.moe.metrics import reduce_router_counts
 
-        g = self.stats_group
-        if not g.active or not self.has_moe:
-            return
-        counts = self.model.expert_bias_counts()
-        if not counts:
-            return
-        flat = torch.cat([c.reshape(-1) for c in counts])
-        dist.all_reduce(flat, group=g.pg)
-        off = 0
-        for c in counts:
-            c.copy_(flat[off : off + c.numel()].view_as(c))
-            off += c.numel()
+        if self.has_moe:
+            reduce_router_counts(self.model, self.stats_group)
 
     def evaluate(self, batches: Iterator[dict[str, torch.Tensor]], n: int) -> float:
-        """Mean LM loss over ``n`` batches per rank, averaged over ranks; leaves training
-        state untouched (no-grad forwards do not touch delayed scaling; router counts kept)."""
+        """Mean LM loss over ``n`` batches per rank, averaged over data-parallel replicas (the
+        context-parallel ranks' parts summed); leaves training state untouched (no-grad
+        forwards do not touch delayed scaling; router counts kept)."""
         import torch.distributed as dist
 
         model = self.model
@@ -460,19 +456,19 @@ class TrainEngine(EngineCheckpointState):
                     total = self.pipeline.evaluate(batches, n)
                 for _ in range(n if self.pipeline is None else 0):
                     b = self._to_device(next(batches))
-                    with model.autocast():
+                    with model.autocast(self.groups.amax_reduction.pg):
                         _, aux = model(b["tokens"], labels=b["labels"])
                     total += aux["lm_loss"].double()
             finally:
                 model.train()
                 for live, c in zip(model.expert_bias_counts(), counts, strict=True):
                     live.copy_(c)
-        g = self.groups.dp
+        g = self.groups.grad_reduction  # (the CP ranks' parts add up to their replica's loss)
         if g.active:
             dist.all_reduce(total, group=g.pg)
         if self.pipeline is not None:  # the last stage's total, on every stage
             self.pipeline.broadcast_from_last(total)
-        return float(total) / max(1, n) / g.size
+        return float(total) / max(1, n) / self.groups.dp.size
 
     @contextlib.contextmanager
     def params_synced(self) -> Iterator[None]:

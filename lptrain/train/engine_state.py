@@ -67,6 +67,7 @@ class EngineCheckpointState:
         local = rank_state(self.model, self.model.quantizer_recipe(), self.device)
         local["tensor_model_parallel_size"] = self.groups.tp.size
         local["pipeline_model_parallel_size"] = self.groups.pp.size
+        local["context_parallel_size"] = self.groups.cp.size
         return {
             "global": {"model": model, "optimizer": optim, "scaling": scaling_state(self.model)},
             "local": local,
@@ -93,9 +94,11 @@ class EngineCheckpointState:
         with self.params_synced():  # push the loaded masters into the params
             pass
         # absent when written at another world size: the streams start from (seed, rank); the
-        # same at another tensor-parallel size (the ranks hold other shards, other modules)
+        # same at another tensor-, pipeline- or context-parallel size (the ranks hold other
+        # shards, other modules, other tokens)
         local = dict(state.get("local") or {})
-        sizes = (local.pop("tensor_model_parallel_size", 1), local.pop("pipeline_model_parallel_size", 1))
-        if sizes != (self.groups.tp.size, self.groups.pp.size):
+        sizes = (local.pop("tensor_model_parallel_size", 1), local.pop("pipeline_model_parallel_size", 1),
+                 local.pop("context_parallel_size", 1))
+        if sizes != (self.groups.tp.size, self.groups.pp.size, self.groups.cp.size):
             local = {}
         load_rank_state(self.model, local, self.model.quantizer_recipe())

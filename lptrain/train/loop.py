@@ -138,7 +138,7 @@ def _open_data(cfg: LPTrainConfig, engine: TrainEngine) -> Loaders:
     return build_train_valid_loaders(
         cfg.data, seq_length=cfg.model.seq_length, micro_batch_size=t.micro_batch_size,
         global_batch_size=t.global_batch_size, dp_rank=engine.dp_rank, dp_size=engine.dp_size,
-        vocab_size=cfg.model.vocab_size,
+        vocab_size=cfg.model.vocab_size, context_parallel=engine.context_parallel,
     )
 
 

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from lptrain.config.rules import Rule, padded_layout
+from lptrain.config.schema import LPTrainConfig
+from lptrain.config.world import World
 
 S = "Data-parallel engine"
 
@@ -11,6 +15,15 @@ SHARDS_GRADS = ("optim_grads", "optim_grads_params")
 
 def shards_grads(c) -> bool:  # type: ignore[no-untyped-def]
     return c.ddp.data_parallel_sharding_strategy in SHARDS_GRADS
+
+
+def _instances_bad(c: LPTrainConfig, w: World) -> Any:
+    """An instance count that does not split the data x context parallel ranks."""
+    cp = max(1, c.model.context_parallel_size)
+    n, k = w.dp * cp, c.ddp.num_distributed_optimizer_instances
+    if k >= 1 and n % k == 0:
+        return False
+    return {"n": n, "what": "data x context parallel" if cp > 1 else "data-parallel"}
 
 
 RULES = [
@@ -116,14 +129,17 @@ RULES = [
     ),
     Rule(
         id="DDP-INSTANCES-DIVIDE-DP", severity="error",
-        keys=("ddp.num_distributed_optimizer_instances",),
-        when=lambda c, w: c.ddp.num_distributed_optimizer_instances < 1
-             or w.dp % c.ddp.num_distributed_optimizer_instances != 0,
+        keys=("ddp.num_distributed_optimizer_instances", "model.context_parallel_size"),
+        when=_instances_bad,
         message="num_distributed_optimizer_instances={cfg.ddp.num_distributed_optimizer_instances} "
-                "must be >= 1 and divide the data-parallel size {world.dp}",
-        fix="set ddp.num_distributed_optimizer_instances to a divisor of {world.dp} (1 = full "
+                "must be >= 1 and divide the {what} size {n} (Megatron-LM: 'Data parallel size "
+                "should be divisible by partial DistOpt shard factor')",
+        fix="set ddp.num_distributed_optimizer_instances to a divisor of {n} (1 = full "
             "sharding)",
-        condition="dp % num_distributed_optimizer_instances == 0", section=S,
+        condition="(dp x context_parallel_size) % num_distributed_optimizer_instances == 0 (the "
+                  "distributed optimizer shards over data x context parallel)",
+        why="an instance is a block of the data x context parallel ranks, as Megatron-LM's "
+            "intra-instance groups", section=S,
     ),
     Rule(
         id="DDP-BUCKET-SIZE", severity="error", keys=("ddp.bucket_size",),

@@ -41,7 +41,7 @@ def _ep_does_not_divide_world(c: LPTrainConfig, w: World) -> Any:
 
 def _instances_split_ep_groups(c: LPTrainConfig, w: World) -> Any:
     ep, inst, n = _ep(c), c.ddp.num_distributed_optimizer_instances, stage_ranks(c, w)
-    if ep <= 1 or inst <= 1 or n <= 1 or n % ep or w.dp % inst:
+    if ep <= 1 or inst <= 1 or n <= 1 or n % ep or (w.dp * max(1, c.model.context_parallel_size)) % inst:
         return False  # reported by LAUNCH-EP-DIVIDES-WORLD / DDP-INSTANCES-DIVIDE-DP
     per = n // inst
     return {"per": per} if per % ep else False

@@ -398,6 +398,22 @@ GATES: tuple[Gate, ...] = (
         fix="set debug.nan_sample=<a global sample position>",
     ),
     Gate(
+        rule_id="INERT-CP-KEYS", keys=("model.cp_comm_type", "model.hierarchical_context_parallel_sizes"),
+        context=("model.context_parallel_size",),
+        idle=lambda c, w: max(1, c.model.context_parallel_size) <= 1,
+        condition="context_parallel_size == 1 -> cp_comm_type p2p, hierarchical_context_parallel_sizes null",
+        because="model.context_parallel_size=1 splits no sequence: attention exchanges nothing",
+        fix="set model.context_parallel_size > 1",
+    ),
+    Gate(
+        rule_id="INERT-CP-HIERARCHICAL", keys=("model.hierarchical_context_parallel_sizes",),
+        context=("model.cp_comm_type",),
+        idle=lambda c, w: max(1, c.model.context_parallel_size) > 1 and c.model.cp_comm_type != "a2a+p2p",
+        condition="cp_comm_type != a2a+p2p -> hierarchical_context_parallel_sizes null",
+        because="only cp_comm_type=a2a+p2p has two levels (Megatron-LM reads the sizes for it)",
+        fix="set model.cp_comm_type=a2a+p2p",
+    ),
+    Gate(
         rule_id="INERT-RECOMPUTE-FULL", keys=("model.recompute_method", "model.recompute_num_layers"),
         context=("model.recompute_granularity",),
         idle=lambda c, w: c.model.recompute_granularity != "full",

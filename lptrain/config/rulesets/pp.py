@@ -1,8 +1,8 @@
 """Pipeline-parallel rules: what Megatron-LM's ``validate_args`` and its schedules refuse for
 PP, and what ``torch.distributed.pipelining``'s schedules need.
 
-The world is judged as ``TP x PP x dp`` ranks (``--dp N``), or a launch's rank count is split
-into pipeline stages of ``TP x dp`` ranks each (pipeline ranks outermost:
+The world is judged as ``TP x CP x PP x dp`` ranks (``--dp N``), or a launch's rank count is
+split into pipeline stages of ``TP x CP x dp`` ranks each (pipeline ranks outermost:
 :mod:`lptrain.catalog.parallel_dims`). The layers are cut into ``PP x VPP`` equal model chunks
 (:mod:`lptrain.catalog.pipeline`).
 """

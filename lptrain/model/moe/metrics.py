@@ -103,3 +103,18 @@ def _metrics(experts: list[int], packed: torch.Tensor, sequence_shards: int) -> 
         "moe_tokens_per_expert_max": float(counts.max()),
         "load_balancing_loss": lb_total,
     }
+
+
+def reduce_router_counts(model: nn.Module, group: ProcessGroup) -> None:
+    """Sum the routers' live per-expert token counts (``expert_bias_counts``) over ``group``
+    in one all-reduce, so the expert-bias update sees the global batch's counts (the data-
+    parallel ranks', and the ranks holding other parts of the same sequences)."""
+    counts = model.expert_bias_counts()  # type: ignore[operator]
+    if not group.active or not counts:
+        return
+    flat = torch.cat([c.reshape(-1) for c in counts])
+    dist.all_reduce(flat, group=group.pg)
+    off = 0
+    for c in counts:
+        c.copy_(flat[off : off + c.numel()].view_as(c))
+        off += c.numel()

@@ -139,12 +139,17 @@ class TopKRouter(nn.Module):
 
     ``sequence_parallel_group`` (set by the parallelize step under sequence parallelism: the
     tensor-parallel group, whose ranks route different parts of the same sequences): the
-    balancing losses use the group's summed expert counts and token totals, the z-loss is
-    divided by its size, and the weight's gradient is summed over it -- so the ranks' losses
+    weight's gradient is summed over it. ``token_group`` (None: the same group; under context
+    parallelism tensor x context parallel, or context parallel without sequence parallelism):
+    the ranks holding other parts of the same sequences -- the balancing losses use its summed
+    expert counts and token totals and the z-loss is divided by its size, so the ranks' losses
     add up to the single-rank ones (Megatron-LM reduces the router statistics over TP x CP).
+    Under context parallelism the weight's gradient is summed by the data x context parallel
+    reduction instead.
     """
 
     sequence_parallel_group: ProcessGroup = SINGLE_RANK
+    token_group: Optional[ProcessGroup] = None
 
     def __init__(
         self, hidden_size: int, moe: MoEConfig, params_dtype: torch.dtype, init_method: InitMethod
@@ -175,12 +180,12 @@ class TopKRouter(nn.Module):
         """Route ``x [..., hidden]`` (flattened to ``T`` tokens, batch-major)."""
         batch = x.shape[0] if x.dim() == 3 else 1
         flat = x.reshape(-1, x.shape[-1]).float()
-        sp = self.sequence_parallel_group
         weight = self.weight
-        if sp.active:
+        if self.sequence_parallel_group.active:
             from lptrain.precision.tensor_parallel import reduce_grad
 
-            weight = reduce_grad(weight, sp)
+            weight = reduce_grad(weight, self.sequence_parallel_group)
+        sp = self.token_group if self.token_group is not None else self.sequence_parallel_group
         logits = flat @ weight.float().t()  # fp32 router GEMM
         bias = self.expert_bias if self.enable_expert_bias else None
         probs, indices = topk_routing(logits, self.topk, self.score_function, bias)

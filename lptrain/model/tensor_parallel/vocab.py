@@ -118,7 +118,7 @@ class _VocabParallelCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, labels: torch.Tensor, start: int, vocab: int,  # type: ignore[override]
-                group: Any) -> torch.Tensor:
+                group: Any, token_count: Optional[torch.Tensor] = None) -> torch.Tensor:
         lg = logits.float()
         cols = lg.shape[1]
         pad_from = max(0, min(cols, vocab - start))  # local columns past the real vocab
@@ -135,20 +135,20 @@ class _VocabParallelCE(torch.autograd.Function):
         target = (lg.gather(1, idx[:, None]).squeeze(1) - row_max).masked_fill(~mine, 0.0)
         sums = all_reduce_sum(torch.stack([exp.sum(dim=1), target]), group, activation=False)
         per_token = sums[0].log() - sums[1]
-        count = valid.sum()
+        count = valid.sum() if token_count is None else token_count
         loss = per_token.masked_fill(~valid, 0.0).sum() / count
         ctx.save_for_backward(exp.div_(sums[0][:, None]), idx, mine, valid, count)
         return loss
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[Optional[torch.Tensor], None, None, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Optional[torch.Tensor], None, None, None, None, None]:  # type: ignore[override]
         softmax, idx, mine, valid, count = ctx.saved_tensors
         grad = softmax
         rows = mine.nonzero().squeeze(1)
         grad[rows, idx[rows]] -= 1.0
         grad.masked_fill_(~valid[:, None], 0.0)
         grad.mul_(g / count)
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
 
 
 class VocabParallelCrossEntropy(nn.Module):
@@ -164,9 +164,10 @@ class VocabParallelCrossEntropy(nn.Module):
         """The whole ``[b, s, vocab]`` logits (gathered over the ranks)."""
         return gather_last_dim(logits, self.group)[..., : self.vocab_size]
 
-    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def forward(self, logits: torch.Tensor, labels: torch.Tensor,
+                token_count: Optional[torch.Tensor] = None) -> torch.Tensor:
         return _VocabParallelCE.apply(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                                      self.vocab_start, self.vocab_size, self.group)
+                                      self.vocab_start, self.vocab_size, self.group, token_count)
 
 
 class TPRMSNorm(RMSNorm):

@@ -58,6 +58,9 @@ SHRINK: dict[str, Any] = {
     # (nor pipeline parallelism: tests/dist/test_pipeline_parallel.py)
     "model.pipeline_model_parallel_size": 1, "model.virtual_pipeline_model_parallel_size": None,
     "model.pipeline_schedule": None,
+    # (nor context parallelism: tests/dist/test_context_parallel.py)
+    "model.context_parallel_size": 1, "model.cp_comm_type": "p2p",
+    "model.hierarchical_context_parallel_sizes": None,
 }
 MAX_SHRUNK_LAYERS = 3
 STEPS = 1

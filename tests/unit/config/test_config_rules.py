@@ -50,6 +50,9 @@ TP2 = "model.tensor_model_parallel_size=2"
 SP = "model.sequence_parallel=true"
 PP2 = "model.pipeline_model_parallel_size=2"
 VPP2 = "model.virtual_pipeline_model_parallel_size=2"
+CP2 = "model.context_parallel_size=2"
+CP4 = "model.context_parallel_size=4"
+HCP22 = "model.hierarchical_context_parallel_sizes=[2,2]"
 
 # (rule, trigger overrides, expected keys (subset, in order), neighbour overrides, world[,
 # the neighbour's world when it differs])
@@ -204,6 +207,24 @@ CASES: list[tuple] = [
      [PP2, VPP2, "model.num_layers=4", "train.micro_batch_size=1", "train.global_batch_size=4"], CPU),
     ("PP-MOE-EVERY-STAGE", [MOE, PP2, "model.num_layers=4", "model.moe.moe_layer_freq=4"],
      ("model.moe.moe_layer_freq",), [MOE, PP2, "model.num_layers=4", "model.moe.moe_layer_freq=2"], CPU),
+    ("LAUNCH-CP-DIVIDES-WORLD", [CP2, "train.micro_batch_size=2"], ("model.context_parallel_size",),
+     [CP2, "train.micro_batch_size=2"], World(ranks=3), World(ranks=4)),
+    ("CP-SEQ-DIVIDES", [CP2, "model.seq_length=126"], ("model.seq_length", "model.context_parallel_size"),
+     [CP2, "model.seq_length=124"], CPU),
+    ("CP-SP-SEQ-DIVIDES", ["model.tensor_model_parallel_size=4", SP, CP2, "model.seq_length=132"],
+     ("model.seq_length",), ["model.tensor_model_parallel_size=4", SP, CP2, "model.seq_length=136"], CPU),
+    ("CP-A2A-HEADS", [CP2, "model.cp_comm_type=a2a", "model.num_query_groups=1"],
+     ("model.num_query_groups", "model.cp_comm_type"),
+     [CP2, "model.cp_comm_type=a2a", "model.num_query_groups=2"], CPU),
+    ("CP-HIERARCHICAL-NEEDS-SIZES", [CP4, "model.cp_comm_type=a2a+p2p"],
+     ("model.hierarchical_context_parallel_sizes",), [CP4, "model.cp_comm_type=a2a+p2p", HCP22], CPU),
+    ("CP-HIERARCHICAL-PRODUCT", [CP4, "model.cp_comm_type=a2a+p2p", "model.hierarchical_context_parallel_sizes=[2,3]"],
+     ("model.hierarchical_context_parallel_sizes",), [CP4, "model.cp_comm_type=a2a+p2p", HCP22], CPU),
+    ("CP-BLOCK-BOUNDARY", [E4M3, MXFP8, CP2, "model.seq_length=64"], ("model.seq_length", "precision.fp8_recipe"),
+     [E4M3, MXFP8, CP2], CPU),
+    ("INERT-CP-KEYS", ["model.cp_comm_type=a2a"], ("model.cp_comm_type",), [CP2, "model.cp_comm_type=a2a"], CPU),
+    ("INERT-CP-HIERARCHICAL", [CP4, HCP22], ("model.hierarchical_context_parallel_sizes",),
+     [CP4, HCP22, "model.cp_comm_type=a2a+p2p"], CPU),
     ("TP-HEADS", ["model.tensor_model_parallel_size=8"], ("model.num_attention_heads",),
      ["model.tensor_model_parallel_size=4"], CPU),
     ("TP-KV-HEADS", [TP2, "model.num_query_groups=1"], ("model.num_query_groups",),

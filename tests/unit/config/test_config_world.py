@@ -42,6 +42,19 @@ def test_dp_and_ranks_under_tensor_parallelism() -> None:
     assert World(ranks=6).for_config(tp4).dp == 1  # LAUNCH-TP-DIVIDES-WORLD reports the rest
 
 
+def test_dp_and_ranks_under_context_and_pipeline_parallelism() -> None:
+    """``--dp N`` judges a world of TP x CP x PP x N ranks (the 128k recipe at --dp 4: 512);
+    a launch's rank count leaves ranks / (TP x CP x PP) data-parallel ranks."""
+    from lptrain.config import compose
+
+    cfg = compose(None, ["model.tensor_model_parallel_size=8", "model.context_parallel_size=16"])
+    assert World(dp=4).for_config(cfg).ranks == 512
+    both = compose(None, ["model.tensor_model_parallel_size=2", "model.context_parallel_size=2",
+                          "model.pipeline_model_parallel_size=2"])
+    assert World(ranks=16).for_config(both).dp == 2
+    assert World(dp=3).for_config(both).ranks == 24
+
+
 def test_unknown_target_rejected() -> None:
     with pytest.raises(ValueError, match="unknown target"):
         World.detect(target="sm75")

@@ -145,7 +145,8 @@ def _groups(cfg: Any) -> Any:
     moe = cfg.model.moe
     return build_groups(cfg.ddp.num_distributed_optimizer_instances,
                         ep=moe.expert_model_parallel_size if moe.num_experts else 1,
-                        tp=cfg.model.tensor_model_parallel_size, pp=cfg.model.pipeline_model_parallel_size)
+                        tp=cfg.model.tensor_model_parallel_size, pp=cfg.model.pipeline_model_parallel_size,
+                        cp=cfg.model.context_parallel_size)
 
 
 def _tp_orthogonalizer(cfg: Any) -> Any:
@@ -288,10 +289,14 @@ SITES: dict[str, ByRule | NotConfig] = {
                build=_tp_orthogonalizer),
     "lptrain/model/build.py::build_model::ValueError: model.tensor_model_parallel_size={} but the tensor-pa":
         NotConfig("the engine passes its own tensor-parallel group, of the configured size (build_groups)"),
+    "lptrain/model/build.py::build_model::ValueError: model.context_parallel_size={} but no context-parall":
+        NotConfig("the engine passes its own context-parallel groups, of the configured size (build_groups)"),
     # process groups
     "lptrain/distributed/groups.py::_check_sizes::ConfigError: model.tensor_model_parallel_size={} must divi":
         ByRule("LAUNCH-TP-DIVIDES-WORLD", ("model.tensor_model_parallel_size=2",), World(ranks=1), build=_groups),
-    "lptrain/distributed/groups.py::_check_sizes::ConfigError: tensor x pipeline parallel = {} x {} must divide the world size {}":
+    "lptrain/distributed/groups.py::_check_sizes::ConfigError: tensor x context parallel = {} x {} must divide the world size {}":
+        ByRule("LAUNCH-CP-DIVIDES-WORLD", ("model.context_parallel_size=2",), World(ranks=1), build=_groups),
+    "lptrain/distributed/groups.py::_check_sizes::ConfigError: tensor x context x pipeline parallel = {} x {} x {} must divide the world size {}":
         ByRule("LAUNCH-PP-DIVIDES-WORLD", ("model.pipeline_model_parallel_size=2",), World(ranks=1),
                build=_groups),
     "lptrain/distributed/groups.py::_check_sizes::ConfigError: ddp.num_distributed_optimizer_instances={} mu":

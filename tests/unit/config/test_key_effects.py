@@ -61,7 +61,8 @@ class Recipe:
         # a GPU recipe, or a tensor-parallel one (its world of several ranks cannot run in
         # this one process): the engine runs shrunk to one CPU rank (_key_effects.SHRINK)
         self.cluster = (composed.meta.target != "cpu" or composed.cfg.model.tensor_model_parallel_size > 1
-                        or composed.cfg.model.pipeline_model_parallel_size > 1)
+                        or composed.cfg.model.pipeline_model_parallel_size > 1
+                        or composed.cfg.model.context_parallel_size > 1)
         self.derived = derive(self.cfg, self.world)
         self._base: dict[bool, Fingerprint] = {}
 

@@ -148,3 +148,39 @@ def test_state_from_another_stream_is_refused(tmp_path: Path) -> None:
     same, _ = build_train_valid_loaders(_cfg([p], seed=1), SEQ, 1, GBS, 1, 4, 259)
     same.load_state_dict(state)
     assert same.consumed_samples == MBS
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_context_parallel_ranks_read_only_their_chunks_of_the_same_samples(tmp_path: Path, cp: int) -> None:
+    """Each CP rank's batch is its two chunks (i and 2CP-1-i of 2CP) of the CP 1 batch, tokens
+    and labels, side by side: the same samples in the same order at any CP size. The rank
+    reads only those spans of each sample (each chunk's tokens plus the one label after it),
+    documents crossing chunk boundaries included."""
+    from lptrain.catalog.parallel_dims import cp_token_ranges
+    from lptrain.data.gpt_dataset import GPTDataset
+
+    cfg = _cfg([_corpus(tmp_path)])
+    whole, _ = build_train_valid_loaders(cfg, SEQ, MBS, GBS, 0, 1, 259)
+    ranks = [build_train_valid_loaders(cfg, SEQ, MBS, GBS, 0, 1, 259, context_parallel=(r, cp))[0]
+             for r in range(cp)]
+    spans: list[tuple[int, int]] = []
+    read = GPTDataset.sample_into
+
+    def recording(self: GPTDataset, index: int, out: object, start: int = 0) -> None:
+        spans.append((start, start + len(out)))  # type: ignore[arg-type]
+        read(self, index, out, start)  # type: ignore[arg-type]
+
+    for _ in range(3):
+        ref = next(whole)
+        for r, it in enumerate(ranks):
+            GPTDataset.sample_into = recording  # type: ignore[method-assign]
+            try:
+                got = next(it)
+            finally:
+                GPTDataset.sample_into = read  # type: ignore[method-assign]
+            cols = torch.cat([torch.arange(lo, hi) for lo, hi in cp_token_ranges(SEQ, cp, r)])
+            assert got["tokens"].shape == (MBS, SEQ // cp)
+            assert torch.equal(got["tokens"], ref["tokens"][:, cols])
+            assert torch.equal(got["labels"], ref["labels"][:, cols])
+            assert sorted(set(spans)) == [(lo, hi + 1) for lo, hi in cp_token_ranges(SEQ, cp, r)]
+            spans.clear()

@@ -124,3 +124,33 @@ def test_bad_sizes_are_refused() -> None:
         ParallelDims(tp=2, dp=2, ep=3)
     with pytest.raises(ValueError, match="rank 8 not in"):
         ParallelDims(tp=2, dp=4).coords(8)
+
+
+def test_context_parallel_groups_chunks_and_hierarchical_levels() -> None:
+    """CP ranks are TP apart; gradients reduce over CP x DP, amaxes over the stage; rank i of
+    CP holds chunks i and 2CP-1-i; a2a+p2p's a2a groups are consecutive CP ranks, its rings
+    the CP ranks a2a apart (Megatron's hierarchical CP); optimizer instances split CP x DP."""
+    from lptrain.catalog.parallel_dims import (
+        AMAX_REDUCTION_DIMS,
+        GRAD_REDUCTION_DIMS,
+        cp_chunk_ids,
+        cp_token_ranges,
+    )
+
+    d = ParallelDims(tp=2, cp=2, dp=2)
+    assert d.group_ranks("cp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert d.group_ranks(*GRAD_REDUCTION_DIMS) == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert d.group_ranks(*AMAX_REDUCTION_DIMS) == [list(range(8))]
+    assert d.group_ranks("tp", "cp") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [cp_chunk_ids(4, i) for i in range(4)] == [(0, 7), (1, 6), (2, 5), (3, 4)]
+    assert cp_chunk_ids(1, 0) == (0,)
+    assert cp_token_ranges(16, 2, 1) == [(4, 8), (8, 12)] and cp_token_ranges(16, 2, 0) == [(0, 4), (12, 16)]
+    with pytest.raises(ParallelSizeError):
+        cp_token_ranges(18, 2, 0)
+    h = ParallelDims(cp=4, dp=2)
+    assert h.cp_levels([2, 2]) == ([[0, 1], [2, 3], [4, 5], [6, 7]], [[0, 2], [1, 3], [4, 6], [5, 7]])
+    with pytest.raises(ParallelSizeError):
+        h.cp_levels([2, 3])
+    intra, inter = h.instance_groups(2)  # CP x DP = 8 ranks, 2 instances of 4 consecutive
+    assert intra == [[0, 1, 2, 3], [4, 5, 6, 7]] and inter == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert world_dims(2, None, 16, cp=2).dp == 4
