@@ -47,12 +47,12 @@ from lptrain.train.console import LogWindow, RunLog
 from lptrain.train.engine import StepResult, TrainEngine, TrainingDivergedError
 from lptrain.train.forensics import (
     NaNInjector,
-    SpikeDetector,
     batch_span,
     describe,
     investigate,
     micro_batch_samples,
 )
+from lptrain.train.loss_watch import LossWatch
 from lptrain.train.metrics import StepMeter, finite_or_none, format_log_line
 from lptrain.train.outputs import RunOutputs
 from lptrain.train.policies import (
@@ -228,7 +228,8 @@ class _Job:
         self.saves = SavePolicy.from_config(cfg)
         self.stops = StopPolicy.from_config(cfg)
         self.numerics = NumericsPolicy.from_config(cfg)
-        self.spikes = SpikeDetector(t.spike_zscore, t.spike_window)
+        self.spikes = LossWatch.from_config(cfg)
+        self.reference: Optional[tuple[int, list[Any]]] = None  # the last normal step's batch
         self.anomaly_policy = AnomalyPolicy(cfg)
         self.anomalies = AnomalyLog(out, engine.is_main)
         engine.returns_anomalies = True  # this loop applies train.on_anomaly
@@ -346,8 +347,8 @@ class _Job:
         if res.anomaly is not None:
             self._on_anomaly(step, res, micro, samples, before)
             rec["anomaly"] = res.anomaly
-        else:
-            self.spikes.observe(step, res.loss)
+        elif self.spikes.observe(step, res.loss):  # a diverged step is never a normal one
+            self.reference = (step, micro)
         if res.skipped:
             self.log.line(f"warning: {res.note}")
         return rec, dt
@@ -356,15 +357,15 @@ class _Job:
                     before: int) -> None:
         """Investigate (re-run with hooks), record, then stop, skip the batch or roll back."""
         t = self.cfg.train
-        found = investigate(self.engine, micro, samples, self.dispatch)
-        decision = self.anomaly_policy.decide(step)
+        found = investigate(self.engine, micro, samples, self.dispatch, self.reference)
+        decision = self.anomaly_policy.decide(step, self.spikes.window_start(step))
         skip_to = self.train_it.consumed_samples
         action = action_text(decision, skip_to, t.on_anomaly or "stop")
         culprit = found["culprit"]
         record: dict[str, Any] = {
             "step": step, "kind": res.anomaly, "note": res.note,
-            "rank": culprit["rank"] if culprit else None,
-            "samples": culprit["samples"] if culprit else [s for m in samples for s in m],
+            "rank": (culprit or {}).get("rank"),
+            "samples": (culprit or {}).get("samples") or [s for m in samples for s in m],
             "batch": batch_span(before, t.global_batch_size), "culprit": culprit,
             "ranks": found["ranks"], "loss": finite_or_none(res.loss),
             "action": decision.action, "action_text": action,
@@ -373,7 +374,10 @@ class _Job:
             record.update(to_step=decision.to_step, skipped_samples=[decision.from_samples, skip_to])
         record["numerics"] = found["numerics"]
         self.anomalies.write(record)
-        res.note = f"{res.note}; {describe(culprit)}; {action}"
+        why = describe(culprit)
+        if culprit and "reference_loss" in culprit and self.spikes.diverged(culprit["reference_loss"]):
+            why += " -- that loss diverged too: the weights (the updates before) are to blame, not this batch"
+        res.note = f"{res.note}; {why}; {action}"
         if decision.action == "stop":
             raise TrainingDivergedError(res.note)
         if decision.action == "rollback":
