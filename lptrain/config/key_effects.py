@@ -33,6 +33,9 @@ LATER_KEYS: dict[str, LaterEffect] = {
                             "tests/unit/config/test_config_compose.py::test_interpolation"),
     "run.output_dir": LaterEffect("the run folder that pretrain writes",
                                   "tests/e2e/test_cli_config.py::test_pretrain_writes_resolved_config_then_trains"),
+    "run.cpu_threads": LaterEffect(
+        "the intra-op CPU threads of each rank (null: chosen from the CPUs it can have)",
+        "tests/unit/distributed/test_threads.py::test_the_thread_count_follows_the_free_cpus"),
     "run.device": LaterEffect("where the model lives (auto, cpu, cuda)",
                               "tests/unit/precision/test_device_and_backend.py::test_resolve_device"),
     "precision.backend": LaterEffect(

@@ -96,6 +96,11 @@ class RunConfig:
     output_dir: str = opt("runs/${run.name}", "Folder for resolved config, logs, plots and metrics.")
     device: str = choice("auto", DEVICES, "Compute device: {choices}.",
                          {"auto": "cuda when available, else cpu"})
+    cpu_threads: Optional[int] = opt(
+        None, "Intra-op CPU threads per rank (torch.set_num_threads); null = $OMP_NUM_THREADS when "
+              "set, else the CPUs this rank can have: its affinity (and cgroup quota) shared among "
+              "the node's ranks, less the CPUs other processes keep busy."
+    )
 
 
 @dataclass

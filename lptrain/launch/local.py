@@ -13,7 +13,6 @@ launch exit 143/130, not "failed" (:mod:`lptrain.launch.exit_status`).
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import uuid
@@ -72,7 +71,7 @@ def launch_local(nproc: int, args: Sequence[str]) -> int:
         monitor_interval=0.2,
         start_method="spawn",
     )
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    # (no OMP_NUM_THREADS: each rank takes its share of the CPUs, lptrain.distributed.threads)
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     quiet_agent_logs()

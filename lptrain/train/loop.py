@@ -41,6 +41,7 @@ from lptrain.config.render import config_yaml
 from lptrain.config.schema import LPTrainConfig
 from lptrain.data.loader import BatchIterator, data_state, eval_micro_batches, load_data_state
 from lptrain.distributed.progress import mark_step
+from lptrain.distributed.threads import apply_threads
 from lptrain.errors import RunFailedError
 from lptrain.train.anomalies import AnomalyLog, AnomalyPolicy, RollBack, action_text
 from lptrain.train.console import LogWindow, RunLog
@@ -90,8 +91,11 @@ def pretrain(cfg: LPTrainConfig, output_dir: str | Path, *, overwrite: bool = Fa
     with run_lock(out) if main else contextlib.nullcontext():
         plan = plan_run(cfg, out, overwrite)
         hf_arch = _check_init_from_hf(cfg, plan)
+        threads = apply_threads(cfg.run.cpu_threads)  # before the engine's first kernel
         engine = TrainEngine(cfg)
         log = RunLog(engine.is_main, cfg)
+        if threads:
+            log.line(threads)
         for note in plan.notes:
             log.line(f"warning: skipping checkpoint {note}")
         if plan.restart:

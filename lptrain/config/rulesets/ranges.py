@@ -96,6 +96,7 @@ TRAIN_RANGES: tuple[Spec, ...] = (
     ("debug.nan_sample", ((lambda v: v is None or 0 <= v <= MAX_SEED), "in [0, 2^63) (or null)")),
     ("checkpoint.keep_latest", ((lambda v: 2 <= v <= MAX_SIZE), f"in [2, {MAX_SIZE}] (the newest may be half-written)")),
     ("dist.distributed_timeout_minutes", _positive()),
+    ("run.cpu_threads", ((lambda v: v is None or 1 <= v <= 4096), "in [1, 4096] (or null)")),
 )
 DATA_RANGES: tuple[Spec, ...] = (
     ("data.split_valid_fraction", _fraction()),
