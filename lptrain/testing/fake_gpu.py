@@ -77,11 +77,11 @@ class FakeStepReport:
         syncs = sum(self.syncs_per_step.values())
         kinds = ", ".join(f"{k} {v}" for k, v in sorted(self.syncs_per_step.items())) or "none"
         losses = " -> ".join(f"{x:.4f}" for x in self.losses)
-        where = f"{self.ranks} gloo ranks" if self.ranks > 1 else "1 rank"
+        where, rank0 = (f" on {self.ranks} gloo ranks", " on rank 0") if self.ranks > 1 else ("", "")
         return [
             f"fake GPU step ({self.target}, virtual CUDA, {self.backend}): {len(self.losses)} "
-            f"steps on {where}, loss {losses}, val {self.val_loss:.4f}; {syncs} host syncs per step "
-            f"({kinds}) on rank 0; peak device memory {self.peak_device_bytes / 2**20:.1f} MiB",
+            f"steps{where}, loss {losses}, val {self.val_loss:.4f}; {syncs} host syncs per step "
+            f"({kinds}){rank0}; peak device memory {self.peak_device_bytes / 2**20:.1f} MiB",
             "fake GPU step shrank: " + "; ".join(self.changed),
             "fake GPU step ran: " + ("; ".join(self.ran) if self.ran else "no model parallelism (none in the recipe)"),
             *(["fake GPU step did not run: " + "; ".join(self.not_run)] if self.not_run else []),
