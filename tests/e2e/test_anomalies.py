@@ -127,8 +127,9 @@ def test_loss_spike_is_an_anomaly(cache: Path, tmp_path: Path, monkeypatch: pyte
         return loss, aux
 
     monkeypatch.setattr(GPTModel, "forward", spiking)
-    cfg = _cfg(cache, tmp_path, "train.train_iters=12", "train.spike_zscore=3",
-               "train.spike_window=10", "train.on_anomaly=skip_batch", "model.num_layers=1")
+    cfg = load("tiny_cpu.yaml", [*SMALL, f"data.cache_dir={cache}", "train.train_iters=12",
+                                 "train.spike_zscore=3", "train.spike_window=10",
+                                 "train.on_anomaly=skip_batch", "model.num_layers=1"]).cfg
     summary = pretrain(cfg, tmp_path / "run")
     assert summary["status"] == "completed"
     (a,) = summary["anomalies"]
