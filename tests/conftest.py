@@ -23,9 +23,10 @@ os.environ["LPTRAIN_CACHE_DIR"] = os.environ[_SESSION_CACHE]
 # an equal share of the cores, and so do the CLI runs it starts as subprocesses: two workers
 # each spinning two OpenMP threads on two cores made single-process tests 2-5x slower.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+# Always pinned: a run otherwise picks its threads from the CPUs free at its start
+# (lptrain.distributed.threads), which would make a test's speed and notes depend on the load.
 _THREADS = 2 if _WORKERS <= 1 else max(1, (os.cpu_count() or 2) // _WORKERS)
-if _WORKERS > 1:
-    os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
+os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

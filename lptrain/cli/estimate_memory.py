@@ -54,6 +54,17 @@ LABELS = {
 }
 
 
+def labels_for(estimate: MemoryEstimate) -> dict[str, str]:
+    """The category labels of this estimate, the same in the text and in the plot: under
+    pipeline parallelism the activations are those of the micro-batches the worst rank's
+    stage holds in flight."""
+    from lptrain.memory.plan import micro_batches
+
+    if estimate.pp == 1:
+        return LABELS
+    return {**LABELS, "activations": f"activations ({micro_batches(estimate.in_flight)} in flight)"}
+
+
 def default_gpu_memory_gib(target: str) -> float:
     """The target's device memory; for ``cpu`` this machine's RAM."""
     if target in GPU_MEMORY_GIB:
@@ -78,7 +89,8 @@ def plot(estimate: MemoryEstimate, path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     w = estimate.worst
-    names = [LABELS[k] for k in w.bytes] + ["activations, full recompute"]
+    labels = labels_for(estimate)
+    names = [labels[k] for k in w.bytes] + ["activations, full recompute"]
     values = [v / GIB for v in w.bytes.values()] + [estimate.activations_recompute / GIB]
     fig, ax = plt.subplots(figsize=(8, 4.5))
     bars = ax.barh(names, values, color="tab:blue")
@@ -139,10 +151,11 @@ def estimate_memory_cmd(
         return
     typer.echo(f"{Path(recipe).name}: {est.params / 1e6:.2f}M params, dp {dp}, target {tgt}; "
                f"rank {w.rank} (the most loaded)")
-    labels = {**LABELS, "activations": "activations (in flight)"} if est.pp > 1 else LABELS
+    labels = labels_for(est)
+    width = max(30, *(len(labels[k]) for k in w.bytes))
     for k, v in w.bytes.items():
-        typer.echo(f"  {labels[k]:<30} {v / GIB:10.3f} GiB")
-    typer.echo(f"  {'total':<30} {w.total / GIB:10.3f} GiB")
+        typer.echo(f"  {labels[k]:<{width}} {v / GIB:10.3f} GiB")
+    typer.echo(f"  {'total':<{width}} {w.total / GIB:10.3f} GiB")
     rc = cfg.model.recompute_granularity
     typer.echo(f"  (activations with full recompute: {est.activations_recompute / GIB:.3f} GiB; "
                f"this run: model.recompute_granularity={'null' if rc is None else rc}, "

@@ -33,6 +33,9 @@ LATER_KEYS: dict[str, LaterEffect] = {
                             "tests/unit/config/test_config_compose.py::test_interpolation"),
     "run.output_dir": LaterEffect("the run folder that pretrain writes",
                                   "tests/e2e/test_cli_config.py::test_pretrain_writes_resolved_config_then_trains"),
+    "run.cpu_threads": LaterEffect(
+        "the intra-op CPU threads of each rank (null: chosen from the CPUs it can have)",
+        "tests/unit/distributed/test_threads.py::test_the_thread_count_follows_the_free_cpus"),
     "run.device": LaterEffect("where the model lives (auto, cpu, cuda)",
                               "tests/unit/precision/test_device_and_backend.py::test_resolve_device"),
     "precision.backend": LaterEffect(
@@ -127,8 +130,18 @@ LATER_KEYS: dict[str, LaterEffect] = {
         "a loss this many standard deviations above the recent mean is an anomaly",
         "tests/e2e/test_anomalies.py::test_loss_spike_is_an_anomaly"),
     "train.spike_window": LaterEffect(
-        "how many steps of loss history a spike is measured against",
+        "how many steps of loss history a spike or a divergence is measured against",
         "tests/unit/train/test_forensics.py::test_spike_detector_window_and_threshold"),
+    "train.check_for_spiky_loss": LaterEffect(
+        "a loss that diverged (far above ln(vocab) or the running median) stops the run, "
+        "or follows train.on_anomaly",
+        "tests/e2e/test_anomalies.py::test_a_divergence_stops_the_run_naming_the_operand"),
+    "train.spiky_loss_factor": LaterEffect(
+        "the multiple of the running median of the loss above which a loss diverged",
+        "tests/unit/train/test_forensics.py::test_divergence_needs_a_warm_baseline_or_the_uniform_bound"),
+    "train.uniform_loss_factor": LaterEffect(
+        "the multiple of ln(vocab) above which a loss diverged, from the first step",
+        "tests/unit/train/test_forensics.py::test_divergence_needs_a_warm_baseline_or_the_uniform_bound"),
     "train.max_rollbacks": LaterEffect(
         "how many rollbacks a job may do before an anomaly stops it",
         "tests/e2e/test_anomalies.py::test_rollback_budget_then_stop"),

@@ -99,6 +99,11 @@ class RunConfig:
     output_dir: str = opt("runs/${run.name}", "Folder for resolved config, logs, plots and metrics.")
     device: str = choice("auto", DEVICES, "Compute device: {choices}.",
                          {"auto": "cuda when available, else cpu"})
+    cpu_threads: Optional[int] = opt(
+        None, "Intra-op CPU threads per rank (torch.set_num_threads); null = $OMP_NUM_THREADS when "
+              "set, else the CPUs this rank can have: its affinity (and cgroup quota) shared among "
+              "the node's ranks, less the CPUs other processes keep busy."
+    )
 
 
 @dataclass
@@ -379,17 +384,31 @@ class TrainConfig:
     )
     on_anomaly: Optional[str] = choice(
         None, ON_ANOMALY,
-        "A non-finite loss or grad, or a loss spike (train.spike_zscore): {choices}; each is "
-        "logged with its step, rank, sample ids and first non-finite tensor.",
+        "A non-finite loss or grad, a diverged loss (train.check_for_spiky_loss) or a loss spike "
+        "(train.spike_zscore): {choices}; each is logged with its step, rank, sample ids and "
+        "culprit (the first non-finite tensor, or the operand whose statistics moved most).",
         {None: "follows train.on_nonfinite: stop or skip_batch",
          "stop": "raise after the forensics", "skip_batch": "no optimizer update that step",
-         "rollback": "reload the last checkpoint and skip the data since it"},
+         "rollback": "reload the last checkpoint before the anomaly window and skip the data since it"},
+    )
+    check_for_spiky_loss: bool = opt(
+        True, "Megatron's check: a diverged loss is an anomaly (train.on_anomaly; by default the "
+              "run stops, exit 3): above train.uniform_loss_factor x ln(vocab), or above "
+              "train.spiky_loss_factor x the median of the last train.spike_window accepted steps "
+              "(once 10 of them are there). A diverged step never joins that history either way."
+    )
+    spiky_loss_factor: float = opt(
+        10.0, "A loss above this multiple of the running median of the loss diverged (Megatron's 10)."
+    )
+    uniform_loss_factor: float = opt(
+        3.0, "A loss above this multiple of ln(vocab), the loss of a uniform prediction, diverged "
+             "(needs no history: a blow-up at step 2 is caught)."
     )
     spike_zscore: Optional[float] = opt(
         None, "A loss more than this many standard deviations above the mean of the last "
-              "train.spike_window steps is an anomaly (null = no spike detection)."
+              "train.spike_window steps (at least 10 of them) is an anomaly (null = no spike detection)."
     )
-    spike_window: int = opt(100, "Steps of loss history the spike detection compares with.")
+    spike_window: int = opt(100, "Steps of loss history the spike and divergence checks compare with.")
     max_rollbacks: int = opt(
         3, "train.on_anomaly=rollback: rollbacks allowed in a job; the next anomaly stops the run."
     )

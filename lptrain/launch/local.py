@@ -79,7 +79,7 @@ def launch_local(nproc: int, args: Sequence[str]) -> int:
         monitor_interval=0.2,
         start_method="spawn",
     )
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    # (no OMP_NUM_THREADS: each rank takes its share of the CPUs, lptrain.distributed.threads)
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     quiet_agent_logs()

@@ -84,6 +84,9 @@ class MemoryEstimate:
     tp: int = 1  # tensor-parallel size (the world is tp x cp x pp x dp ranks)
     pp: int = 1  # pipeline-parallel size (ranks of every stage are in ``ranks``)
     cp: int = 1  # context-parallel size
+    # micro-batches whose activations the worst rank's stage holds at once (1 without PP);
+    # ``layout_report`` is that stage's too: every figure printed is the worst rank's
+    in_flight: float = 1.0
 
     @property
     def worst(self) -> RankMemory:
@@ -102,6 +105,7 @@ class MemoryEstimate:
             "total_bytes": w.total,
             "activations_recompute_bytes": self.activations_recompute,
             "per_rank_total_bytes": [r.total for r in self.ranks],
+            "activations_in_flight": self.in_flight,
             "notes": list(self.notes),
         }
 
@@ -397,19 +401,24 @@ def estimate_memory(cfg: LPTrainConfig, dp: int, target: str = "cpu") -> MemoryE
     dims = parallel_dims(cfg, dp)
     micro = max(1, cfg.train.global_batch_size // max(1, cfg.train.micro_batch_size * dp))
     ranks: list[RankMemory] = []
-    params, report = 0, ""
-    recompute: dict[int, int] = {}  # stage -> its activations with full recompute
+    params = 0
+    # per stage: its layout report, full-recompute activations and micro-batches in flight
+    reports: dict[int, str] = {}
+    recompute: dict[int, int] = {}
+    in_flight: dict[int, float] = {}
     for stage in sampled_stages(lay.pp):
         model = meta_model(cfg, pp_rank=stage)
-        stage_ranks, recompute[stage], stage_report = _stage_memory(
-            cfg, dp, model, quantizers, act_bytes, lay.in_flight(stage, micro),
+        in_flight[stage] = lay.in_flight(stage, micro) if lay.pp > 1 else 1.0
+        stage_ranks, recompute[stage], reports[stage] = _stage_memory(
+            cfg, dp, model, quantizers, act_bytes, in_flight[stage],
             pipeline_buffer_bytes(cfg, lay, stage, micro, act_bytes))
         for r in stage_ranks:
             r.rank = dims.rank_of(cp=r.rank % dims.cp, dp=r.rank // dims.cp, pp=stage)
         ranks += stage_ranks
         params += whole_params(model, stage, lay.pp)
-        report = report or stage_report
-    acts_rc = recompute[dims.coords(max(ranks, key=lambda r: (r.total, -r.rank)).rank)["pp"]]
+    # every figure reported is the most loaded rank's, from its own stage (its layout, its
+    # micro-batches in flight), never another stage's
+    worst_stage = dims.coords(max(ranks, key=lambda r: (r.total, -r.rank)).rank)["pp"]
     notes = []
     if dp * dims.cp > _MAX_RANKS:
         notes.append(f"{len(ranks) // len(sampled_stages(lay.pp))} of {dp * dims.cp} data"
@@ -425,17 +434,23 @@ def estimate_memory(cfg: LPTrainConfig, dp: int, target: str = "cpu") -> MemoryE
                      f"{tp * dims.cp * dp * lay.pp} ranks; the figures are one rank's (its shards), params "
                      "the whole model's")
     if lay.pp > 1:
-        worst = max(ranks, key=lambda r: (r.total, -r.rank))
         notes.append(
             f"pipeline parallel {lay.pp}{f' x {lay.vpp} virtual chunks' if lay.vpp > 1 else ''} "
             f"({cfg.model.pipeline_schedule}, {micro} micro-batches per step): stage "
-            f"{dims.coords(worst.rank)['pp']} is the most loaded; a stage holds "
-            f"{lay.in_flight(0, micro):g} micro-batches of activations at most, as Megatron-LM counts "
-            "them, and the schedule's receive buffers of every micro-batch")
+            f"{worst_stage} is the most loaded; it holds {micro_batches(in_flight[worst_stage])} "
+            f"of activations at most (stage 0: {in_flight[0]:g}), as Megatron-LM counts them, and "
+            "the schedule's receive buffers of every micro-batch; the layout is stage "
+            f"{worst_stage}'s")
     return MemoryEstimate(
-        dp=dp, ranks=ranks, activations_recompute=acts_rc, params=params, layout_report=report,
-        notes=notes, tp=tp, pp=lay.pp, cp=dims.cp,
+        dp=dp, ranks=ranks, activations_recompute=recompute[worst_stage], params=params,
+        layout_report=reports[worst_stage], notes=notes, tp=tp, pp=lay.pp, cp=dims.cp,
+        in_flight=in_flight[worst_stage],
     )
+
+
+def micro_batches(n: float) -> str:
+    """``1 micro-batch``, ``7 micro-batches``, ``5.25 micro-batches``."""
+    return f"{n:g} micro-batch{'' if n == 1 else 'es'}"
 
 
 def _stage_memory(cfg: LPTrainConfig, dp: int, model: torch.nn.Module, quantizers: Optional[_Quantizers],

@@ -6,9 +6,11 @@ target, and what the tests of the GPU path use.
 ``precision.backend=te`` where Transformer Engine is not installed, the stand-in TE
 (:mod:`lptrain.testing.te_standin`, which computes through the emulation and behaves like TE
 where lptrain depends on it). :func:`fake_gpu_steps` shrinks a config to tiny shapes
-(keeping its precision, optimizer, data-parallel and MoE settings) and runs training steps,
-an evaluation and the collection of the checkpoint state on it, reporting the host syncs and
-collectives per step and the peak device memory.
+(keeping its precision, optimizer, data-parallel and MoE settings, and tensor and pipeline
+parallelism at 2 where the recipe has them, on 2 or 4 gloo ranks with a virtual GPU each) and
+runs training steps, an evaluation and the collection of the checkpoint state on it,
+reporting the host syncs and collectives per step, the peak device memory, and the recipe's
+parallel paths it ran and did not run.
 """
 
 from __future__ import annotations
@@ -67,16 +69,22 @@ class FakeStepReport:
     collectives_per_step: dict[str, int]
     peak_device_bytes: int
     changed: list[str] = field(default_factory=list)  # what was shrunk for the step
+    ranks: int = 1  # gloo ranks the step ran on (TP x PP)
+    ran: list[str] = field(default_factory=list)  # the parallel code paths it ran
+    not_run: list[str] = field(default_factory=list)  # the recipe's paths it did not run
 
     def lines(self) -> list[str]:
         syncs = sum(self.syncs_per_step.values())
         kinds = ", ".join(f"{k} {v}" for k, v in sorted(self.syncs_per_step.items())) or "none"
         losses = " -> ".join(f"{x:.4f}" for x in self.losses)
+        where, rank0 = (f" on {self.ranks} gloo ranks", " on rank 0") if self.ranks > 1 else ("", "")
         return [
             f"fake GPU step ({self.target}, virtual CUDA, {self.backend}): {len(self.losses)} "
-            f"steps, loss {losses}, val {self.val_loss:.4f}; {syncs} host syncs per step "
-            f"({kinds}); peak device memory {self.peak_device_bytes / 2**20:.1f} MiB",
+            f"steps{where}, loss {losses}, val {self.val_loss:.4f}; {syncs} host syncs per step "
+            f"({kinds}){rank0}; peak device memory {self.peak_device_bytes / 2**20:.1f} MiB",
             "fake GPU step shrank: " + "; ".join(self.changed),
+            "fake GPU step ran: " + ("; ".join(self.ran) if self.ran else "no model parallelism (none in the recipe)"),
+            *(["fake GPU step did not run: " + "; ".join(self.not_run)] if self.not_run else []),
         ]
 
 
@@ -84,33 +92,56 @@ class FakeStepReport:
 _TINY_MODEL = {"num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 256, "num_attention_heads": 4,
                "num_query_groups": 4, "seq_length": 64, "vocab_size": 259,
                "make_vocab_size_divisible_by": 1}
+# Model parallelism is run at 2 (the code paths of any larger size): TP 2 and PP 2 on 2 gloo
+# ranks, both on 4; expert and data parallelism are not (a rank per expert group or replica).
+_PARALLEL = 2
 
 
-def shrink(cfg: Any) -> tuple[Any, list[str]]:
-    """A copy of ``cfg`` at tiny shapes on the built-in corpus, one rank: everything else
-    (precision, optimizer, data-parallel engine, MoE layout) as it was; and what changed."""
+def shrink(cfg: Any, dp: int = 1) -> tuple[Any, list[str], list[str], list[str]]:
+    """A copy of ``cfg`` at tiny shapes on the built-in corpus, with tensor and pipeline
+    parallelism at 2 where the recipe has them (everything else -- precision, optimizer,
+    data-parallel engine, MoE layout -- as it was) on one data-parallel replica; and what
+    changed, which parallel paths it runs, and which of the recipe's it does not (``dp``: the
+    data-parallel size the recipe was checked for)."""
     out = copy.deepcopy(cfg)
     m, t, d = out.model, out.train, out.data
     changed = [f"model {m.num_layers}x{m.hidden_size} -> 2x64, seq {m.seq_length} -> 64"]
     for k, v in _TINY_MODEL.items():
         setattr(m, k, v)
-    if m.tensor_model_parallel_size != 1:
-        changed.append(f"tensor parallelism {m.tensor_model_parallel_size} -> 1")
-        m.tensor_model_parallel_size, m.sequence_parallel = 1, False
-        if out.optimizer.muon.tp_mode != "duplicated":
-            out.optimizer.muon.tp_mode = "duplicated"  # (inert at TP 1)
-    if m.pipeline_model_parallel_size != 1:
-        changed.append(f"pipeline parallelism {m.pipeline_model_parallel_size} -> 1")
-        m.pipeline_model_parallel_size, m.virtual_pipeline_model_parallel_size = 1, None
-        m.pipeline_schedule = None
+    ran: list[str] = []
+    not_run: list[str] = []
+    tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
+    if tp > 1:
+        m.tensor_model_parallel_size = _PARALLEL
+        m.make_vocab_size_divisible_by = _PARALLEL  # the head's rows split over TP
+        if tp != _PARALLEL:
+            changed.append(f"tensor parallelism {tp} -> {_PARALLEL}")
+        ran.append(f"tensor parallelism {_PARALLEL}" + (" + sequence parallelism" if m.sequence_parallel else "")
+                   + (f" (Muon tp_mode={out.optimizer.muon.tp_mode})" if out.optimizer.name == "muon" else ""))
+    if pp > 1:
+        vpp = m.virtual_pipeline_model_parallel_size or 1
+        m.pipeline_model_parallel_size = _PARALLEL
+        m.virtual_pipeline_model_parallel_size = min(vpp, 2) if vpp > 1 else None
+        m.num_layers = _PARALLEL * min(vpp, 2)  # one layer per model chunk
+        if pp != _PARALLEL:
+            changed.append(f"pipeline parallelism {pp} -> {_PARALLEL}"
+                           + (f" x {min(vpp, 2)} virtual chunks" if vpp > 1 else ""))
+        ran.append(f"pipeline parallelism {_PARALLEL} ({m.pipeline_schedule or 'schedule derived'}, "
+                   f"{m.num_layers} layers)")
     if m.context_parallel_size != 1:
         changed.append(f"context parallelism {m.context_parallel_size} -> 1")
+        not_run.append(f"context parallelism {m.context_parallel_size}")
         m.context_parallel_size, m.cp_comm_type, m.hierarchical_context_parallel_sizes = 1, "p2p", None
     if m.moe.num_experts:
         m.moe.ffn_hidden_size = 64
         if m.moe.expert_model_parallel_size != 1:
             changed.append(f"expert parallelism {m.moe.expert_model_parallel_size} -> 1")
+            not_run.append(f"expert parallelism {m.moe.expert_model_parallel_size} (the token "
+                           "all-to-all: every expert on every rank here)")
             m.moe.expert_model_parallel_size = 1
+    if dp > 1:
+        not_run.append(f"data parallelism {dp} (the gradient reduce-scatter / all-reduce and the "
+                       "param all-gather between replicas: one replica here)")
     changed.append(f"batch {t.global_batch_size} -> 4 (micro 2)")
     t.global_batch_size, t.micro_batch_size, t.eval_iters = 4, 2, 1
     if d.source != "builtin:python-stdlib" or d.paths:
@@ -118,19 +149,42 @@ def shrink(cfg: Any) -> tuple[Any, list[str]]:
     d.source, d.paths, d.weights, d.tokenizer, d.builtin_max_mb = "builtin:python-stdlib", [], [], "byte", 1.0
     out.run.device = "cuda"
     out.logging.progress = False
-    return out, changed
+    return out, changed, ran, not_run
 
 
 def fake_gpu_steps(cfg: Any, target: str, *, steps: int = 2, te_version: Optional[str] = None,
-                   cuda_version: Optional[str] = None) -> FakeStepReport:
+                   cuda_version: Optional[str] = None, dp: int = 1) -> FakeStepReport:
     """Run ``steps`` training steps of ``cfg`` (shrunk: :func:`shrink`) on a virtual ``target``
-    GPU, then an evaluation and the checkpoint state (not written). Raises
-    :class:`~lptrain.testing.virtual_cuda.DeviceRuleError` where a GPU would fail."""
+    GPU per rank -- one rank, or TP x PP gloo ranks (:func:`lptrain.testing.dist.run_distributed`)
+    when the recipe has tensor or pipeline parallelism -- then an evaluation and the checkpoint
+    state (not written). Raises :class:`~lptrain.testing.virtual_cuda.DeviceRuleError` (one
+    rank) or :class:`~lptrain.testing.dist.RankFailedError` naming the rank where a GPU would
+    fail."""
+    small, changed, ran, not_run = shrink(cfg, dp)
+    ranks = small.model.tensor_model_parallel_size * small.model.pipeline_model_parallel_size
+    if ranks == 1:
+        results = [_rank_steps(0, 1, small, target, steps, te_version, cuda_version)]
+    else:
+        from lptrain.testing.dist import run_distributed
+
+        results = run_distributed(_rank_steps, ranks, args=(small, target, steps, te_version, cuda_version),
+                                  init_process_group=False, timeout_s=600)
+    first = results[0]
+    losses = first["losses"]
+    if not all(math.isfinite(x) for x in losses):
+        raise FloatingPointError(f"fake GPU step: non-finite loss {losses}")
+    return FakeStepReport(target, first["backend"], losses, first["val"], first["syncs"], first["collectives"],
+                          max(r["peak"] for r in results), changed, ranks, ran, not_run)
+
+
+def _rank_steps(rank: int, world: int, small: Any, target: str, steps: int, te_version: Optional[str],
+                cuda_version: Optional[str]) -> dict[str, Any]:
+    """This rank's steps on its virtual GPU (module level: the ranks are spawned): losses, the
+    evaluation, host syncs and collectives of the last step, peak device bytes."""
     from lptrain.config import World, derive
     from lptrain.data import build_train_valid_loaders
     from lptrain.train.engine import TrainEngine
 
-    small, changed = shrink(cfg)
     te = small.precision.backend == "te"
     with virtual_gpu(target, te=te, te_version=te_version, cuda_version=cuda_version) as vc:
         small = derive(small, World.detect())
@@ -138,9 +192,10 @@ def fake_gpu_steps(cfg: Any, target: str, *, steps: int = 2, te_version: Optiona
         t = small.train
         train_it, valid_it = build_train_valid_loaders(
             small.data, seq_length=small.model.seq_length, micro_batch_size=t.micro_batch_size,
-            global_batch_size=t.global_batch_size, dp_rank=0, dp_size=1, vocab_size=small.model.vocab_size,
+            global_batch_size=t.global_batch_size, dp_rank=engine.dp_rank, dp_size=engine.dp_size,
+            vocab_size=small.model.vocab_size,
         )
-        n = t.global_batch_size // t.micro_batch_size
+        n = t.global_batch_size // (t.micro_batch_size * engine.dp_size)
         losses, syncs, coll = [], {}, {}
         for step in range(1, steps + 1):
             before_s, before_c = dict(vc.stats.syncs), dict(vc.stats.collectives)
@@ -150,8 +205,6 @@ def fake_gpu_steps(cfg: Any, target: str, *, steps: int = 2, te_version: Optiona
         val = engine.evaluate(valid_it if valid_it is not None else train_it, 1)
         with engine.params_synced():
             engine.checkpoint_state()
-        peak = vc.stats.bytes_peak
         backend = "emulated backend" if not te else f"TE backend, {vc.te_backend} TE"
-    if not all(math.isfinite(x) for x in losses):
-        raise FloatingPointError(f"fake GPU step: non-finite loss {losses}")
-    return FakeStepReport(target, backend, losses, val, syncs, coll, peak, changed)
+        return {"losses": losses, "val": val, "syncs": syncs, "collectives": coll,
+                "peak": vc.stats.bytes_peak, "backend": backend}

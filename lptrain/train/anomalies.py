@@ -2,11 +2,15 @@
 
 :class:`AnomalyPolicy` decides, for an anomaly at step N: ``stop`` (the run fails, exit 3,
 naming the step, rank, samples and tensor), ``skip_batch`` (no update for that batch; the
-run goes on) or ``rollback`` -- reload the newest checkpoint before N and skip the data the
-run read since it (the batches of the steps after the checkpoint up to N), as PaLM did for
-loss spikes, at most ``train.max_rollbacks`` times in a job; a checkpoint that cannot be loaded
-(a corrupt file) falls back to the next older one, as a resume does; without a loadable one,
-or past the limit, the anomaly stops the run (exit 3). Every decision is the same on every rank.
+run goes on) or ``rollback`` -- reload the newest checkpoint before the anomaly window (the
+steps whose losses led up to N: :meth:`lptrain.train.loss_watch.LossWatch.window_start`) and
+skip the data the run read since it (the batches of the steps after the checkpoint up to N),
+as PaLM did for loss spikes, at most ``train.max_rollbacks`` times in a job. An anomaly
+before the run got past the one it last rolled back for goes further back, before that
+rollback's checkpoint: a checkpoint the run fails from again is not rolled back to twice in
+a row. A checkpoint that cannot be loaded (a corrupt file) falls back to the next older one,
+as a resume does; without a loadable one, or past the limit, the anomaly stops the run
+(exit 3). Every decision is the same on every rank.
 
 Each anomaly is one line of ``anomalies.jsonl`` in the run folder (:class:`AnomalyLog`:
 step, kind, rank, sample ids, the first non-finite tensor, that step's quantization
@@ -60,18 +64,28 @@ class AnomalyPolicy:
         self.max_rollbacks = t.max_rollbacks
         self.save = cfg.checkpoint.save
         self.rollbacks = 0
+        self.last: Optional[tuple[int, int]] = None  # (anomaly step, checkpoint step) of the last rollback
 
-    def decide(self, step: int) -> Decision:
+    def decide(self, step: int, window_start: Optional[int] = None) -> Decision:
+        """The action for an anomaly at ``step`` whose window starts at ``window_start``
+        (default: the step itself)."""
         if self.action != "rollback":
             return Decision(self.action)
         if self.rollbacks >= self.max_rollbacks:
             return Decision("stop", why=f"train.max_rollbacks={self.max_rollbacks} reached")
-        found = [f for f in find_checkpoints(self.save).valid if _iteration(f) < step] if self.save else []
+        before = min(step, window_start or step)
+        where = f"before step {before}" + (" (the anomaly window began there)" if before < step else "")
+        if self.last is not None and step <= self.last[0] and self.last[1] < before:
+            before = self.last[1]  # failed again from the last rollback's checkpoint: further back
+            where = (f"before step {before} (the run failed again from that checkpoint, before getting "
+                     f"past step {self.last[0]})")
+        found = [f for f in find_checkpoints(self.save).valid if _iteration(f) < before] if self.save else []
         if not found:
-            return Decision("stop", why=f"no checkpoint before step {step} to roll back to")
+            return Decision("stop", why=f"no checkpoint {where} to roll back to")
         folder = found[0]
         state = read_train_state(folder)
         self.rollbacks += 1
+        self.last = (step, int(state["iteration"]))
         return Decision("rollback", folder, int(state["iteration"]), int(state["consumed_samples"]),
                         fallbacks=tuple(found[1:]))
 

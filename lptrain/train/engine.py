@@ -71,7 +71,7 @@ class StepResult:
     skipped: bool = False  # step skipped on a non-finite loss or grad norm
     note: str = ""  # why it was skipped: step, rank and first non-finite tensor (for the log)
     extra: dict[str, float] = field(default_factory=dict)  # e.g. MoE aux losses, Muon update RMS
-    # the anomaly that skipped the step ("nonfinite" or "spike"), when the caller handles it
+    # the anomaly that skipped the step ("nonfinite", "divergence", "spike"), when the caller handles it
     anomaly: Optional[str] = None
     # per operand, the quantization statistics of this step (when asked for: numerics=True)
     numerics: Optional[dict[str, dict[str, Optional[float]]]] = None
@@ -203,13 +203,13 @@ class TrainEngine(EngineCheckpointState):
 
     def train_step(self, micro_batches: Sequence[dict[str, torch.Tensor]], step: int, *,
                    numerics: bool = False,
-                   spike: Optional[Callable[[float], Optional[str]]] = None) -> StepResult:
+                   spike: Optional[Callable[[float], Optional[tuple[str, str]]]] = None) -> StepResult:
         """One optimizer step over this rank's micro-batches (see the module doc).
 
         ``numerics``: collect the quantization statistics of every GEMM operand of this step
         (:mod:`lptrain.train.numerics`; one device-to-host read at the end of the step).
-        ``spike(loss)``: a note when the step's mean loss is a spike (then the step is not
-        taken, like a non-finite one), else None."""
+        ``spike(loss)``: ``(kind, note)`` when the step's mean loss diverged or spiked (then
+        the step is not taken, like a non-finite one), else None."""
         from lptrain.model.recompute import take_region_count
         from lptrain.train.numerics import collecting
 
@@ -221,9 +221,9 @@ class TrainEngine(EngineCheckpointState):
         moe_metrics = self._moe_metrics()
         lrs = self.lr_for_step(step)
         bad, kind = self._nonfinite(losses, step), "nonfinite"
-        if bad is None and spike is not None:
-            why = spike(float(losses[:, 0].mean()))
-            bad, kind = (f"step {step}: {why}" if why else None), "spike"
+        if bad is None and spike is not None:  # (kind, why) of a divergence or spike, or None
+            found = spike(float(losses[:, 0].mean()))
+            bad, kind = (f"step {step}: {found[1]}", found[0]) if found else (None, kind)
         self._reduce_router_counts()
         zeros = self.optimizer.count_zeros()  # before the step: reused grad buffers are restaged after it
         if bad is None:

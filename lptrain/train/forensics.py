@@ -1,14 +1,17 @@
 """What the loop does when a step goes wrong: find where, record it, then stop, skip or roll back.
 
-An *anomaly* is a step whose loss or gradient is not finite, or whose loss spikes
-(``train.spike_zscore``: :class:`SpikeDetector`). The engine takes no update for it and
+An *anomaly* is a step whose loss or gradient is not finite, or whose loss diverged or spiked
+(:class:`lptrain.train.loss_watch.LossWatch`). The engine takes no update for it and
 returns it (``TrainEngine.returns_anomalies``); :func:`investigate` then re-runs the step
 (:meth:`~lptrain.train.engine.TrainEngine.rerun_without_update`, which puts back every state
 the re-run touches) with hooks armed on every module -- only then, so normal steps pay
 nothing -- to name the first module whose forward output, or else whose output grad, went
 non-finite, on which rank and in which micro-batch (so which samples), together with that
-step's quantization statistics. The loop writes the record to ``anomalies.jsonl`` and the
-summary and applies ``train.on_anomaly`` (:mod:`lptrain.train.loop`).
+step's quantization statistics. A finite anomaly (a divergence, a spike) has no non-finite
+tensor: its culprit is the operand whose statistics moved most (:func:`moved_most`) against
+the last normal step's batch re-run with the same weights -- one variable changed, the data;
+that re-run's loss says whether the weights are to blame too. The loop writes the record to
+``anomalies.jsonl`` and the summary and applies ``train.on_anomaly`` (:mod:`lptrain.train.loop`).
 
 ``debug.nan_sample`` (:class:`NaNInjector`) puts a NaN into one named module's output or
 output grad in the step that reads one sample: a data-borne fault, which a rollback that
@@ -18,7 +21,6 @@ skips the data window gets past, and which a replay of that step reproduces.
 from __future__ import annotations
 
 import math
-from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -30,49 +32,6 @@ from lptrain.errors import InputError
 if TYPE_CHECKING:
     from lptrain.config.schema import LPTrainConfig
     from lptrain.train.engine import TrainEngine
-
-MIN_SPIKE_HISTORY = 10  # steps of history before a z-score means anything
-
-
-class SpikeDetector:
-    """``train.spike_zscore``: a loss more than ``zscore`` standard deviations above the mean
-    of the last ``window`` accepted steps (at least :data:`MIN_SPIKE_HISTORY` of them, or the
-    whole window when it is shorter) is a spike. Every rank sees the same losses (they are
-    all-reduced), so every rank decides alike. The history starts empty in each job."""
-
-    def __init__(self, zscore: Optional[float], window: int) -> None:
-        self.zscore = zscore
-        self.window = window
-        self.history: deque[tuple[int, float]] = deque(maxlen=window)
-
-    @property
-    def enabled(self) -> bool:
-        return self.zscore is not None
-
-    def check(self, loss: float) -> Optional[str]:
-        """Why ``loss`` is a spike, or None."""
-        if self.zscore is None or len(self.history) < min(MIN_SPIKE_HISTORY, self.window):
-            return None
-        values = [v for _, v in self.history]
-        mean = sum(values) / len(values)
-        std = math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
-        if not math.isfinite(loss) or std == 0.0:
-            return None
-        z = (loss - mean) / std
-        if z <= self.zscore:
-            return None
-        return (f"loss {loss:.4f} is {z:.1f} standard deviations above the mean of the last "
-                f"{len(values)} steps ({mean:.4f} +- {std:.4f}; train.spike_zscore={self.zscore:g})")
-
-    def observe(self, step: int, loss: float) -> None:
-        """An accepted step's loss joins the history."""
-        if math.isfinite(loss):
-            self.history.append((step, loss))
-
-    def forget_after(self, step: int) -> None:
-        """A rollback to ``step``: the losses of the steps after it are gone."""
-        self.history = deque(((s, v) for s, v in self.history if s <= step), maxlen=self.window)
-
 
 def micro_batch_samples(sampler: Any, consumed_before: int, num_micro: int) -> list[list[int]]:
     """This rank's global sample positions per micro-batch of the step that starts at
@@ -221,12 +180,16 @@ def _all_findings(mine: Optional[dict[str, Any]]) -> list[Optional[dict[str, Any
 
 
 def investigate(engine: TrainEngine, micro_batches: Sequence[dict[str, torch.Tensor]],
-                samples: Sequence[Sequence[int]], dispatch: list[Any]) -> dict[str, Any]:
+                samples: Sequence[Sequence[int]], dispatch: list[Any],
+                reference: Optional[tuple[int, Sequence[dict[str, torch.Tensor]]]] = None) -> dict[str, Any]:
     """Re-run an anomalous step with the forensic hooks and the statistics armed; returns
     ``{"culprit": ..., "ranks": [...], "numerics": ...}`` (the same on every rank; the
     culprit is the lowest rank's first non-finite tensor, a forward output before an output
-    grad; None when the re-run is finite everywhere, e.g. a spike). ``dispatch`` is the
-    job's list of per-micro-batch callbacks; the finder joins it for the re-run. Collective."""
+    grad). When the re-run is finite everywhere (a divergence, a spike) and ``reference`` --
+    ``(step, micro-batches)`` of the last normal step -- is given, that batch is re-run too and
+    the culprit is the operand whose statistics moved most (:func:`moved_most`); else None.
+    ``dispatch`` is the job's list of per-micro-batch callbacks; the finder joins it for the
+    re-run. Collective."""
     from lptrain.train.numerics import collecting
 
     finder = FirstNonFinite(engine.model)
@@ -246,13 +209,72 @@ def investigate(engine: TrainEngine, micro_batches: Sequence[dict[str, torch.Ten
     grads = sorted((f for f in found if f["tensor"] != "output"),
                    key=lambda f: (-stage(f["rank"])["pp"], f["rank"]))
     culprit = next((f for f in found if f["tensor"] == "output"), grads[0] if grads else None)
+    if culprit is None and reference is not None and numerics:
+        ref_step, ref_batches = reference
+        with collecting(engine, True) as stats:
+            losses = engine.rerun_without_update(ref_batches)
+        culprit = moved_most(numerics, stats.result() or {})
+        if culprit is not None:
+            culprit.update(reference_step=ref_step, reference_loss=float(losses[:, 0].mean()))
     return {"culprit": culprit, "ranks": [f["rank"] for f in found], "numerics": numerics}
 
 
+# How far a statistic moved, in binades (factors of 2): the magnitudes by their log2 ratio,
+# the median block-scale exponent as it is, the SNR at 6.02 dB a bit. The extreme exponents
+# follow single blocks (noise); the fractions (underflow, saturation, zero blocks) have no
+# such unit and move with the magnitudes.
+_LOG2_STATS = ("amax", "scale")
+_EXP_STATS = ("scale_exp_median",)
+_DB_PER_BIT = 20 * math.log10(2)
+
+
+def _binades(stat: str, now: float, then: float) -> float:
+    if stat in _LOG2_STATS:
+        return abs(math.log2(now / then)) if now > 0 and then > 0 else 0.0
+    if stat == "snr_db":
+        return abs(now - then) / _DB_PER_BIT
+    return abs(now - then)
+
+
+def moved_most(now: dict[str, dict[str, Any]], then: dict[str, dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """The operand and statistic of ``now`` that moved most against ``then`` (both
+    ``{operand: {statistic: value}}``, an operand named ``<module>.<role>``): ``{"module",
+    "tensor", "operand", "statistic", "value", "reference", "binades"}``; None when nothing
+    moved. A non-finite count where there was none moves most of all."""
+    best: Optional[tuple[float, str, str, float, float]] = None
+    for op, stats in now.items():
+        ref = then.get(op, {})
+        for stat, v in stats.items():
+            r = ref.get(stat)
+            if r is None or v is None:
+                continue
+            if stat == "nonfinite":
+                moved = math.inf if v > 0 and r == 0 else 0.0
+            elif stat in _LOG2_STATS or stat in _EXP_STATS or stat == "snr_db":
+                moved = _binades(stat, float(v), float(r))
+            else:
+                continue
+            if moved > 0 and (best is None or moved > best[0]):
+                best = (moved, op, stat, float(v), float(r))
+    if best is None:
+        return None
+    moved, op, stat, v, r = best
+    module, _, role = op.rpartition(".")
+    return {"module": module, "tensor": role, "operand": op, "statistic": stat, "value": v,
+            "reference": r, "binades": moved if math.isfinite(moved) else None}
+
+
 def describe(culprit: Optional[dict[str, Any]]) -> str:
-    """``first non-finite: output grad of 'x' (rank 0, micro-batch 1, samples 12-15)``."""
+    """``first non-finite: output grad of 'x' (rank 0, micro-batch 1, samples 12-15)``, or
+    for a finite anomaly the operand whose statistics moved most."""
     if culprit is None:
         return "the re-run of the step was finite on every rank"
+    if "statistic" in culprit:
+        moved = f"{culprit['binades']:.1f} binades" if culprit["binades"] is not None else "newly non-finite"
+        return (f"statistics moved most: {culprit['tensor']} of '{culprit['module']}' "
+                f"({culprit['statistic']} {culprit['reference']:.4g} -> {culprit['value']:.4g}, {moved}, "
+                f"against step {culprit['reference_step']}'s batch re-run with the same weights, "
+                f"whose loss is {culprit['reference_loss']:.4g})")
     s = culprit["samples"]
     span = f"samples {s[0]}-{s[-1]}" if len(s) > 1 else f"sample {s[0]}" if s else "no samples"
     return (f"first non-finite: {culprit['tensor']} of '{culprit['module']}' (rank "

@@ -49,18 +49,19 @@ from lptrain.data.loader import (
     load_data_state,
 )
 from lptrain.distributed.progress import mark_step
+from lptrain.distributed.threads import apply_threads
 from lptrain.errors import RunFailedError
 from lptrain.train.anomalies import AnomalyLog, AnomalyPolicy, Decision, RollBack, action_text
 from lptrain.train.console import LogWindow, RunLog
 from lptrain.train.engine import StepResult, TrainEngine, TrainingDivergedError
 from lptrain.train.forensics import (
     NaNInjector,
-    SpikeDetector,
     batch_span,
     describe,
     investigate,
     micro_batch_samples,
 )
+from lptrain.train.loss_watch import LossWatch
 from lptrain.train.metrics import StepMeter, finite_or_none, format_log_line
 from lptrain.train.outputs import RunOutputs
 from lptrain.train.policies import (
@@ -102,8 +103,11 @@ def pretrain(cfg: LPTrainConfig, output_dir: str | Path, *, overwrite: bool = Fa
         plan = plan_run(cfg, out, overwrite)
         hf_arch = _check_init_from_hf(cfg, plan)
         schedule_note = apply_resumed_schedule(cfg, plan.schedule_changes, plan.resume_step)
+        threads = apply_threads(cfg.run.cpu_threads)  # before the engine's first kernel
         engine = TrainEngine(cfg)
         log = RunLog(engine.is_main, cfg)
+        if threads:
+            log.line(threads)
         for note in plan.notes:
             log.line(f"warning: skipping checkpoint {note}")
         if schedule_note:
@@ -192,7 +196,8 @@ class _Job:
         self.saves = SavePolicy.from_config(cfg)
         self.stops = StopPolicy.from_config(cfg)
         self.numerics = NumericsPolicy.from_config(cfg)
-        self.spikes = SpikeDetector(t.spike_zscore, t.spike_window)
+        self.spikes = LossWatch.from_config(cfg)
+        self.reference: Optional[tuple[int, list[Any]]] = None  # the last normal step's batch
         self.anomaly_policy = AnomalyPolicy(cfg)
         self.anomalies = AnomalyLog(out, engine.is_main)
         engine.returns_anomalies = True  # this loop applies train.on_anomaly
@@ -328,8 +333,8 @@ class _Job:
         if res.anomaly is not None:
             self._on_anomaly(step, res, micro, samples, before)
             rec["anomaly"] = res.anomaly
-        else:
-            self.spikes.observe(step, res.loss)
+        elif self.spikes.observe(step, res.loss):  # a diverged step is never a normal one
+            self.reference = (step, micro)
         if res.skipped:
             self.log.line(f"warning: {res.note}")
         return rec, dt
@@ -338,8 +343,8 @@ class _Job:
                     before: int) -> None:
         """Investigate (re-run with hooks), record, then stop, skip the batch or roll back."""
         t = self.cfg.train
-        found = investigate(self.engine, micro, samples, self.dispatch)
-        decision = self.anomaly_policy.decide(step)
+        found = investigate(self.engine, micro, samples, self.dispatch, self.reference)
+        decision = self.anomaly_policy.decide(step, self.spikes.window_start(step))
         loaded: dict[str, Any] = {}
         said: list[str] = []  # the load's lines, printed after the anomaly's
         if decision.action == "rollback":
@@ -349,8 +354,8 @@ class _Job:
         culprit = found["culprit"]
         record: dict[str, Any] = {
             "step": step, "kind": res.anomaly, "note": res.note,
-            "rank": culprit["rank"] if culprit else None,
-            "samples": culprit["samples"] if culprit else [s for m in samples for s in m],
+            "rank": (culprit or {}).get("rank"),
+            "samples": (culprit or {}).get("samples") or [s for m in samples for s in m],
             "batch": batch_span(before, t.global_batch_size), "culprit": culprit,
             "ranks": found["ranks"], "loss": finite_or_none(res.loss),
             "action": decision.action, "action_text": action,
@@ -359,7 +364,10 @@ class _Job:
             record.update(to_step=decision.to_step, skipped_samples=[decision.from_samples, skip_to])
         record["numerics"] = found["numerics"]
         self.anomalies.write(record)
-        res.note = f"{res.note}; {describe(culprit)}; {action}"
+        why = describe(culprit)
+        if culprit and "reference_loss" in culprit and self.spikes.diverged(culprit["reference_loss"]):
+            why += " -- that loss diverged too: the weights (the updates before) are to blame, not this batch"
+        res.note = f"{res.note}; {why}; {action}"
         if decision.action == "stop":
             for line in said:  # the checkpoints a failed rollback tried
                 self.log.line(line)
@@ -381,6 +389,8 @@ class _Job:
         except CheckpointError as e:
             return Decision("stop", why=f"no checkpoint before step {step} could be loaded ({e})"), {}
         folder = next(f for f in folders if iteration_of(f) == int(train_state["iteration"]))
+        if self.anomaly_policy.last is not None:  # an older one loaded: the rollback went there
+            self.anomaly_policy.last = (step, int(train_state["iteration"]))
         return d.loaded(folder, train_state), train_state
 
     def _rollback(self, rb: RollBack) -> None:

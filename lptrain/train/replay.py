@@ -25,8 +25,9 @@ import torch
 from lptrain.checkpoint import find_checkpoints, load_checkpoint, read_train_state
 from lptrain.errors import InputError
 from lptrain.train.anomalies import read_anomalies
-from lptrain.train.forensics import NaNInjector, SpikeDetector, investigate, micro_batch_samples
+from lptrain.train.forensics import NaNInjector, investigate, micro_batch_samples
 from lptrain.train.jsonl import step_records
+from lptrain.train.loss_watch import LossWatch
 
 
 @dataclass
@@ -182,7 +183,8 @@ def replay_step(run_dir: str | Path, step: int) -> ReplayResult:
     if injector is not None:
         dispatch.append(injector)
     engine.before_micro_batch = lambda i: [c.on_micro_batch(i) for c in dispatch]  # type: ignore[func-returns-value]
-    spikes = SpikeDetector(t.spike_zscore, t.spike_window)
+    spikes = LossWatch.from_config(cfg)
+    reference = None  # the last normal step's batch (the statistics' reference of a finite anomaly)
     res = None
     for s in range(start + 1, step + 1):
         if s - 1 in jumps:
@@ -195,8 +197,8 @@ def replay_step(run_dir: str | Path, step: int) -> ReplayResult:
         want_stats = s == step and line is not None and "numerics" in line
         res = engine.train_step(micro, s, numerics=want_stats,
                                 spike=spikes.check if spikes.enabled else None)
-        if res.anomaly is None:
-            spikes.observe(s, res.loss)
+        if res.anomaly is None and spikes.observe(s, res.loss):
+            reference = (s, micro)
     assert res is not None
     out = ReplayResult(step, before[0], step - 1 - start, True, anomalous=anomaly is not None)
 
@@ -215,8 +217,11 @@ def replay_step(run_dir: str | Path, step: int) -> ReplayResult:
         check("anomaly", res.anomaly, anomaly.get("kind"))
         check("loss", finite_or_none(res.loss), anomaly.get("loss"))
         if res.anomaly is not None:
-            found_now = investigate(engine, micro, samples, dispatch)
-            check("first non-finite tensor", found_now["culprit"], anomaly.get("culprit"))
+            found_now = investigate(engine, micro, samples, dispatch, reference)
+            if "statistic" not in (anomaly.get("culprit") or {}):
+                check("first non-finite tensor", found_now["culprit"], anomaly.get("culprit"))
+            elif reference is not None:  # (its reference is a normal step replayed before it)
+                check("operand that moved most", found_now["culprit"], anomaly.get("culprit"))
     at_step = [f for f in plan.valid if _iteration(f) == step]
     if at_step and res.anomaly is None:
         _compare_weights(engine, at_step[0], check)

@@ -110,7 +110,9 @@ def test_rollback_budget_then_stop(cache: Path, tmp_path: Path, monkeypatch: pyt
 
 
 def test_loss_spike_is_an_anomaly(cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A 5x loss at step 5 against the 3 steps before it: skipped as a spike, the run goes on."""
+    """A 2x loss at step 11 against the 10 steps before it (a warm baseline): skipped as a
+    spike, the run goes on. Its culprit is the operand whose statistics moved most against
+    step 10's batch re-run with the same weights (the re-run itself is not spiked here)."""
     from lptrain.model.gpt import GPTModel
 
     real = GPTModel.forward
@@ -120,21 +122,50 @@ def test_loss_spike_is_an_anomaly(cache: Path, tmp_path: Path, monkeypatch: pyte
         loss, aux = real(self, tokens, labels)
         if self.training:
             calls["n"] += 1
-            if calls["n"] in (9, 10):  # step 5's two micro-batches
-                return loss * 5, {**aux, "lm_loss": aux["lm_loss"] * 5}
+            if calls["n"] in (21, 22):  # step 11's two micro-batches
+                return loss * 2, {**aux, "lm_loss": aux["lm_loss"] * 2}
         return loss, aux
 
     monkeypatch.setattr(GPTModel, "forward", spiking)
-    cfg = _cfg(cache, tmp_path, "train.train_iters=6", "train.spike_zscore=3",
-               "train.spike_window=3", "train.on_anomaly=skip_batch")
+    cfg = load("tiny_cpu.yaml", [*SMALL, f"data.cache_dir={cache}", "train.train_iters=12",
+                                 "train.spike_zscore=3", "train.spike_window=10",
+                                 "train.on_anomaly=skip_batch", "model.num_layers=1"]).cfg
     summary = pretrain(cfg, tmp_path / "run")
     assert summary["status"] == "completed"
     (a,) = summary["anomalies"]
-    assert a["step"] == 5 and a["kind"] == "spike" and a["action"] == "skip_batch"
-    assert "standard deviations above the mean of the last 3 steps" in a["note"]
-    assert a["culprit"] is None  # the re-run (not spiked) is finite
+    assert a["step"] == 11 and a["kind"] == "spike" and a["action"] == "skip_batch"
+    assert "standard deviations above the mean of the last 10 steps" in a["note"]
+    assert a["culprit"]["reference_step"] == 10 and a["culprit"]["statistic"] in ("amax", "snr_db",
+                                                                                  "scale", "scale_exp_median")
     recs = _lines(tmp_path / "run" / "metrics.jsonl")
-    assert [r.get("skipped", False) for r in recs] == [False] * 4 + [True, False]
+    assert [r.get("skipped", False) for r in recs] == [False] * 10 + [True, False]
+
+
+def test_a_divergence_stops_the_run_naming_the_operand(cache: Path, tmp_path: Path) -> None:
+    """Issue 52 item 6: at lr 10 the loss goes from 5.5 to about 80 at step 2 -- finite, and the
+    run used to end "completed" with exit 0. Far above ln(vocab), it stops the run (exit 3, as
+    a NaN does) naming the operand whose statistics moved most; step 1's batch diverges too
+    with the same weights, which says the weights are to blame."""
+    cfg = load("mxfp8_adamw_cpu.yaml", [*SMALL, f"data.cache_dir={cache}", "optimizer.lr=10",
+                                        "train.train_iters=4"]).cfg
+    assert cfg.train.check_for_spiky_loss and cfg.train.on_anomaly is None  # the defaults
+    with pytest.raises(TrainingDivergedError) as err:
+        pretrain(cfg, tmp_path / "run")
+    assert err.value.exit_code == 3
+    msg = str(err.value)
+    assert msg.startswith("step 2: loss ") and " is above 3 x ln(259) = 16.67, 3x the loss of a uniform" in msg
+    assert "statistics moved most: " in msg and "against step 1's batch re-run with the same weights" in msg
+    assert "that loss diverged too: the weights (the updates before) are to blame" in msg
+    assert msg.endswith("; stopping (train.on_anomaly=stop)")
+    (record,) = _lines(tmp_path / "run" / "anomalies.jsonl")
+    assert record["kind"] == "divergence" and record["action"] == "stop"
+    culprit = record["culprit"]
+    assert culprit["operand"] == f"{culprit['module']}.{culprit['tensor']}"
+    assert culprit["operand"] in record["numerics"] and culprit["binades"] > 0
+    assert f"{culprit['tensor']} of '{culprit['module']}'" in msg
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "diverged"
+    assert [r["step"] for r in _lines(tmp_path / "run" / "metrics.jsonl")] == [1]
 
 
 @pytest.mark.parametrize("recipe", ["fp8_delayed_cpu.yaml", "nvfp4_adamw_cpu.yaml"])

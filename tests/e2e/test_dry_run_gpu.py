@@ -64,3 +64,41 @@ def test_a_device_bug_fails_the_dry_run(tmp_path: Path, cache: Path, monkeypatch
     r = _dry_run("bf16_adamw.yaml", "sm90", tmp_path, cache)
     assert r.exit_code != 0
     assert "in-place op writes device results into a host tensor" in str(r.exception) + r.output
+
+
+def test_tensor_parallelism_runs_on_two_gloo_ranks(tmp_path: Path, cache: Path) -> None:
+    """Issue 52 item 10: the dry run shrank TP and PP to 1 ("tensor parallelism 8 -> 1;
+    pipeline parallelism 8 -> 1"), so it never ran the parallel code paths it exists to check.
+    TP 4 + SP runs at TP 2 on 2 gloo ranks, each on a virtual GPU; the data parallelism it does
+    not run is named. (TP x PP: 4 ranks, the same launch; its shrinking is checked below.)"""
+    r = runner.invoke(app, ["pretrain", "--dry-run", "--recipe", "tiny_cpu.yaml", "--target", "sm90",
+                            "--dp", "2", "-o", str(tmp_path / "out"), f"data.cache_dir={cache}", "data.builtin_max_mb=1",
+                            "model.tensor_model_parallel_size=4", "model.sequence_parallel=true"])
+    assert r.exit_code == 0, r.output
+    assert "fake GPU step (sm90, virtual CUDA, emulated backend): 2 steps on 2 gloo ranks" in r.output
+    assert "fake GPU step shrank: model 2x64 -> 2x64, seq 128 -> 64; tensor parallelism 4 -> 2;" in r.output
+    assert "fake GPU step ran: tensor parallelism 2 + sequence parallelism\n" in r.output
+    assert ("fake GPU step did not run: data parallelism 2 (the gradient reduce-scatter / all-reduce "
+            "and the param all-gather between replicas: one replica here)") in r.output
+    assert "-> 1" not in r.output and not (tmp_path / "out").exists()
+
+
+def test_the_405b_recipe_shrinks_to_tp2_pp2_on_four_ranks() -> None:
+    from lptrain.config import World, derive, load
+    from lptrain.testing.fake_gpu import shrink
+
+    cfg = derive(load("fp8_tensorwise_405b_tp8_pp8.yaml").cfg, World.detect(dp=8, target="sm90"))
+    small, changed, ran, not_run = shrink(cfg, dp=8)
+    m = small.model
+    assert (m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.num_layers) == (2, 2, 2)
+    assert "tensor parallelism 8 -> 2" in changed and "pipeline parallelism 8 -> 2" in changed
+    assert ran == ["tensor parallelism 2 + sequence parallelism", "pipeline parallelism 2 (1f1b, 2 layers)"]
+    assert not_run[0].startswith("data parallelism 8 ")
+    vpp = derive(load("tiny_cpu.yaml", ["model.pipeline_model_parallel_size=4", "model.num_layers=8",
+                                        "model.virtual_pipeline_model_parallel_size=2",
+                                        "train.micro_batch_size=1"]).cfg, World.detect(dp=1, target="sm90"))
+    small, changed, ran, _ = shrink(vpp)
+    m = small.model
+    assert (m.pipeline_model_parallel_size, m.virtual_pipeline_model_parallel_size, m.num_layers) == (2, 2, 4)
+    assert "pipeline parallelism 4 -> 2 x 2 virtual chunks" in changed
+    assert ran == ["pipeline parallelism 2 (interleaved_1f1b, 4 layers)"]

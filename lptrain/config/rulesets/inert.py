@@ -377,11 +377,14 @@ GATES: tuple[Gate, ...] = (
         because="logging.wandb=false starts no W&B run", fix="set logging.wandb=true",
     ),
     Gate(
-        rule_id="INERT-SPIKE-WINDOW", keys=("train.spike_window",),
-        context=("train.spike_zscore",), idle=lambda c, w: c.train.spike_zscore is None,
-        condition="spike_zscore null -> spike_window at its default",
-        because="train.spike_zscore=null detects no loss spikes",
-        fix="set train.spike_zscore (e.g. 6) to detect loss spikes",
+        rule_id="INERT-SPIKE-WINDOW", keys=("train.spike_window", "train.spiky_loss_factor",
+                                            "train.uniform_loss_factor"),
+        context=("train.spike_zscore", "train.check_for_spiky_loss"),
+        idle=lambda c, w: c.train.spike_zscore is None and not c.train.check_for_spiky_loss,
+        condition="spike_zscore null and check_for_spiky_loss false -> spike_window, "
+                  "spiky_loss_factor and uniform_loss_factor at their defaults",
+        because="train.spike_zscore=null and train.check_for_spiky_loss=false judge no loss",
+        fix="set train.check_for_spiky_loss=true (or train.spike_zscore, e.g. 6) to judge losses",
     ),
     Gate(
         rule_id="INERT-MAX-ROLLBACKS", keys=("train.max_rollbacks",),

@@ -87,12 +87,16 @@ TRAIN_RANGES: tuple[Spec, ...] = (
     ("train.eval_iters", _count()),
     ("train.seed", _seed()),
     ("train.spike_zscore", ((lambda v: v is None or 0 < v < math.inf), "> 0 and finite (or null)")),
-    ("train.spike_window", ((lambda v: 2 <= v <= MAX_SIZE), f"in [2, {MAX_SIZE}]")),
+    ("train.spike_window", ((lambda v: 10 <= v <= MAX_SIZE),
+                            f"in [10, {MAX_SIZE}] (a baseline is warm at 10 accepted steps)")),
+    ("train.spiky_loss_factor", ((lambda v: 1 < v < math.inf), "> 1 and finite")),
+    ("train.uniform_loss_factor", ((lambda v: 1 < v < math.inf), "> 1 and finite (a fresh model's loss is ln(vocab))")),
     ("train.max_rollbacks", _size()),
     ("logging.numerics_interval", _count()),
     ("debug.nan_sample", ((lambda v: v is None or 0 <= v <= MAX_SEED), "in [0, 2^63) (or null)")),
     ("checkpoint.keep_latest", ((lambda v: 2 <= v <= MAX_SIZE), f"in [2, {MAX_SIZE}] (the newest may be half-written)")),
     ("dist.distributed_timeout_minutes", _positive()),
+    ("run.cpu_threads", ((lambda v: v is None or 1 <= v <= 4096), "in [1, 4096] (or null)")),
 )
 DATA_RANGES: tuple[Spec, ...] = (
     ("data.split_valid_fraction", _fraction()),

@@ -129,3 +129,38 @@ def test_405b_at_tp8_pp8_fits_80gb_at_512_gpus() -> None:
     flat = load("fp8_tensorwise_405b_tp8_pp8.yaml", ["model.pipeline_model_parallel_size=1"])
     cfg = derive(flat.cfg, World.detect(dp=64, target="sm90"))
     assert estimate_memory(cfg, 64, "sm90").worst.total > 80 * 2**30
+
+
+def test_every_figure_printed_is_the_most_loaded_stages(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 52 item 9: the breakdown was the worst rank's (stage 1) while the ``layout:`` line
+    counted stage 0's elements, the note gave stage 0's micro-batches in flight and the plot
+    said "1 micro-batch". Here stage 1 (the untied 8k-vocab head and its logits) is the most
+    loaded and holds 1 micro-batch where stage 0 holds 2: the layout line counts stage 1's
+    parameters, and the text and the plot name the same activations."""
+    import matplotlib.figure
+    from typer.testing import CliRunner
+
+    from lptrain.cli import app
+    from lptrain.memory.plan import meta_model
+
+    ov = ["model.pipeline_model_parallel_size=2", "model.num_layers=4", "model.vocab_size=8192",
+          "train.micro_batch_size=1", "train.global_batch_size=8"]
+    cfg = _cfg("tiny_cpu.yaml", ov)
+    per_stage = [sum(p.numel() for p in meta_model(cfg, pp_rank=s).parameters()) for s in (0, 1)]
+    assert per_stage[0] != per_stage[1]
+    plotted: list[list[str]] = []
+    real_save = matplotlib.figure.Figure.savefig
+
+    def record(fig: matplotlib.figure.Figure, *a: object, **k: object) -> None:
+        plotted.append([t.get_text() for t in fig.axes[0].get_yticklabels()])
+        real_save(fig, *a, **k)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", record)
+    r = CliRunner(env={"COLUMNS": "200"}).invoke(
+        app, ["estimate-memory", "--recipe", "tiny_cpu.yaml", *BASE, *ov, "--plot", str(tmp_path / "m.png")])
+    assert r.exit_code == 0, r.output
+    assert "rank 1 (the most loaded)" in r.stdout
+    assert f": {per_stage[1]:,} param elements" in r.stdout  # stage 1's layout, not stage 0's
+    assert "  activations (1 micro-batch in flight)  " in r.stdout
+    assert "stage 1 is the most loaded; it holds 1 micro-batch of activations at most (stage 0: 2)" in r.stdout
+    assert "activations (1 micro-batch in flight)" in plotted[0]
