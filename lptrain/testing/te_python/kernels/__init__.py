@@ -1,0 +1,16 @@
+"""The emulated extension functions (see :mod:`lptrain.testing.te_python.extension`)."""
+
+from __future__ import annotations
+
+import types
+from typing import Any, Callable
+
+
+def functions(tex: types.ModuleType, version: tuple[int, ...]) -> dict[str, Callable[..., Any]]:
+    """Name -> emulated function for TE ``version``'s extension module ``tex``."""
+    from . import device
+
+    out: dict[str, Callable[..., Any]] = {}
+    for mod in (device,):
+        out.update(mod.functions(tex, version))
+    return out
