@@ -87,10 +87,14 @@ class Patches:
             "set_rng_state_all": lambda states: gen.set_state(states[0]),
             "current_stream": lambda d=None: _Stream(),
             "default_stream": lambda d=None: _Stream(),
+            "is_current_stream_capturing": lambda: False,  # no CUDA graph is ever captured
         }
         for name, fn in fns.items():
             self._set(c, name, Patched(fn))
         self._set(c, "default_generators", (gen,))
+        for name in ("range_push", "range_pop", "mark"):  # NVTX markers (profiling): no-ops
+            self._set(c.nvtx, name, lambda *a, **k: 0)
+        self._set(c.nvtx, "range", lambda *a, **k: contextlib.nullcontext())
         self._set(c, "Event", _Event)
         self._set(c, "Stream", _Stream)
         self._set(c, "stream", lambda s=None: contextlib.nullcontext())
