@@ -12,7 +12,8 @@ Usage (network to PyPI; each source distribution is ~0.5 MB)::
 
     python scripts/te_extension_tables.py 2.8.0 2.12.0 2.14.1 2.18.0 2.19.0 2.20.2
 
-or ``--sdist-dir DIR`` with already unpacked ``transformer_engine_torch-X.Y.Z`` folders.
+or ``--sdist-dir DIR`` with already unpacked ``transformer_engine_torch-X.Y.Z`` folders, or
+``--git REPO`` with a clone of TE's repository (``VERSION=REF`` pairs: ``2.19.0=release_v2.19``).
 Writes ``lptrain/testing/te_python/extension_tables.json``.
 """
 
@@ -77,7 +78,7 @@ def _cpp_enums(root: Path) -> dict[str, dict[str, int]]:
 
 def tables(src: Path) -> dict:
     """The extension's enums, functions and classes from one unpacked source distribution."""
-    csrc = src / "csrc"
+    csrc = src / "csrc" if (src / "csrc").is_dir() else src / "transformer_engine" / "pytorch" / "csrc"
     enums_cpp = _cpp_enums(src)
     binding = ""
     for path in sorted([*csrc.rglob("*.cpp"), *csrc.rglob("*.h"), *src.rglob("pybind_helper.h")]):
@@ -109,15 +110,31 @@ def _download(version: str, dest: Path) -> Path:
     return dest / f"transformer_engine_torch-{version}"
 
 
+def _from_git(repo: Path, ref: str, dest: Path) -> Path:
+    out = dest / ref.replace("/", "_")
+    out.mkdir(parents=True, exist_ok=True)
+    archive = subprocess.run(["git", "-C", str(repo), "archive", ref, "transformer_engine/pytorch/csrc",
+                              "transformer_engine/common"], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(out)], input=archive, check=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("versions", nargs="+")
     ap.add_argument("--sdist-dir", type=Path, help="folder with unpacked transformer_engine_torch-X.Y.Z")
+    ap.add_argument("--git", type=Path, help="a clone of TE's repository; versions given as VERSION=REF")
     args = ap.parse_args()
     data = json.loads(OUT.read_text()) if OUT.exists() else {}
     with tempfile.TemporaryDirectory() as tmp:
-        for v in args.versions:
-            src = (args.sdist_dir / f"transformer_engine_torch-{v}") if args.sdist_dir else _download(v, Path(tmp))
+        for item in args.versions:
+            v, _, ref = item.partition("=")
+            if args.git:
+                src = _from_git(args.git, ref or f"v{v}", Path(tmp))
+            elif args.sdist_dir:
+                src = args.sdist_dir / f"transformer_engine_torch-{v}"
+            else:
+                src = _download(v, Path(tmp))
             data[v] = tables(src)
             print(f"{v}: {len(data[v]['enums'])} enums, {len(data[v]['functions'])} functions, "
                   f"{len(data[v]['classes'])} classes")

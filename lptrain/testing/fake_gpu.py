@@ -3,9 +3,9 @@ target, and what the tests of the GPU path use.
 
 :func:`virtual_gpu` is the world: one virtual CUDA device of the target's compute capability
 (:mod:`lptrain.testing.virtual_cuda`, which enforces CUDA's device rules), and, for
-``precision.backend=te`` where Transformer Engine is not installed, the stand-in TE
-(:mod:`lptrain.testing.te_standin`, which computes through the emulation and behaves like TE
-where lptrain depends on it). :func:`fake_gpu_steps` shrinks a config to tiny shapes
+``precision.backend=te`` where Transformer Engine is not installed, TE's own Python layer
+with its kernels emulated (:mod:`lptrain.testing.te_python`: the folder of
+``$LPTRAIN_TE_PYTHON``, or the newest one ``make install`` put under ``.te-python/``). :func:`fake_gpu_steps` shrinks a config to tiny shapes
 (keeping its precision, optimizer, data-parallel and MoE settings) and runs training steps,
 an evaluation and the collection of the checkpoint state on it, reporting the host syncs and
 collectives per step and the peak device memory.
@@ -31,12 +31,13 @@ GPUS = {g.target: (g.capability, g.device_name) for g in CATALOG_GPUS if g.targe
 def virtual_gpu(target: str = "sm90", *, te: bool = False, te_version: Optional[str] = None,
                 cuda_version: Optional[str] = None) -> Iterator[Any]:
     """A virtual GPU of ``target`` with CUDA ``cuda_version`` (default: the version a GPU
-    target is checked for), and the stand-in TE ``te_version`` when ``te`` (unless a real
-    TE is importable); yields the :class:`~lptrain.testing.virtual_cuda.VirtualCuda`,
-    whose ``te_backend`` attribute says which TE serves (``None``, ``"installed"`` or
-    ``"stand-in X.Y"``)."""
+    target is checked for), and, when ``te``, TE's own Python (release ``te_version``, or
+    the default folder's) with its kernels emulated -- unless a real TE is installed; yields
+    the :class:`~lptrain.testing.virtual_cuda.VirtualCuda`, whose ``te_backend`` attribute
+    says which TE serves (``None``, ``"installed"`` or ``"TE X.Y.Z, TE's own Python, kernels
+    emulated"``). No TE Python folder: :class:`~lptrain.testing.te_python.TEPythonMissing`."""
     from lptrain.config.world import ASSUMED_CUDA_VERSION
-    from lptrain.testing import te_standin
+    from lptrain.testing import te_python
     from lptrain.testing.virtual_cuda import VirtualCuda
 
     capability, name = GPUS[target]
@@ -46,12 +47,11 @@ def virtual_gpu(target: str = "sm90", *, te: bool = False, te_version: Optional[
         if te:
             from lptrain.precision.te_adapter import te_importable
 
-            if te_importable():
+            if te_python.version() is None and te_importable():
                 vc.te_backend = "installed"
             else:
-                version = te_version or te_standin.LATEST
-                stack.enter_context(te_standin.installed(version))
-                vc.te_backend = f"stand-in {version}"
+                stack.enter_context(te_python.installed(te_version))
+                vc.te_backend = te_python.describe()
         yield vc
 
 
@@ -60,7 +60,7 @@ class FakeStepReport:
     """What :func:`fake_gpu_steps` saw."""
 
     target: str
-    backend: str  # "emulated", "te (stand-in 2.19)", ...
+    backend: str  # "emulated backend", "TE backend, TE 2.20.2, TE's own Python, kernels emulated"
     losses: list[float]
     val_loss: float
     syncs_per_step: dict[str, int]
@@ -148,7 +148,7 @@ def fake_gpu_steps(cfg: Any, target: str, *, steps: int = 2, te_version: Optiona
         with engine.params_synced():
             engine.checkpoint_state()
         peak = vc.stats.bytes_peak
-        backend = "emulated backend" if not te else f"TE backend, {vc.te_backend} TE"
+        backend = "emulated backend" if not te else f"TE backend, {vc.te_backend}"
     if not all(math.isfinite(x) for x in losses):
         raise FloatingPointError(f"fake GPU step: non-finite loss {losses}")
     return FakeStepReport(target, backend, losses, val, syncs, coll, peak, changed)
