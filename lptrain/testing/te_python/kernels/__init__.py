@@ -8,9 +8,9 @@ from typing import Any, Callable
 
 def functions(tex: types.ModuleType, version: tuple[int, ...]) -> dict[str, Callable[..., Any]]:
     """Name -> emulated function for TE ``version``'s extension module ``tex``."""
-    from . import cast, device, gemm, recipe
+    from . import cast, device, gemm, misc, recipe
 
     out: dict[str, Callable[..., Any]] = dict(device.functions(tex, version))
-    for mod in (cast, gemm, recipe):
+    for mod in (cast, gemm, misc, recipe):
         out.update(mod.functions())
     return out
