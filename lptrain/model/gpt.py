@@ -250,6 +250,11 @@ class GPTModel(nn.Module):
             return contextlib.nullcontext()
         return autocast(amax_reduction_group) if amax_reduction_group is not None else autocast()
 
+    def evaluation_guard(self) -> Any:
+        """The factory's guard around an evaluation (TE: its delayed scaling left as it was)."""
+        guard = getattr(self.factory, "evaluation_guard", None)
+        return contextlib.nullcontext() if guard is None else guard(self)
+
     def forward(
         self, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None
     ) -> Union[torch.Tensor, tuple[torch.Tensor, dict[str, torch.Tensor]]]:

@@ -464,6 +464,14 @@ class LayerFactory:
             return te_adapter.te_autocast(self.te_recipe, True, amax_reduction_group)
         return _ac.autocast(self.recipe, enabled=True, amax_reduction_group=amax_reduction_group)
 
+    def evaluation_guard(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        """Around a no-grad evaluation: TE's casts record amaxes even then (te_adapter)."""
+        if self.backend == "te" and self.recipe is not None:
+            from lptrain.precision import te_adapter
+
+            return te_adapter.forward_amax_slots_kept(model)
+        return contextlib.nullcontext()
+
     def recompute_context_fn(self) -> tuple[Any, Any]:
         """``torch.utils.checkpoint``'s ``context_fn`` (a forward and a recompute context).
 

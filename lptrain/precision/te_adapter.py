@@ -215,6 +215,41 @@ def te_recompute_contexts() -> tuple[Any, Any]:
     return forward_ctx, recompute()
 
 
+def _forward_amax_histories(model: nn.Module) -> list[torch.Tensor]:
+    """Every TE module's forward amax history (``fp8_meta["scaling_fwd"].amax_history``)."""
+    out = []
+    for m in model.modules():
+        meta = getattr(m, "fp8_meta", None)
+        state = meta.get("scaling_fwd") if isinstance(meta, dict) else None
+        hist = getattr(state, "amax_history", None)
+        if isinstance(hist, torch.Tensor) and hist.dim() >= 1 and hist.numel():
+            out.append(hist)
+    return out
+
+
+@contextlib.contextmanager
+def forward_amax_slots_kept(model: nn.Module) -> Iterator[None]:
+    """Leave TE's delayed scaling as it was across a no-grad pass (evaluation).
+
+    TE's delayed-scaling cast max-reduces each input's amax into ``amax_history[0]`` whatever
+    the autograd mode, and only an autocast exit with grad enabled consumes and resets that
+    slot: an evaluation's amaxes would otherwise be folded into the next training step's
+    update (max(eval, train)). The slot of every forward history is saved and restored in
+    place (TE's global amax buffer holds views of it); a history TE creates during the pass
+    (a module's first forward) gets the zero slot it was created with."""
+    saved = {id(h): (h, h[0].clone()) for h in _forward_amax_histories(model)}
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for h in _forward_amax_histories(model):
+                kept = saved.get(id(h))
+                if kept is not None:
+                    h[0].copy_(kept[1])
+                else:
+                    h[0].zero_()
+
+
 @contextlib.contextmanager
 def te_model_init(recipe: Any, preserve_high_precision_init_val: bool = True) -> Iterator[None]:
     """``te.pytorch.quantized_model_init`` (``fp8_model_init`` on older TE)."""

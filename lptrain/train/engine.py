@@ -452,7 +452,7 @@ class TrainEngine(EngineCheckpointState):
         model = self.model
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         counts = [c.clone() for c in model.expert_bias_counts()]
-        with self.params_synced(), torch.no_grad():
+        with self.params_synced(), torch.no_grad(), model.evaluation_guard():
             model.eval()
             try:
                 if self.pipeline is not None:  # through the schedule, forward only

@@ -121,6 +121,26 @@ def default_release() -> Optional[str]:
         return None
 
 
+_CLASS_HOMES = ("tensor", "tensor.float8_tensor", "tensor.mxfp8_tensor", "tensor.float8_blockwise_tensor",
+                "tensor.nvfp4_tensor", "tensor.grouped_tensor", "quantized_tensor", "tensor.quantized_tensor")
+
+
+def te_class(name: str) -> Optional[type]:
+    """A class of the imported TE by name (``QuantizedTensor``, ``Float8Tensor``,
+    ``GroupedTensor``...), wherever its release keeps it; None when the release has none."""
+    import importlib
+
+    for home in _CLASS_HOMES:
+        try:
+            mod = importlib.import_module(f"transformer_engine.pytorch.{home}")
+        except ImportError:
+            continue
+        cls = getattr(mod, name, None)
+        if isinstance(cls, type):
+            return cls
+    return None
+
+
 def describe() -> str:
     """What serves the TE backend: ``TE 2.20.2, TE's own Python, kernels emulated``."""
     return f"TE {version()}, TE's own Python, kernels emulated"
@@ -146,4 +166,4 @@ def installed(version: Optional[str] = None) -> Iterator[Any]:
 
 __all__ = ["ENV", "HOW_TO_GET", "MATRIX", "ROOT", "TEPythonMissing", "default_release", "describe", "folder",
            "installed",
-           "installed_folders", "load", "version"]
+           "installed_folders", "load", "te_class", "version"]

@@ -43,7 +43,7 @@ def release_of(folder: Path) -> str:
         raise FileNotFoundError(
             f"{folder} holds no Transformer Engine Python wheel (transformer_engine/pytorch and "
             "transformer_engine-X.Y.Z.dist-info); install one with `pip install --no-deps --target "
-            f"{folder} transformer-engine==2.20.2`")
+            f"{folder} transformer-engine==2.20.2 einops`")
     return infos[-1].name[len("transformer_engine-"):-len(".dist-info")]
 
 
