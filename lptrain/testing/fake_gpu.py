@@ -55,6 +55,25 @@ def virtual_gpu(target: str = "sm90", *, te: bool = False, te_version: Optional[
         yield vc
 
 
+@contextlib.contextmanager
+def standin_gpu(target: str = "sm100", te_version: str = "2.19",
+                cuda_version: Optional[str] = None) -> Iterator[Any]:
+    """A virtual GPU with the hand-written stand-in TE (:mod:`lptrain.testing.te_standin`)
+    instead of TE's own Python: only for the single grouped weight (TE 2.19+'s
+    ``GroupedTensor`` parameter and its grouped-tensor GEMMs), whose kernels
+    :mod:`lptrain.testing.te_python` does not emulate yet. Swaps ``transformer_engine`` in
+    ``sys.modules`` for the block (TE's own modules are put back after it)."""
+    from lptrain.config.world import ASSUMED_CUDA_VERSION
+    from lptrain.testing import te_standin
+    from lptrain.testing.virtual_cuda import VirtualCuda
+
+    capability, name = GPUS[target]
+    with VirtualCuda(capability=capability, name=name, cuda_version=cuda_version or ASSUMED_CUDA_VERSION) as vc, \
+            te_standin.installed(te_version):
+        vc.te_backend = f"stand-in {te_version}"
+        yield vc
+
+
 @dataclass
 class FakeStepReport:
     """What :func:`fake_gpu_steps` saw."""

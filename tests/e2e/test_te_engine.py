@@ -18,7 +18,6 @@ fails on the engine as it was, where TE tensors fell through to the plain-tensor
 
 from __future__ import annotations
 
-import contextlib
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,7 +27,7 @@ import torch
 
 from lptrain.config import World, derive
 from lptrain.config.compose import load
-from lptrain.testing.fake_gpu import virtual_gpu
+from lptrain.testing.fake_gpu import standin_gpu, virtual_gpu
 from lptrain.testing import te_python
 
 BASE = ["data.builtin_max_mb=1", "logging.progress=false", "run.device=cuda", "precision.backend=te",
@@ -66,22 +65,6 @@ def _batches(engine: object, cache: Path) -> Iterator[list[dict[str, torch.Tenso
                                       dp_rank=0, dp_size=1, vocab_size=cfg.model.vocab_size)
     while True:
         yield [next(it), next(it)]
-
-
-@contextlib.contextmanager
-def _standin_gpu(target: str) -> Iterator[None]:
-    """The single grouped weight (TE 2.19+'s ``GroupedTensor`` parameter) still runs on the
-    stand-in TE: its grouped-tensor kernels (``group_quantize``, the grouped-tensor GEMMs) are
-    not emulated under TE's own Python yet."""
-    from lptrain.config.world import ASSUMED_CUDA_VERSION
-    from lptrain.testing import te_standin
-    from lptrain.testing.fake_gpu import GPUS
-    from lptrain.testing.virtual_cuda import VirtualCuda
-
-    capability, name = GPUS[target]
-    with VirtualCuda(capability=capability, name=name, cuda_version=ASSUMED_CUDA_VERSION), \
-            te_standin.installed("2.19"):
-        yield
 
 
 def _te_classes() -> tuple[type, ...]:
@@ -131,7 +114,7 @@ def test_te_params_take_the_quantized_buffer_paths(target: str, recipe: list[str
                                                    cache: Path) -> None:
     """(Blockwise reshapes refused up to TE 2.13: tests/e2e/test_te_python_releases.py.)"""
     grouped = "model.moe.single_grouped_weight=true" in recipe
-    with _standin_gpu(target) if grouped else virtual_gpu(target, te=True):
+    with standin_gpu(target) if grouped else virtual_gpu(target, te=True):
         engine = _engine([*recipe, *NO_BF16_EDGES], cache)
         te = _te_params(engine)
         quantized = [b for b in engine.ddp.buffers if b.key.quantized]  # type: ignore[attr-defined]
@@ -170,7 +153,7 @@ def test_te_param_gather_on_equals_off(recipe: list[str], cache: Path) -> None:
 
 
 def test_member_weight_of_a_single_grouped_te_weight(cache: Path) -> None:
-    with _standin_gpu("sm100"):
+    with standin_gpu("sm100"):
         engine = _engine([*MXFP8, *MOE], cache)
         module = next(m for m in engine.model.modules() if getattr(m, "single_grouped_weight", False))  # type: ignore[attr-defined]
         with pytest.raises(RuntimeError, match="forbids shape-manipulation"):
