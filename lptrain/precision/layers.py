@@ -464,6 +464,14 @@ class LayerFactory:
             return te_adapter.te_autocast(self.te_recipe, True, amax_reduction_group)
         return _ac.autocast(self.recipe, enabled=True, amax_reduction_group=amax_reduction_group)
 
+    def micro_batch(self, first: bool) -> contextlib.AbstractContextManager:
+        """Around one micro-batch's forward in a step (TE: ``is_first_microbatch``)."""
+        if self.backend == "te" and self.recipe is not None:
+            from lptrain.precision import te_adapter
+
+            return te_adapter.micro_batch(first)
+        return contextlib.nullcontext()
+
     def evaluation_guard(self, model: nn.Module) -> contextlib.AbstractContextManager:
         """Around a no-grad evaluation: TE's casts record amaxes even then (te_adapter)."""
         if self.backend == "te" and self.recipe is not None:

@@ -27,6 +27,7 @@ is declared in :mod:`lptrain.precision.te_api`, with the releases it is needed o
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import importlib.util
 import os
@@ -317,12 +318,31 @@ def te_linear(in_features: int, out_features: int, *, bias: bool = False,
     object; None builds shapes only, as TE does), ``tp_size``, ``parallel_mode`` and
     ``sequence_parallel`` -- TE holds the shard and runs the layer's collectives."""
     if parallel_mode is None:
-        import transformer_engine.pytorch as te
-
-        return _te_module(te.Linear, in_features, out_features, bias=bias, layer=layer)
+        return _te_module(_te_parallel_linear_cls(), in_features, out_features, bias=bias, layer=layer)
     return _te_module(_te_parallel_linear_cls(), in_features, out_features, bias=bias, layer=layer,
                       parallel_mode=parallel_mode, tp_group=getattr(tp_group, "pg", tp_group),
                       tp_size=tp_size, sequence_parallel=sequence_parallel)
+
+
+# Megatron's ``is_first_microbatch`` for the TE modules' forwards (:func:`micro_batch`).
+_FIRST_MICROBATCH: contextvars.ContextVar[Optional[bool]] = contextvars.ContextVar("lptrain_first_microbatch",
+                                                                                 default=None)
+
+
+@contextlib.contextmanager
+def micro_batch(first: Optional[bool]) -> Iterator[None]:
+    """Forwards of one micro-batch of a step: TE's modules get ``is_first_microbatch=first``
+    (as Megatron passes it). With ``None`` TE casts every bf16 weight (and its transpose on
+    Hopper) on every micro-batch; ``True`` casts and caches it, ``False`` reuses the cache --
+    so each weight is quantized once per step. The first micro-batch of every step re-casts:
+    no cached quantized weight survives an optimizer step or a param gather (both happen
+    between steps), and passes outside a step (evaluation, recompute in backward) run with
+    ``None`` and never touch the cache's use."""
+    token = _FIRST_MICROBATCH.set(first)
+    try:
+        yield
+    finally:
+        _FIRST_MICROBATCH.reset(token)
 
 
 @functools.cache
@@ -335,6 +355,8 @@ def _te_parallel_linear_cls() -> type:
 
     class TEParallelLinear(te.Linear):
         def forward(self, inp: torch.Tensor, *args: Any, **kw: Any) -> Any:
+            if not args and "is_first_microbatch" not in kw:
+                kw["is_first_microbatch"] = _FIRST_MICROBATCH.get()
             if not (getattr(self, "sequence_parallel", False) and inp.dim() == 3):
                 return super().forward(inp, *args, **kw)
             out = super().forward(inp.transpose(0, 1).contiguous(), *args, **kw)
@@ -372,6 +394,8 @@ def _te_grouped_linear_cls() -> type:
             return getattr(self, f"weight{i}")
 
         def forward(self, inp: torch.Tensor, m_splits: Sequence[int], *args: Any, **kw: Any) -> Any:
+            if not args and "is_first_microbatch" not in kw:
+                kw["is_first_microbatch"] = _FIRST_MICROBATCH.get()
             # TE >= 2.19's native grouped-tensor path takes the splits as a CUDA int64 tensor
             # (a host list raises there); older TE wants the host list.
             if getattr(self, "use_grouped_tensor", False) and not isinstance(m_splits, torch.Tensor):

@@ -311,7 +311,7 @@ class TrainEngine(EngineCheckpointState):
                 self.before_micro_batch(i)
             ctx = ddp.no_sync() if i < n - 1 else contextlib.nullcontext()
             with ctx:
-                with model.autocast():
+                with model.autocast(), model.micro_batch(first=i == 0):
                     loss, aux = model(b["tokens"], labels=b["labels"])
                 if i == 0:
                     ddp.after_first_forward()

@@ -239,3 +239,44 @@ def test_evaluation_leaves_te_delayed_scaling_as_it_was(cache: Path, monkeypatch
 
     monkeypatch.setattr(te_adapter, "forward_amax_slots_kept", lambda model: contextlib.nullcontext())
     assert _train_eval_train(cache, with_eval=True) != plain
+
+
+def _weight_casts(cache: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[int, int]:
+    """(TE weight casts in one step of 2 micro-batches, TE linears) on TE's own Python."""
+    with virtual_gpu("sm90", te=True):
+        import transformer_engine_torch as tex
+
+        engine = _engine([*E4M3_TENSORWISE, *NO_BF16_EDGES], cache)
+        weights = {p.data_ptr() for n, p in engine.model.named_parameters() if n.endswith("weight") and p.dim() == 2}  # type: ignore[attr-defined]
+        casts = []
+        real = tex.quantize
+
+        def counting(tensor: torch.Tensor, quantizer: object, *a: object, **k: object) -> object:
+            if isinstance(tensor, torch.Tensor) and tensor.data_ptr() in weights:
+                casts.append(tensor.data_ptr())
+            return real(tensor, quantizer, *a, **k)
+
+        monkeypatch.setattr(tex, "quantize", counting)
+        engine.train_step(next(_batches(engine, cache)), 1)
+        monkeypatch.setattr(tex, "quantize", real)
+        linears = sum(1 for m in engine.model.modules() if type(m).__module__.startswith("transformer_engine")  # type: ignore[attr-defined]
+                      or "TEParallel" in type(m).__name__)
+    return len(casts), linears
+
+
+E4M3_TENSORWISE = ["precision.fp8_format=e4m3", "precision.fp8_recipe=tensorwise"]
+
+
+def test_each_te_weight_is_cast_once_per_step(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 48 finding 5: TE's modules get Megatron's ``is_first_microbatch`` (the first
+    micro-batch casts and caches each bf16 weight, the others reuse it); with ``None``, as
+    before, TE cast every weight on every micro-batch (2 here)."""
+    import contextlib
+
+    from lptrain.precision import te_adapter
+
+    casts, linears = _weight_casts(cache, monkeypatch)
+    assert linears > 0 and casts == linears, (casts, linears)
+    monkeypatch.setattr(te_adapter, "micro_batch", lambda first: contextlib.nullcontext())
+    casts, linears = _weight_casts(cache, monkeypatch)
+    assert casts == 2 * linears, (casts, linears)
