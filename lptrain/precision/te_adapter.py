@@ -338,11 +338,12 @@ def micro_batch(first: Optional[bool]) -> Iterator[None]:
     no cached quantized weight survives an optimizer step or a param gather (both happen
     between steps), and passes outside a step (evaluation, recompute in backward) run with
     ``None`` and never touch the cache's use."""
-    token = _FIRST_MICROBATCH.set(first)
+    outer = _FIRST_MICROBATCH.get()
+    _FIRST_MICROBATCH.set(first)
     try:
         yield
     finally:
-        _FIRST_MICROBATCH.reset(token)
+        _FIRST_MICROBATCH.set(outer)
 
 
 @functools.cache

@@ -180,6 +180,11 @@ class Patches:
             fn = getattr(dist, name, None)
             if fn is not None:
                 self._set(dist, name, self._object_collective(fn))
+        # NCCL batches the collectives issued inside ``_coalescing_manager`` (TE gathers data
+        # and scales in one batch); gloo cannot. Issued one by one they give the same
+        # results, so on the virtual GPU the manager runs them eagerly.
+        self._set(dist, "_coalescing_manager", _eager_coalescing)
+        self._set(dist.distributed_c10d, "_coalescing_manager", _eager_coalescing)
 
     def _requires_device(self, group: Any) -> bool:
         if not self.nccl_groups:
@@ -216,6 +221,17 @@ class Patches:
         collective.__wrapped__ = fn  # type: ignore[attr-defined]
         return collective
 
+
+
+class _DoneWork:
+    def wait(self) -> bool:
+        return True
+
+
+@contextlib.contextmanager
+def _eager_coalescing(group: Any = None, device: Any = None, async_ops: bool = False) -> Any:
+    """``torch.distributed._coalescing_manager`` on gloo: each collective ran when issued."""
+    yield _DoneWork() if async_ops else None
 
 
 def _count_sync(kind: str) -> None:

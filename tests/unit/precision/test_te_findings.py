@@ -143,8 +143,9 @@ def test_te_models_keep_their_init_values_through_the_build(monkeypatch: pytest.
     """From TE 2.19 quantized tensors are traceable wrapper subclasses: ``model.to(device)``
     swaps each for a fresh parameter and its ``__dict__`` -- the kept init value -- is gone,
     so fp8_param_gather masters would start from dequantized FP8. lptrain builds in place
-    and never moves the model; the old build (``.to()``) loses the values (TE's own Python,
-    newest release)."""
+    and never moves the model (TE's own Python, newest release: the values are kept). The
+    old build's loss (``.to()`` swapping each traceable parameter) is not shown here: on the
+    virtual GPU a tensor already "on" the device is not moved, so ``.to()`` swaps nothing."""
     from lptrain.config import load
     from lptrain.model import build as build_mod
     from lptrain.precision.factory import build_factory
@@ -162,11 +163,3 @@ def test_te_models_keep_their_init_values_through_the_build(monkeypatch: pytest.
             return [te_adapter._kept_init(p) is not None for p in quantized]
 
     assert all(kept())
-    real_build = build_mod.build_model
-
-    def build_then_move(*a: object, **kw: object) -> torch.nn.Module:
-        model = real_build(*a, **kw)
-        return model.to(torch.device("cuda", 0))
-
-    monkeypatch.setattr(build_mod, "build_model", build_then_move)
-    assert not any(kept())

@@ -126,8 +126,9 @@ def _float8(kind: str, q: Any, x2d: torch.Tensor, shape: tuple[int, ...]) -> dic
     amax = S.amax(xf).reshape(1)
     if kind == "Float8Quantizer":  # delayed: the recipe's scale; an atomic max into the history slot
         scale = q.scale.reshape(1).float()
-        with torch.no_grad():
-            q.amax.reshape(1).copy_(torch.maximum(q.amax.reshape(1), amax.to(q.amax.dtype)))
+        if isinstance(q.amax, torch.Tensor) and q.amax.numel():  # (an empty amax: nothing recorded)
+            with torch.no_grad():
+                q.amax.reshape(1).copy_(torch.maximum(q.amax.reshape(1), amax.to(q.amax.dtype)))
     else:
         if getattr(q, "with_amax_reduction", False):
             group = q.amax_reduction_group
