@@ -306,18 +306,19 @@ def test_master_init_plain_and_emulated_quantized() -> None:
 
 
 def test_master_init_uses_te_high_precision_init_val() -> None:
-    """A TE primary weight (the stand-in TE's, built as TE builds it) starts its master from
-    the kept CPU init value, which is then released; without one, from its dequantized bytes."""
+    """A TE primary weight (TE's own Python builds it) starts its master from the kept CPU
+    init value, which is then released; without one, from its dequantized bytes."""
     from lptrain.precision import te_adapter
-    from lptrain.testing import te_standin
+    from lptrain.testing.fake_gpu import virtual_gpu
 
     init = torch.randn(32, 64)
 
     def set_init(t: torch.Tensor) -> None:
         t.copy_(init)
 
-    with te_standin.installed() as mods:
-        r = mods["transformer_engine.common.recipe"]
+    with virtual_gpu("sm90", te=True):
+        import transformer_engine.common.recipe as r
+
         recipe = r.Float8CurrentScaling(fp8_format=r.Format.E4M3)
         with te_adapter.te_model_init(recipe):
             lin = te_adapter.te_linear(64, 32, params_dtype=torch.bfloat16, init_method=set_init)
