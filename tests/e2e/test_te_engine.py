@@ -27,8 +27,8 @@ import torch
 
 from lptrain.config import World, derive
 from lptrain.config.compose import load
-from lptrain.testing.fake_gpu import standin_gpu, virtual_gpu
 from lptrain.testing import te_python
+from lptrain.testing.fake_gpu import standin_gpu, virtual_gpu
 
 BASE = ["data.builtin_max_mb=1", "logging.progress=false", "run.device=cuda", "precision.backend=te",
         "train.global_batch_size=4", "train.micro_batch_size=2", "model.seq_length=64",

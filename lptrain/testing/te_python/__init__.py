@@ -93,9 +93,8 @@ def load(version: Optional[str] = None) -> Any:
     """``transformer_engine.pytorch`` of :func:`folder` (``version``), imported once per
     process; a later call for another release raises (use a subprocess)."""
     done = loaded()
-    if done is not None and os.environ.get(ENV) is None and version is not None:
-        if _v(done[1])[: len(_v(version))] == _v(version):
-            return sys.modules["transformer_engine.pytorch"]
+    if done is not None and (version is None or _v(done[1])[: len(_v(version))] == _v(version)):
+        return sys.modules["transformer_engine.pytorch"]
     return import_te(folder(version))
 
 

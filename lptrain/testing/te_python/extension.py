@@ -22,8 +22,9 @@ import enum
 import functools
 import json
 import types
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 TABLES = Path(__file__).with_name("extension_tables.json")
 
@@ -103,7 +104,7 @@ def build(version: str) -> types.ModuleType:
 
 def emulated_functions(version: str) -> list[str]:
     """The extension functions of ``version`` computed by the emulation (the rest raise)."""
-    import transformer_engine_torch as tex  # noqa: PLC0415 - only after TE's import
+    import transformer_engine_torch as tex
 
     del version
     return list(tex._lptrain_emulated)

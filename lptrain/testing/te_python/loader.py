@@ -78,10 +78,10 @@ class _CommonLoader(importlib.abc.Loader):
     def exec_module(self, module: types.ModuleType) -> None:
         code = _without_library_loading(Path(self.path).read_text(), self.path)
         module.__builtins__ = _TE_BUILTINS  # type: ignore[attr-defined]
-        exec(code, module.__dict__)  # noqa: S102 - TE's own module source, unchanged otherwise
+        exec(code, module.__dict__)
         version = self.version
 
-        @functools.lru_cache(maxsize=None)
+        @functools.cache
         def load_framework_extension(framework: str) -> None:
             """lptrain: register the emulated ``transformer_engine_torch`` (no shared object)."""
             if framework != "torch":
@@ -228,7 +228,7 @@ def import_te(folder: Path) -> types.ModuleType:
     os.environ.setdefault("NVTE_FRAMEWORK", "pytorch")  # TE then re-raises a broken import
     importlib.invalidate_caches()
     try:
-        import transformer_engine.pytorch as te  # noqa: PLC0415
+        import transformer_engine.pytorch as te
     except BaseException:
         _clear_foreign()
         raise

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import types
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 # the library versions a current TE container ships (what TE's version gates compare against)
 CUBLASLT_VERSION = 130100  # cuBLASLt 13.1

@@ -299,9 +299,7 @@ def fill(kind: str, out: Any, fields: dict[str, Any], shape: tuple[int, ...]) ->
         new = fields[key]
         old = getattr(out, attr)
         if new is None:
-            if key == "data" and old is not None:  # TE drops unused row-wise data only off 10.x
-                setattr(out, attr, None)
-            elif key != "data":
+            if (key == "data" and old is not None) or key != "data":  # TE drops unused row-wise data only off 10.x
                 setattr(out, attr, None)
             continue
         if isinstance(old, torch.Tensor) and old.numel() == new.numel() and old.dtype == new.dtype \
