@@ -208,9 +208,11 @@ def te_recompute_contexts() -> tuple[Any, Any]:
     fp8 = bool(manager.is_fp8_enabled())
     recipe = manager.get_fp8_recipe() if fp8 else None
 
+    first = _FIRST_MICROBATCH.get()  # the recompute sees the forward's is_first_microbatch
+
     @contextlib.contextmanager
     def recompute() -> Iterator[None]:
-        with recompute_ctx, te_autocast(recipe, enabled=fp8):
+        with recompute_ctx, te_autocast(recipe, enabled=fp8), micro_batch(first):
             yield
 
     return forward_ctx, recompute()

@@ -314,7 +314,7 @@ def test_master_init_uses_te_high_precision_init_val() -> None:
     init = torch.randn(32, 64)
 
     def set_init(t: torch.Tensor) -> None:
-        t.copy_(init)
+        t.copy_(init.to(t.device))
 
     with virtual_gpu("sm90", te=True):
         import transformer_engine.common.recipe as r
@@ -323,11 +323,11 @@ def test_master_init_uses_te_high_precision_init_val() -> None:
         with te_adapter.te_model_init(recipe):
             lin = te_adapter.te_linear(64, 32, params_dtype=torch.bfloat16, init_method=set_init)
         w = lin.weight
-        assert not torch.equal(w.dequantize().float(), init.to(torch.bfloat16).float())
+        assert not torch.equal(w.dequantize().float().cpu(), init.to(torch.bfloat16).float())
         m = master_weight_init(w)
-        assert torch.equal(m, init.to(torch.bfloat16).float()) and m.dtype == torch.float32
+        assert torch.equal(m.cpu(), init.to(torch.bfloat16).float()) and m.dtype == torch.float32
         assert w.get_high_precision_init_val() is None  # released
-        assert torch.equal(master_weight_init(w), w.dequantize().float())  # the fallback
+        assert torch.equal(master_weight_init(w).cpu(), w.dequantize().float().cpu())  # the fallback
 
 
 # Quantizes one operand per emulated recipe and role on the CPU and prints a digest of every
