@@ -122,11 +122,11 @@ def _te_on_virtual_gpu(target: str) -> Iterator[None]:
 
 @pytest.mark.parametrize("case", sorted(TE_CASES))
 def test_te_recompute_phase_keeps_recompute_bitwise_invisible(case: str) -> None:
-    import transformer_engine.pytorch.module.base as te_recompute  # TE's own prepare_forward reads it
-
     target, recipe = TE_CASES[case]
     steps = 2 if case == "delayed" else 1  # (delayed scaling carries state into the next step)
     with _te_on_virtual_gpu(target):
+        import transformer_engine.pytorch.module.base as te_recompute  # TE's own prepare_forward reads it
+
         ref = _run(recipe, steps=steps)
         got = _run([*recipe, *FULL], steps=steps)
         if case == "delayed":  # without TE's phase handling the recompute records amaxes again

@@ -314,7 +314,8 @@ def test_master_init_uses_te_high_precision_init_val() -> None:
     init = torch.randn(32, 64)
 
     def set_init(t: torch.Tensor) -> None:
-        t.copy_(init.to(t.device))
+        with torch.no_grad():
+            t.copy_(init.to(t.device))
 
     with virtual_gpu("sm90", te=True):
         import transformer_engine.common.recipe as r
