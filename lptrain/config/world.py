@@ -153,13 +153,15 @@ def _te_python_release() -> Optional[str]:
     dry run's fake GPU step will run (``$LPTRAIN_TE_PYTHON``, else the newest folder ``make
     install`` made), so the rules judge the TE that runs; None when there is none or a real
     TE is installed (then that one's version is reported)."""
-    if installed_te_version() is not None:
-        return None
     try:
-        from lptrain.testing.te_python import default_release
+        from lptrain.testing import te_python
     except ImportError:  # a wheel without the testing package
         return None
-    return default_release()
+    if te_python.version() is not None:  # imported in this process already: that one runs
+        return te_python.version()
+    if installed_te_version() is not None:
+        return None
+    return te_python.default_release()
 
 
 def installed_te_version() -> Optional[str]:

@@ -30,6 +30,9 @@ import pytest
 from lptrain.testing import te_python
 
 SCRIPT = Path(__file__).with_name("_te_release_checks.py")
+# one subprocess per release imports torch and TE's Python (about 5 s quiet, much more on a
+# loaded machine) and runs its checks
+pytestmark = pytest.mark.timeout(900)
 RELEASES = {"2.8.0": "probe", "2.12.0": "probe,engine", "2.18.0": "probe"}
 
 
