@@ -43,6 +43,7 @@ DELAYED = ["precision.fp8_format=hybrid", "precision.fp8_recipe=delayed", "preci
 MOE = ["model.moe.num_experts=4", "model.moe.router_topk=2", "model.moe.ffn_hidden_size=64",
        "model.moe.grouped_gemm=true", "model.moe.single_grouped_weight=true"]
 NO_BF16_EDGES = ["precision.first_last_layers_bf16=false"]
+MOE_DISCRETE = [o for o in MOE if "single_grouped_weight" not in o]
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +110,8 @@ def test_masters_start_from_te_init_values_and_the_cpu_copies_are_released(
     ("sm100", MXFP8, torch.bfloat16),
     ("sm100", NVFP4, torch.bfloat16),
     ("sm100", [*MXFP8, *MOE], torch.bfloat16),
-], ids=["tensorwise", "blockwise", "mxfp8-reuse", "nvfp4", "moe-grouped-mxfp8"])
+    ("sm100", [*MXFP8, *MOE_DISCRETE], torch.bfloat16),
+], ids=["tensorwise", "blockwise", "mxfp8-reuse", "nvfp4", "moe-grouped-mxfp8", "moe-discrete-mxfp8"])
 def test_te_params_take_the_quantized_buffer_paths(target: str, recipe: list[str], staging: torch.dtype,
                                                    cache: Path) -> None:
     """(Blockwise reshapes refused up to TE 2.13: tests/e2e/test_te_python_releases.py.)"""

@@ -123,8 +123,18 @@ def bgrad_quantize(input: torch.Tensor, quantizer: Any) -> list[Any]:
     return [grad_bias, x if quantizer is None else quantize(x, quantizer)]
 
 
+def split_quantize(tensor: torch.Tensor, split_sections: Any, quantizer_list: Any,
+                   disable_bulk_allocation: bool = False) -> list[Any]:
+    """``tex.split_quantize``: the rows split by ``split_sections``, each part quantized by
+    its own quantizer (a grouped linear's discrete experts); an empty part still gets its
+    (empty) quantized tensor."""
+    parts = torch.split(tensor.detach(), [int(s) for s in split_sections], dim=0)
+    return [quantize(part, q) for part, q in zip(parts, quantizer_list, strict=True)]
+
+
 def functions() -> dict[str, Any]:
     return {"quantize": quantize, "dequantize": dequantize, "bgrad_quantize": bgrad_quantize,
+            "split_quantize": split_quantize,
             "create_empty_quantized_tensor": create_empty_quantized_tensor}
 
 
