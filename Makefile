@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.lptrain-installed
 
-.PHONY: install run test lint bench gpu-check wheelhouse clean
+.PHONY: install te-python run test lint bench gpu-check wheelhouse clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -13,7 +13,24 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -e ".[dev]"
 	touch $(STAMP)
 
-install: $(STAMP)
+# Transformer Engine's own Python layer (its pure-Python wheel, ~1 MB a release, plus einops,
+# its one pure-Python dependency the venv lacks) for the TE backend's tests and the dry run on a
+# CPU (lptrain/testing/te_python: only TE's kernels are emulated). Each release goes into its own
+# git-ignored folder with `pip install --no-deps --target`, never into the venv's site-packages,
+# so a real TE on a GPU machine is never shadowed; a folder already there is kept.
+TE_PYTHON_VERSIONS := 2.8.0 2.12.0 2.14.1 2.18.0 2.19.0 2.20.2
+TE_PYTHON_DIR := .te-python
+
+te-python: $(STAMP)
+	@for v in $(TE_PYTHON_VERSIONS); do \
+	  test -d $(TE_PYTHON_DIR)/$$v/transformer_engine-$$v.dist-info && continue; \
+	  echo "TE $$v's Python -> $(TE_PYTHON_DIR)/$$v"; \
+	  rm -rf $(TE_PYTHON_DIR)/$$v.partial && \
+	  $(BIN)/pip install -q --no-deps --target $(TE_PYTHON_DIR)/$$v.partial transformer-engine==$$v einops==0.8.2 && \
+	  rm -rf $(TE_PYTHON_DIR)/$$v && mv $(TE_PYTHON_DIR)/$$v.partial $(TE_PYTHON_DIR)/$$v || exit 1; \
+	done
+
+install: $(STAMP) te-python
 
 run: install
 	$(BIN)/lptrain pretrain --recipe tiny_cpu.yaml --overwrite
@@ -67,4 +84,4 @@ wheelhouse:
 	  $(if $(PYTHON_VERSION),--python-version $(PYTHON_VERSION)) $(if $(PLATFORM),--platform $(PLATFORM))
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache $(GPU_DEPS)
+	rm -rf $(VENV) .pytest_cache .ruff_cache $(GPU_DEPS) $(TE_PYTHON_DIR)

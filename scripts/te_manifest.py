@@ -7,7 +7,8 @@ read from TE's own source (a git checkout; nothing is imported, so no GPU or bui
 ``--repo`` is a clone of https://github.com/NVIDIA/TransformerEngine (a bare clone will do): every
 release tag from ``--since`` (default: lptrain's oldest supported TE, 2.2) and every
 ``release_vX.Y`` branch of a newer release that has no tag yet (2.19 at the time of writing) are
-read with ``git``. For each release the script parses the Python sources with :mod:`ast` and
+read with ``git``; ``--release 2.20=.te-python/2.20.2`` adds a release from its installed Python
+wheel (``make install``'s folders) where the clone has neither. For each release the script parses the Python sources with :mod:`ast` and
 records, for the classes and functions lptrain reaches (``CLASSES`` / ``FUNCTIONS`` below, by
 the public path lptrain imports them from):
 
@@ -56,6 +57,15 @@ CLASSES: tuple[tuple[str, str], ...] = (
     ("transformer_engine.pytorch.tensor.nvfp4_tensor", "NVFP4Tensor"),
     ("transformer_engine.pytorch.tensor.nvfp4_tensor", "NVFP4Quantizer"),
     ("transformer_engine.pytorch.tensor.grouped_tensor", "GroupedTensor"),
+    # the storage classes an internal quantizer returns (TE's modules set internal=True in
+    # forward): ``*TensorStorage`` from 2.9, ``*TensorBase`` before (issue 48)
+    *((f"transformer_engine.pytorch.tensor.storage.{m}_storage", f"{c}Storage")
+      for m, c in (("float8_tensor", "Float8Tensor"), ("mxfp8_tensor", "MXFP8Tensor"),
+                   ("float8_blockwise_tensor", "Float8BlockwiseQTensor"), ("nvfp4_tensor", "NVFP4Tensor"),
+                   ("grouped_tensor", "GroupedTensor"))),
+    *((f"transformer_engine.pytorch.tensor._internal.{m}_base", f"{c}Base")
+      for m, c in (("float8_tensor", "Float8Tensor"), ("mxfp8_tensor", "MXFP8Tensor"),
+                   ("float8_blockwise_tensor", "Float8BlockwiseQTensor"), ("nvfp4_tensor", "NVFP4Tensor"))),
     ("transformer_engine.pytorch", "Linear"),
     ("transformer_engine.pytorch", "LayerNormLinear"),
     ("transformer_engine.pytorch", "GroupedLinear"),
@@ -97,11 +107,17 @@ MODULES: tuple[str, ...] = tuple(dict.fromkeys(
 # ---- reading one release ------------------------------------------------------------------------
 
 class Tree:
-    """The ``transformer_engine`` Python sources of one git ref, parsed on demand."""
+    """The ``transformer_engine`` Python sources of one git ref, parsed on demand; a ref
+    ``dir:PATH`` reads a folder instead (TE's Python wheel installed with ``pip install
+    --target``: a release whose tag the clone lacks)."""
 
     def __init__(self, repo: Path, ref: str) -> None:
         self.repo, self.ref = repo, ref
-        out = _git(repo, "ls-tree", "-r", "--name-only", ref, "--", "transformer_engine")
+        self.folder = Path(ref[4:]) if ref.startswith("dir:") else None
+        if self.folder is not None:
+            out = "\n".join(str(p.relative_to(self.folder)) for p in (self.folder / "transformer_engine").rglob("*.py"))
+        else:
+            out = _git(repo, "ls-tree", "-r", "--name-only", ref, "--", "transformer_engine")
         self.paths = {p for p in out.splitlines() if p.endswith(".py")}
         self._asts: dict[str, Optional[ast.Module]] = {}
         self._text: dict[str, str] = {}
@@ -121,7 +137,8 @@ class Tree:
         if p is None:
             return ""
         if p not in self._text:
-            self._text[p] = _git(self.repo, "show", f"{self.ref}:{p}")
+            self._text[p] = ((self.folder / p).read_text() if self.folder is not None
+                             else _git(self.repo, "show", f"{self.ref}:{p}"))
         return self._text[p]
 
     def module(self, module: str) -> Optional[ast.Module]:
@@ -576,8 +593,12 @@ def _by_member(per_version: list[Optional[set[str]]], versions: list[str]) -> di
     return {n: _ranges([s is not None and n in s for s in per_version], versions) for n in names}
 
 
-def build_manifest(repo: Path, since: tuple[int, ...], progress: bool = True) -> dict[str, Any]:
+def build_manifest(repo: Path, since: tuple[int, ...], progress: bool = True,
+                   folders: Optional[dict[str, Path]] = None) -> dict[str, Any]:
     refs = release_refs(repo, since)
+    for v, path in (folders or {}).items():
+        refs[v] = f"dir:{path}"
+    refs = dict(sorted(refs.items(), key=lambda kv: _version(kv[0])))
     versions = list(refs)
     releases = []
     for _v, ref in refs.items():
@@ -589,7 +610,8 @@ def build_manifest(repo: Path, since: tuple[int, ...], progress: bool = True) ->
         "generated_by": "scripts/te_manifest.py",
         "source": "https://github.com/NVIDIA/TransformerEngine",
         "versions": versions,
-        "refs": {v: {"ref": ref, "commit": _git(repo, "rev-parse", f"{ref}^{{commit}}").strip()}
+        "refs": {v: ({"ref": ref, "commit": _git(repo, "rev-parse", f"{ref}^{{commit}}").strip()}
+                     if not ref.startswith("dir:") else {"ref": f"transformer-engine=={_wheel_release(ref)} (PyPI wheel)"})
                  for v, ref in refs.items()},
         "checkout_head": head,
         "classes": {}, "functions": {}, "modules": {}, "features": {},
@@ -621,17 +643,26 @@ def build_manifest(repo: Path, since: tuple[int, ...], progress: bool = True) ->
     return manifest
 
 
+def _wheel_release(ref: str) -> str:
+    infos = sorted(Path(ref[4:]).glob("transformer_engine-*.dist-info"))
+    return infos[-1].name[len("transformer_engine-"):-len(".dist-info")] if infos else "?"
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repo", type=Path, required=True, help="a git clone of NVIDIA/TransformerEngine")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--since", default="2.2", help="oldest release to read (default: 2.2)")
+    ap.add_argument("--release", action="append", default=[], metavar="X.Y=DIR",
+                    help="also read release X.Y from DIR, TE's Python wheel installed with pip "
+                         "--target (a release the clone has no tag for: .te-python/2.20.2)")
     args = ap.parse_args(argv)
+    folders = {v: Path(d) for v, _, d in (r.partition("=") for r in args.release)}
     if not (args.repo / "HEAD").exists() and not (args.repo / ".git").exists():
         print(f"error: {args.repo} is not a git checkout of TransformerEngine; fix: clone "
               "https://github.com/NVIDIA/TransformerEngine and pass its path", file=sys.stderr)
         return 2
-    manifest = build_manifest(args.repo, _version(args.since))
+    manifest = build_manifest(args.repo, _version(args.since), folders=folders)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(manifest, indent=1, sort_keys=False) + "\n")
     print(f"wrote {args.out}: {len(manifest['versions'])} releases "

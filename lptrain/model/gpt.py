@@ -256,6 +256,16 @@ class GPTModel(nn.Module):
             return contextlib.nullcontext()
         return autocast(amax_reduction_group) if amax_reduction_group is not None else autocast()
 
+    def micro_batch(self, first: bool) -> Any:
+        """The factory's context around one micro-batch's forward of a training step."""
+        ctx = getattr(self.factory, "micro_batch", None)
+        return contextlib.nullcontext() if ctx is None else ctx(first)
+
+    def evaluation_guard(self) -> Any:
+        """The factory's guard around an evaluation (TE: its delayed scaling left as it was)."""
+        guard = getattr(self.factory, "evaluation_guard", None)
+        return contextlib.nullcontext() if guard is None else guard(self)
+
     def forward(
         self, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None
     ) -> Union[torch.Tensor, tuple[torch.Tensor, dict[str, torch.Tensor]]]:

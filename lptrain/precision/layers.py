@@ -468,6 +468,22 @@ class LayerFactory:
         return _ac.autocast(self.recipe, enabled=True, amax_reduction_group=amax_reduction_group,
                             gemm=self.quantized_gemm)
 
+    def micro_batch(self, first: bool) -> contextlib.AbstractContextManager:
+        """Around one micro-batch's forward in a step (TE: ``is_first_microbatch``)."""
+        if self.backend == "te" and self.recipe is not None:
+            from lptrain.precision import te_adapter
+
+            return te_adapter.micro_batch(first)
+        return contextlib.nullcontext()
+
+    def evaluation_guard(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        """Around a no-grad evaluation: TE's casts record amaxes even then (te_adapter)."""
+        if self.backend == "te" and self.recipe is not None:
+            from lptrain.precision import te_adapter
+
+            return te_adapter.forward_amax_slots_kept(model)
+        return contextlib.nullcontext()
+
     def recompute_context_fn(self) -> tuple[Any, Any]:
         """``torch.utils.checkpoint``'s ``context_fn`` (a forward and a recompute context).
 

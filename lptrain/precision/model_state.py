@@ -19,6 +19,9 @@ belong to ranks).
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
 from typing import Any, Optional
 
 import torch
@@ -70,6 +73,28 @@ def rank_state(model: nn.Module, recipe: Optional[Any], device: torch.device) ->
     return out
 
 
+# TE >= 2.20 refuses to unpickle delayed-scaling extra state (its only stateful recipe's
+# scales and amax histories are a pickle) unless this is set: "only from a trusted source".
+_TE_UNSAFE_PICKLE_ENV = "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"
+
+
+@contextlib.contextmanager
+def _trusted_extra_state() -> Iterator[None]:
+    """Opt in to TE's extra-state unpickling while lptrain restores the extra state that its
+    own checkpoint saved from this model's modules (``rank_state``; the checkpoint's files are
+    verified against their checksums before anything is loaded). The variable is restored
+    afterwards, so loading anything else stays refused."""
+    old = os.environ.get(_TE_UNSAFE_PICKLE_ENV)
+    os.environ[_TE_UNSAFE_PICKLE_ENV] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(_TE_UNSAFE_PICKLE_ENV, None)
+        else:
+            os.environ[_TE_UNSAFE_PICKLE_ENV] = old
+
+
 def load_rank_state(model: nn.Module, state: dict[str, Any], recipe: Optional[Any]) -> None:
     """Inverse of :func:`rank_state` (keys absent from an older checkpoint are skipped)."""
     if "torch_rng" in state:
@@ -81,7 +106,8 @@ def load_rank_state(model: nn.Module, state: dict[str, Any], recipe: Optional[An
     missing = sorted(set(extra) - set(modules))
     if missing:
         raise ValueError(f"checkpoint holds extra state of modules this model lacks (e.g. {missing[:3]})")
-    for name, value in extra.items():
-        modules[name].set_extra_state(value)
+    with _trusted_extra_state():
+        for name, value in extra.items():
+            modules[name].set_extra_state(value)
     if "cuda_rng" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda_rng"])

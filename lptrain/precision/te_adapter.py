@@ -27,6 +27,7 @@ is declared in :mod:`lptrain.precision.te_api`, with the releases it is needed o
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import importlib.util
 import os
@@ -207,12 +208,49 @@ def te_recompute_contexts() -> tuple[Any, Any]:
     fp8 = bool(manager.is_fp8_enabled())
     recipe = manager.get_fp8_recipe() if fp8 else None
 
+    first = _FIRST_MICROBATCH.get()  # the recompute sees the forward's is_first_microbatch
+
     @contextlib.contextmanager
     def recompute() -> Iterator[None]:
-        with recompute_ctx, te_autocast(recipe, enabled=fp8):
+        with recompute_ctx, te_autocast(recipe, enabled=fp8), micro_batch(first):
             yield
 
     return forward_ctx, recompute()
+
+
+def _forward_amax_histories(model: nn.Module) -> list[torch.Tensor]:
+    """Every TE module's forward amax history (``fp8_meta["scaling_fwd"].amax_history``)."""
+    out = []
+    for m in model.modules():
+        meta = getattr(m, "fp8_meta", None)
+        state = meta.get("scaling_fwd") if isinstance(meta, dict) else None
+        hist = getattr(state, "amax_history", None)
+        if isinstance(hist, torch.Tensor) and hist.dim() >= 1 and hist.numel():
+            out.append(hist)
+    return out
+
+
+@contextlib.contextmanager
+def forward_amax_slots_kept(model: nn.Module) -> Iterator[None]:
+    """Leave TE's delayed scaling as it was across a no-grad pass (evaluation).
+
+    TE's delayed-scaling cast max-reduces each input's amax into ``amax_history[0]`` whatever
+    the autograd mode, and only an autocast exit with grad enabled consumes and resets that
+    slot: an evaluation's amaxes would otherwise be folded into the next training step's
+    update (max(eval, train)). The slot of every forward history is saved and restored in
+    place (TE's global amax buffer holds views of it); a history TE creates during the pass
+    (a module's first forward) gets the zero slot it was created with."""
+    saved = {id(h): (h, h[0].clone()) for h in _forward_amax_histories(model)}
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for h in _forward_amax_histories(model):
+                kept = saved.get(id(h))
+                if kept is not None:
+                    h[0].copy_(kept[1])
+                else:
+                    h[0].zero_()
 
 
 @contextlib.contextmanager
@@ -282,12 +320,32 @@ def te_linear(in_features: int, out_features: int, *, bias: bool = False,
     object; None builds shapes only, as TE does), ``tp_size``, ``parallel_mode`` and
     ``sequence_parallel`` -- TE holds the shard and runs the layer's collectives."""
     if parallel_mode is None:
-        import transformer_engine.pytorch as te
-
-        return _te_module(te.Linear, in_features, out_features, bias=bias, layer=layer)
+        return _te_module(_te_parallel_linear_cls(), in_features, out_features, bias=bias, layer=layer)
     return _te_module(_te_parallel_linear_cls(), in_features, out_features, bias=bias, layer=layer,
                       parallel_mode=parallel_mode, tp_group=getattr(tp_group, "pg", tp_group),
                       tp_size=tp_size, sequence_parallel=sequence_parallel)
+
+
+# Megatron's ``is_first_microbatch`` for the TE modules' forwards (:func:`micro_batch`).
+_FIRST_MICROBATCH: contextvars.ContextVar[Optional[bool]] = contextvars.ContextVar("lptrain_first_microbatch",
+                                                                                 default=None)
+
+
+@contextlib.contextmanager
+def micro_batch(first: Optional[bool]) -> Iterator[None]:
+    """Forwards of one micro-batch of a step: TE's modules get ``is_first_microbatch=first``
+    (as Megatron passes it). With ``None`` TE casts every bf16 weight (and its transpose on
+    Hopper) on every micro-batch; ``True`` casts and caches it, ``False`` reuses the cache --
+    so each weight is quantized once per step. The first micro-batch of every step re-casts:
+    no cached quantized weight survives an optimizer step or a param gather (both happen
+    between steps), and passes outside a step (evaluation, recompute in backward) run with
+    ``None`` and never touch the cache's use."""
+    outer = _FIRST_MICROBATCH.get()
+    _FIRST_MICROBATCH.set(first)
+    try:
+        yield
+    finally:
+        _FIRST_MICROBATCH.set(outer)
 
 
 @functools.cache
@@ -300,6 +358,8 @@ def _te_parallel_linear_cls() -> type:
 
     class TEParallelLinear(te.Linear):
         def forward(self, inp: torch.Tensor, *args: Any, **kw: Any) -> Any:
+            if not args and "is_first_microbatch" not in kw:
+                kw["is_first_microbatch"] = _FIRST_MICROBATCH.get()
             if not (getattr(self, "sequence_parallel", False) and inp.dim() == 3):
                 return super().forward(inp, *args, **kw)
             out = super().forward(inp.transpose(0, 1).contiguous(), *args, **kw)
@@ -337,6 +397,8 @@ def _te_grouped_linear_cls() -> type:
             return getattr(self, f"weight{i}")
 
         def forward(self, inp: torch.Tensor, m_splits: Sequence[int], *args: Any, **kw: Any) -> Any:
+            if not args and "is_first_microbatch" not in kw:
+                kw["is_first_microbatch"] = _FIRST_MICROBATCH.get()
             # TE >= 2.19's native grouped-tensor path takes the splits as a CUDA int64 tensor
             # (a host list raises there); older TE wants the host list.
             if getattr(self, "use_grouped_tensor", False) and not isinstance(m_splits, torch.Tensor):

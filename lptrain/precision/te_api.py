@@ -167,5 +167,16 @@ TE_CALLS: tuple[TECall, ...] = (
     *(TECall(cls, "_fp8_dtype", since, why="statistics: the clamp limit")
       for cls, since in ((F8, TE_MIN_VERSION), (MX, TE_MIN_VERSION), (BW, _min_te("blockwise")))),
     TECall(MX, "_with_gemm_swizzled_scales", "2.12", why="swizzled scales are not read"),
+    *(TECall(f"{TENSOR}.{mod}.{q}", "internal", since, why="statistics probe: a copy returns a tensor")
+      for mod, q, since in (("float8_tensor", "Float8Quantizer", TE_MIN_VERSION),
+                            ("float8_tensor", "Float8CurrentScalingQuantizer", TE_MIN_VERSION),
+                            ("mxfp8_tensor", "MXFP8Quantizer", TE_MIN_VERSION),
+                            ("float8_blockwise_tensor", "Float8BlockQuantizer", _min_te("blockwise")),
+                            ("nvfp4_tensor", "NVFP4Quantizer", _min_te("nvfp4")))),
+    *(TECall(f"{TENSOR}.float8_tensor.Float8Quantizer", a, TE_MIN_VERSION,
+             why="statistics probe: a delayed-scaling copy gets buffers of its own") for a in ("amax", "scale")),
+    # evaluation keeps delayed scaling (te_adapter.forward_amax_slots_kept)
+    *(TECall(f"{PT}.{m}", "fp8_meta", TE_MIN_VERSION, why="the forward amax slot around evaluation")
+      for m in ("Linear", "GroupedLinear")),
     TECall(F8, "_scale_inv", TE_MIN_VERSION),
 )

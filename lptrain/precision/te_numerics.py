@@ -10,11 +10,12 @@ classes, and the statistics are read through TE's attribute names (:func:`te_sta
 A quantized primary weight is read as it is stored. The copies quantize row-wise only, with
 compact (not GEMM-swizzled) scales.
 
-The probe leaves the run as it was: current, block and MX scaling are stateless; a delayed
-scaling copy shares the module's scale and amax buffer, and records the amax of the very
-tensor the module quantizes (TE's amax update is a running max: the same value changes
-nothing); NVFP4 copies round to nearest and so draw no stochastic-rounding bits from the CUDA
-generator -- the NVFP4 output-grad statistics on TE are of round-to-nearest quantization.
+The probe leaves the run bitwise as it was: every copy quantizes with amax and scale buffers
+of its own (a delayed-scaling quantizer's amax is a view of the module's ``amax_history[0]``,
+into which TE's cast max-reduces); a forward TE recomputes (its recompute phase) is not probed
+again; the backward hook keeps only the splits, not the layer's input; NVFP4 copies round to
+nearest and so draw no stochastic-rounding bits from the CUDA generator -- the NVFP4
+output-grad statistics on TE are of round-to-nearest quantization.
 
 TE's layouts, as its sources (2.x) define them and :func:`te_stat_blocks` reads them:
 ``Float8Tensor._scale_inv`` (one fp32); ``MXFP8Tensor._rowwise_scale_inv`` E8M0 bytes
@@ -92,11 +93,13 @@ def _blockwise(qt: Any, m: int, k: int) -> tuple[Callable, torch.Tensor, float, 
     return (lambda t: _pad(t, m, nk * b).reshape(-1, b)), sinv, fmax, False
 
 
+# TE's tensor classes and their storage classes (``*TensorStorage`` from 2.9, ``*TensorBase``
+# before): an internal quantizer returns the storage class
 READERS: dict[str, Callable[[Any, int, int], tuple[Callable, torch.Tensor, float, bool]]] = {
-    "Float8Tensor": _float8, "Float8TensorStorage": _float8,
-    "MXFP8Tensor": _mxfp8, "MXFP8TensorStorage": _mxfp8,
-    "NVFP4Tensor": _nvfp4, "NVFP4TensorStorage": _nvfp4,
-    "Float8BlockwiseQTensor": _blockwise, "Float8BlockwiseQTensorStorage": _blockwise,
+    f"{name}{suffix}": reader
+    for name, reader in (("Float8Tensor", _float8), ("MXFP8Tensor", _mxfp8), ("NVFP4Tensor", _nvfp4),
+                         ("Float8BlockwiseQTensor", _blockwise))
+    for suffix in ("", "Storage", "Base")
 }
 
 
@@ -123,9 +126,21 @@ def _vector(qt: Any, x: Optional[torch.Tensor]) -> torch.Tensor:
 
 
 def _probe_copy(q: Any) -> Any:
-    """A copy of a TE quantizer that quantizes row-wise, compact scales, round to nearest."""
+    """A copy of a TE quantizer that quantizes row-wise, compact scales, round to nearest,
+    into a tensor (not internal: TE's modules set ``internal=True`` on their quantizers in
+    forward, and a copy keeps it, returning a storage object that has no ``.shape`` before
+    2.19), with amax/scale buffers of its own: a delayed-scaling quantizer's ``amax`` is a
+    view of the module's ``amax_history[0]``, which TE's cast max-reduces into, so a shared
+    one would let the probe change the run's scales (under recompute it records the
+    recomputed input, under PP 1F1B into another micro-batch's slot)."""
     c = q.copy()
     c.set_usage(rowwise=True, columnwise=False)
+    if hasattr(c, "internal"):
+        c.internal = False
+    for attr in ("amax", "scale"):
+        buf = getattr(c, attr, None)
+        if isinstance(buf, torch.Tensor):
+            setattr(c, attr, buf.detach().clone())
     if hasattr(c, "optimize_for_gemm"):
         c.optimize_for_gemm = False
     if getattr(c, "stochastic_rounding", False):
@@ -143,6 +158,15 @@ def _te_linear_classes() -> tuple[type, ...]:
     return tuple(c for c in (getattr(te, "Linear", None), getattr(te, "GroupedLinear", None)) if c)
 
 
+def _in_te_recompute() -> bool:
+    """Whether TE is recomputing a checkpointed region's forward (its recompute phase)."""
+    try:
+        from transformer_engine.pytorch.distributed import in_fp8_activation_recompute_phase
+    except ImportError:
+        return False
+    return bool(in_fp8_activation_recompute_phase())
+
+
 class _Probe:
     """The hooks of one TE linear for one armed step."""
 
@@ -152,12 +176,16 @@ class _Probe:
     def member(self, i: int) -> Optional[int]:
         return int(getattr(self.module, "member_offset", 0)) + i if self.grouped else None
 
-    def splits(self, x2d: torch.Tensor, args: Sequence[Any]) -> list[torch.Tensor]:
+    def sizes(self, args: Sequence[Any]) -> Optional[list[int]]:
+        """The grouped linear's ``m_splits`` (None: a plain linear)."""
         if not self.grouped:
-            return [x2d]
+            return None
         m = args[1]
-        sizes = m.tolist() if isinstance(m, torch.Tensor) else list(m)
-        return list(torch.split(x2d, sizes, dim=0))
+        return m.tolist() if isinstance(m, torch.Tensor) else [int(v) for v in m]
+
+    @staticmethod
+    def splits(x2d: torch.Tensor, sizes: Optional[list[int]]) -> list[torch.Tensor]:
+        return [x2d] if sizes is None else list(torch.split(x2d, sizes, dim=0))
 
     def weight(self, i: int) -> torch.Tensor:
         if self.grouped:
@@ -165,11 +193,12 @@ class _Probe:
         return self.module.weight  # type: ignore[return-value]
 
     def forward(self, module: nn.Module, args: tuple, output: Any) -> None:
-        if not torch.is_grad_enabled() or not args:
-            return
+        if not torch.is_grad_enabled() or not args or _in_te_recompute():
+            return  # (a recomputed forward was recorded when it first ran)
         x = args[0].detach()
         k = x.shape[-1]
-        parts = self.splits(x.reshape(-1, k), args)
+        sizes = self.sizes(args)
+        parts = self.splits(x.reshape(-1, k), sizes)
         quantizers = getattr(module, "quantizers", {}) or {}
         fwd, bwd = quantizers.get("scaling_fwd") or [], quantizers.get("scaling_bwd") or []
         if not getattr(module, "fp8", True):  # TE ran this forward unquantized (a bf16 layer)
@@ -195,14 +224,16 @@ class _Probe:
                     vec = _stats.plain_stats(w.detach())
                 rec.add(self.name, "weight", self.member(i), vec)
         if isinstance(output, torch.Tensor) and output.requires_grad:
-            output.register_hook(lambda g: self.backward(g, args, bwd))
+            # the hook keeps only the splits: capturing ``args`` would keep the layer's bf16
+            # input alive until backward (and defeat recompute)
+            output.register_hook(lambda g: self.backward(g, sizes, bwd))
 
-    def backward(self, g: torch.Tensor, args: tuple, bwd: list[Any]) -> None:
+    def backward(self, g: torch.Tensor, sizes: Optional[list[int]], bwd: list[Any]) -> None:
         rec = _stats.active()
         if rec is None or not rec.open:
             return
         with torch.no_grad():
-            for i, gi in enumerate(self.splits(g.detach().reshape(-1, g.shape[-1]), args)):
+            for i, gi in enumerate(self.splits(g.detach().reshape(-1, g.shape[-1]), sizes)):
                 if gi.shape[0] == 0:
                     continue
                 q = bwd[BWD_PER_GEMM * i] if len(bwd) > BWD_PER_GEMM * i else None

@@ -33,12 +33,13 @@ GPUS = {g.target: (g.capability, g.device_name) for g in CATALOG_GPUS if g.targe
 def virtual_gpu(target: str = "sm90", *, te: bool = False, te_version: Optional[str] = None,
                 cuda_version: Optional[str] = None) -> Iterator[Any]:
     """A virtual GPU of ``target`` with CUDA ``cuda_version`` (default: the version a GPU
-    target is checked for), and the stand-in TE ``te_version`` when ``te`` (unless a real
-    TE is importable); yields the :class:`~lptrain.testing.virtual_cuda.VirtualCuda`,
-    whose ``te_backend`` attribute says which TE serves (``None``, ``"installed"`` or
-    ``"stand-in X.Y"``)."""
+    target is checked for), and, when ``te``, TE's own Python (release ``te_version``, or
+    the default folder's) with its kernels emulated -- unless a real TE is installed; yields
+    the :class:`~lptrain.testing.virtual_cuda.VirtualCuda`, whose ``te_backend`` attribute
+    says which TE serves (``None``, ``"installed"`` or ``"TE X.Y.Z, TE's own Python, kernels
+    emulated"``). No TE Python folder: :class:`~lptrain.testing.te_python.TEPythonMissing`."""
     from lptrain.config.world import ASSUMED_CUDA_VERSION
-    from lptrain.testing import te_standin
+    from lptrain.testing import te_python
     from lptrain.testing.virtual_cuda import VirtualCuda
 
     capability, name = GPUS[target]
@@ -48,12 +49,30 @@ def virtual_gpu(target: str = "sm90", *, te: bool = False, te_version: Optional[
         if te:
             from lptrain.precision.te_adapter import te_importable
 
-            if te_importable():
+            if te_python.version() is None and te_importable():
                 vc.te_backend = "installed"
             else:
-                version = te_version or te_standin.LATEST
-                stack.enter_context(te_standin.installed(version))
-                vc.te_backend = f"stand-in {version}"
+                stack.enter_context(te_python.installed(te_version))
+                vc.te_backend = te_python.describe()
+        yield vc
+
+
+@contextlib.contextmanager
+def standin_gpu(target: str = "sm100", te_version: str = "2.19",
+                cuda_version: Optional[str] = None) -> Iterator[Any]:
+    """A virtual GPU with the hand-written stand-in TE (:mod:`lptrain.testing.te_standin`)
+    instead of TE's own Python: only for the single grouped weight (TE 2.19+'s
+    ``GroupedTensor`` parameter and its grouped-tensor GEMMs), whose kernels
+    :mod:`lptrain.testing.te_python` does not emulate yet. Swaps ``transformer_engine`` in
+    ``sys.modules`` for the block (TE's own modules are put back after it)."""
+    from lptrain.config.world import ASSUMED_CUDA_VERSION
+    from lptrain.testing import te_standin
+    from lptrain.testing.virtual_cuda import VirtualCuda
+
+    capability, name = GPUS[target]
+    with VirtualCuda(capability=capability, name=name, cuda_version=cuda_version or ASSUMED_CUDA_VERSION) as vc, \
+            te_standin.installed(te_version):
+        vc.te_backend = f"stand-in {te_version}"
         yield vc
 
 
@@ -62,7 +81,7 @@ class FakeStepReport:
     """What :func:`fake_gpu_steps` saw."""
 
     target: str
-    backend: str  # "emulated", "te (stand-in 2.19)", ...
+    backend: str  # "emulated backend", "TE backend, TE 2.20.2, TE's own Python, kernels emulated"
     losses: list[float]
     val_loss: float
     syncs_per_step: dict[str, int]
@@ -205,6 +224,6 @@ def _rank_steps(rank: int, world: int, small: Any, target: str, steps: int, te_v
         val = engine.evaluate(valid_it if valid_it is not None else train_it, 1)
         with engine.params_synced():
             engine.checkpoint_state()
-        backend = "emulated backend" if not te else f"TE backend, {vc.te_backend} TE"
+        backend = "emulated backend" if not te else f"TE backend, {vc.te_backend}"
         return {"losses": losses, "val": val, "syncs": syncs, "collectives": coll,
                 "peak": vc.stats.bytes_peak, "backend": backend}

@@ -320,7 +320,7 @@ class TrainEngine(EngineCheckpointState):
                 self.before_micro_batch(i)
             ctx = ddp.no_sync() if i < n - 1 else contextlib.nullcontext()
             with ctx:
-                with model.autocast(self.groups.amax_reduction.pg):
+                with model.autocast(self.groups.amax_reduction.pg), model.micro_batch(first=i == 0):
                     loss, aux = model(b["tokens"], labels=b["labels"])
                 if i == 0:
                     ddp.after_first_forward()
@@ -449,7 +449,7 @@ class TrainEngine(EngineCheckpointState):
         model = self.model
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         counts = [c.clone() for c in model.expert_bias_counts()]
-        with self.params_synced(), torch.no_grad():
+        with self.params_synced(), torch.no_grad(), model.evaluation_guard():
             model.eval()
             try:
                 if self.pipeline is not None:  # through the schedule, forward only

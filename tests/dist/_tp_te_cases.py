@@ -12,8 +12,9 @@ BASE = ["data.builtin_max_mb=1", "train.eval_iters=1", "logging.progress=false",
 
 
 def te_vs_emulated(rank: int, world: int, cache: str, extra: Sequence[str] = ()) -> dict[str, Any]:
-    """On one virtual sm100 GPU per rank, with the stand-in TE: 3 steps of TP 2 + SP on the TE
-    backend and on the emulated one; the TE layers' constructor arguments as TE received them."""
+    """On one virtual sm100 GPU per rank, with TE's own Python (kernels emulated): 3 steps of
+    TP 2 + SP on the TE backend and on the emulated one; the TE layers' tensor-parallel
+    attributes as TE's own ``Linear.__init__`` set them."""
     from lptrain.testing.fake_gpu import virtual_gpu
     from lptrain.testing.parity import train_steps
 
@@ -22,11 +23,11 @@ def te_vs_emulated(rank: int, world: int, cache: str, extra: Sequence[str] = ())
     def record(engine: Any, step: int) -> None:
         if step == 1:
             for name, m in engine.model.named_modules():
-                kw = getattr(m, "_lptrain_kw", None)  # (the stand-in's record of its constructor arguments)
-                if isinstance(kw, dict) and "parallel_mode" in kw:
-                    seen[name] = {k: kw[k] for k in ("tp_size", "parallel_mode", "sequence_parallel")}
-                    seen[name]["tp_group_ranks"] = _ranks(kw["tp_group"])
-                    seen[name]["weight"] = tuple(m.weight.shape)
+                if type(m).__module__.startswith("transformer_engine") or "TEParallel" in type(m).__name__:
+                    if getattr(m, "parallel_mode", None) in ("column", "row"):
+                        seen[name] = {k: getattr(m, k) for k in ("tp_size", "parallel_mode", "sequence_parallel")}
+                        seen[name]["tp_group_ranks"] = _ranks(m.tp_group)
+                        seen[name]["weight"] = tuple(m.weight.shape)
 
     out: dict[str, Any] = {}
     with virtual_gpu("sm100", te=True) as vc:

@@ -40,7 +40,7 @@ def run_cases(rank: int, world: int, cases: dict[str, tuple[str, Sequence[str]]]
 
 def te_param_gather_cases(rank: int, world: int, cases: dict[str, tuple[str, Sequence[str]]],
                           cache: str) -> dict[str, Any]:
-    """On the stand-in TE: ``{case: losses}`` of three steps, the CUDA generator's seed of
+    """On TE's own Python (kernels emulated): ``{case: losses}`` of three steps, the CUDA generator's seed of
     this rank, and the byte-gathered params' aliasing. Cases run on the target in their name's
     recipe (mxfp8: sm100, else sm90)."""
     from lptrain.testing.fake_gpu import virtual_gpu

@@ -27,41 +27,55 @@ from lptrain.config.world import World, parse_version
 S = "Precision"
 
 
+# Transformer Engine refuses, at the first quantized GEMM, a sequence-parallel input whose
+# local rows (each rank's sequence slice) are not a multiple of 8 (its FP8 shape check).
+SP_LOCAL_ROWS_ALIGN = 8
+
+
 def _gemm_misaligned(c: LPTrainConfig, w: World) -> dict[str, Any]:
-    """Every quantized GEMM dimension that is not a multiple of the recipe's block size."""
+    """Every quantized GEMM dimension that is not a multiple of the recipe's block size,
+    judged per tensor-parallel shard (what each rank's GEMM sees: TE checks the shard), and,
+    under sequence parallelism, each rank's local rows."""
     spec = quant_spec(c)
     if spec is None:
         return {}
     recipe, align = spec.name, spec.alignment
     m = c.model
-    dims: list[tuple[str, tuple[str, ...], str, int]] = [
+    tp = max(1, int(m.tensor_model_parallel_size or 1))
+    per = f" / tensor_model_parallel_size {tp}" if tp > 1 else ""
+    tp_keys = ("model.tensor_model_parallel_size",) if tp > 1 else ()
+    dims: list[tuple[str, tuple[str, ...], str, int, int]] = [
         ("hidden (input of qkv and fc1, output of proj and fc2)", ("model.hidden_size",),
-         "model.hidden_size", m.hidden_size),
+         "model.hidden_size", m.hidden_size, align),
     ]
     heads, groups = m.num_attention_heads, m.num_query_groups or m.num_attention_heads
     if heads > 0 and m.hidden_size % heads == 0:
         head_dim = m.hidden_size // heads
         dims.append((
-            "attention qkv output", ("model.num_attention_heads", "model.num_query_groups"),
-            "(num_attention_heads + 2*num_query_groups) * head_dim",
-            (heads + 2 * groups) * head_dim,
+            "attention qkv output", ("model.num_attention_heads", "model.num_query_groups", *tp_keys),
+            f"(num_attention_heads + 2*num_query_groups) * head_dim{per}",
+            (heads + 2 * groups) * head_dim // tp, align,
         ))
-        dims.append(("attention proj input", ("model.num_attention_heads",),
-                     "num_attention_heads * head_dim", heads * head_dim))
+        dims.append(("attention proj input", ("model.num_attention_heads", *tp_keys),
+                     f"num_attention_heads * head_dim{per}", heads * head_dim // tp, align))
     if m.ffn_hidden_size is not None:
-        dims.append(("mlp fc1 output / fc2 input", ("model.ffn_hidden_size",),
-                     "model.ffn_hidden_size", m.ffn_hidden_size))
+        dims.append(("mlp fc1 output / fc2 input", ("model.ffn_hidden_size", *tp_keys),
+                     f"model.ffn_hidden_size{per}", m.ffn_hidden_size // tp, align))
     if m.moe.num_experts > 0 and m.moe.ffn_hidden_size is not None:
         dims.append(("expert fc1 output / fc2 input", ("model.moe.ffn_hidden_size",),
-                     "model.moe.ffn_hidden_size", m.moe.ffn_hidden_size))
+                     "model.moe.ffn_hidden_size", m.moe.ffn_hidden_size, align))
     tokens = c.train.micro_batch_size * m.seq_length
     dims.append(("tokens per micro-batch", ("train.micro_batch_size", "model.seq_length"),
-                 "micro_batch_size * seq_length", tokens))
-    bad = [d for d in dims if d[3] % align != 0]
+                 "micro_batch_size * seq_length", tokens, align))
+    if tp > 1 and m.sequence_parallel:
+        dims.append(("sequence-parallel local rows", ("model.seq_length", "model.tensor_model_parallel_size"),
+                     f"seq_length / tensor_model_parallel_size {tp}", m.seq_length // tp, SP_LOCAL_ROWS_ALIGN))
+    bad = [d for d in dims if d[3] % d[4] != 0]
     if not bad:
         return {}
     keys = tuple(dict.fromkeys(k for d in bad for k in d[1]))
-    detail = "; ".join(f"{layer}: {expr} = {value}" for layer, _, expr, value in bad)
+    detail = "; ".join(f"{layer}: {expr} = {value}" + (f" (needs a multiple of {a})" if a != align else "")
+                       for layer, _, expr, value, a in bad)
     return {"keys": keys, "align": align, "recipe": recipe, "detail": detail}
 
 
@@ -392,16 +406,22 @@ RULES = [
         id="PREC-GEMM-ALIGN", severity="error",
         keys=("model.hidden_size", "model.ffn_hidden_size", "model.num_attention_heads",
               "model.num_query_groups", "model.moe.ffn_hidden_size", "train.micro_batch_size",
-              "model.seq_length"),
+              "model.seq_length", "model.tensor_model_parallel_size", "model.sequence_parallel"),
         when=_gemm_misaligned,
         message="{recipe} quantizes in blocks and needs every GEMM dimension to be a multiple of "
                 "{align}; not aligned: {detail}",
-        fix="make each listed dimension a multiple of {align} (e.g. round model sizes up; tokens "
-            "per micro-batch = train.micro_batch_size * model.seq_length)",
-        condition="every quantized GEMM dimension (hidden, ffn, qkv and output projections, expert "
-                  "dims) and the tokens per micro-batch are multiples of the recipe alignment: "
-                  + _alignments_text(),
-        why="block quantizers need whole blocks; small debug models trip this silently otherwise",
+        fix="make each listed dimension a multiple of {align} per tensor-parallel shard (e.g. round "
+            "model sizes up to {align} x tensor_model_parallel_size; tokens per micro-batch = "
+            "train.micro_batch_size * model.seq_length; under sequence parallelism model.seq_length "
+            f"a multiple of {SP_LOCAL_ROWS_ALIGN} x tensor_model_parallel_size)",
+        condition="every quantized GEMM dimension of each tensor-parallel shard (hidden, ffn / tp, "
+                  "qkv and output projections / tp, expert dims) and the tokens per micro-batch are "
+                  "multiples of the recipe alignment: " + _alignments_text() + "; under sequence "
+                  f"parallelism each rank's local rows (seq_length / tp) a multiple of {SP_LOCAL_ROWS_ALIGN}",
+        why="block quantizers need whole blocks, and TE checks each rank's shard (per-tensor FP8 "
+            "too: ffn 28736 at TP 8 gives an fc2 shard of 3592 columns, refused at the first step; "
+            "seq 8208 at TP 8 under SP gives 1026 local rows); small debug models trip this "
+            "silently otherwise",
         section=S,
     ),
     Rule(

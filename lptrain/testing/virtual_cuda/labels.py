@@ -39,10 +39,10 @@ def storage_of(t: torch.Tensor) -> Optional[Any]:
     """The storage object of a dense tensor; None for wrapper subclasses (whose storage
     object is a placeholder: lptrain's and TE's quantized tensors keep their bytes in inner
     tensors)."""
-    st = t.untyped_storage()
     if type(t) in DENSE:
-        return st
-    try:
+        return t.untyped_storage()
+    try:  # (TE >= 2.20's QuantizedTensor makes an empty storage on its device: "cuda" here)
+        st = t.untyped_storage()
         st.data_ptr()
     except RuntimeError:
         return None

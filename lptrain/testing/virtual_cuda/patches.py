@@ -87,10 +87,14 @@ class Patches:
             "set_rng_state_all": lambda states: gen.set_state(states[0]),
             "current_stream": lambda d=None: _Stream(),
             "default_stream": lambda d=None: _Stream(),
+            "is_current_stream_capturing": lambda: False,  # no CUDA graph is ever captured
         }
         for name, fn in fns.items():
             self._set(c, name, Patched(fn))
         self._set(c, "default_generators", (gen,))
+        for name in ("range_push", "range_pop", "mark"):  # NVTX markers (profiling): no-ops
+            self._set(c.nvtx, name, lambda *a, **k: 0)
+        self._set(c.nvtx, "range", lambda *a, **k: contextlib.nullcontext())
         self._set(c, "Event", _Event)
         self._set(c, "Stream", _Stream)
         self._set(c, "stream", lambda s=None: contextlib.nullcontext())
@@ -176,6 +180,11 @@ class Patches:
             fn = getattr(dist, name, None)
             if fn is not None:
                 self._set(dist, name, self._object_collective(fn))
+        # NCCL batches the collectives issued inside ``_coalescing_manager`` (TE gathers data
+        # and scales in one batch); gloo cannot. Issued one by one they give the same
+        # results, so on the virtual GPU the manager runs them eagerly.
+        self._set(dist, "_coalescing_manager", _eager_coalescing)
+        self._set(dist.distributed_c10d, "_coalescing_manager", _eager_coalescing)
 
     def _requires_device(self, group: Any) -> bool:
         if not self.nccl_groups:
@@ -212,6 +221,17 @@ class Patches:
         collective.__wrapped__ = fn  # type: ignore[attr-defined]
         return collective
 
+
+
+class _DoneWork:
+    def wait(self) -> bool:
+        return True
+
+
+@contextlib.contextmanager
+def _eager_coalescing(group: Any = None, device: Any = None, async_ops: bool = False) -> Any:
+    """``torch.distributed._coalescing_manager`` on gloo: each collective ran when issued."""
+    yield _DoneWork() if async_ops else None
 
 
 def _count_sync(kind: str) -> None:

@@ -473,6 +473,31 @@ def test_gemm_align_names_layer_and_dim(overrides: list[str], layer: str, keys: 
                 if v.rule == "PREC-GEMM-ALIGN"]
 
 
+@pytest.mark.parametrize(
+    ("overrides", "layer", "value"),
+    [  # issue 48: TE's runtime shape checks, which Megatron+TE refuse at the first step
+        (["model.hidden_size=4096", "model.num_attention_heads=32", "model.ffn_hidden_size=28736",
+          "model.tensor_model_parallel_size=8", "model.seq_length=64"],
+         "mlp fc1 output / fc2 input: model.ffn_hidden_size / tensor_model_parallel_size 8", 3592),
+        (["model.hidden_size=4096", "model.num_attention_heads=32", "model.ffn_hidden_size=14336",
+          "model.tensor_model_parallel_size=8", SP, "model.seq_length=8208"],
+         "sequence-parallel local rows: seq_length / tensor_model_parallel_size 8", 1026),
+    ],
+    ids=["per-shard-ffn", "sp-local-rows"],
+)
+def test_gemm_align_judges_each_tensor_parallel_shard(overrides: list[str], layer: str, value: int) -> None:
+    """Per-tensor FP8 (16-aligned): ffn 28736 is aligned as a whole tensor but its TP 8 shard
+    (3592) is not; seq 8208 is aligned as tokens but each SP rank holds 1026 rows (TE wants a
+    multiple of 8). The whole tensor, which is all the rule judged before, passes: the same
+    shapes at TP 1 are accepted."""
+    tensorwise = ["precision.fp8_format=hybrid", "precision.fp8_recipe=delayed"]
+    (v,) = [v for v in violations([*tensorwise, *overrides]) if v.rule == "PREC-GEMM-ALIGN"]
+    assert f"{layer} = {value}" in v.message, v.message
+    assert "model.tensor_model_parallel_size" in v.keys
+    whole = [o for o in overrides if not o.startswith(("model.tensor_model_parallel_size", SP))]
+    assert not [v for v in violations([*tensorwise, *whole]) if v.rule == "PREC-GEMM-ALIGN"]
+
+
 def test_gemm_align_ignored_without_quantization() -> None:
     assert violations(["model.ffn_hidden_size=100"]) == []
 

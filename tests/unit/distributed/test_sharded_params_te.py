@@ -18,8 +18,8 @@ import torch
 
 from lptrain.config import World, derive
 from lptrain.config.compose import load
+from lptrain.testing import te_python
 from lptrain.testing.fake_gpu import virtual_gpu
-from lptrain.testing.te_standin import tensors as TE
 
 BASE = ["data.builtin_max_mb=1", "logging.progress=false", "run.device=cuda", "precision.backend=te",
         "train.global_batch_size=4", "train.micro_batch_size=2", "model.seq_length=64",
@@ -41,7 +41,7 @@ def _losses(overrides: list[str], cache: Path) -> tuple[list[float], list[int]]:
         losses.append(engine.train_step(batches, step).loss)
     held = [p._data.untyped_storage().nbytes() if getattr(p, "_data", None) is not None
             else p._rowwise_data.untyped_storage().nbytes()
-            for p in engine.model.parameters() if isinstance(p, TE.QuantizedTensor)]
+            for p in engine.model.parameters() if isinstance(p, te_python.te_class("QuantizedTensor"))]
     return losses, held
 
 

@@ -1,9 +1,9 @@
-"""TE recipe construction from config, checked on CPU against a stand-in ``transformer_engine``.
+"""TE recipe construction from config, checked on CPU against TE's own recipe classes (TE's
+own Python, newest release installed: ``lptrain.testing.te_python``).
 
-The stand-in TE (``lptrain.testing.te_standin``) reproduces the one TE behaviour that matters
-here: the ``fp8_quant_*`` QParams of Float8CurrentScaling / Float8BlockScaling are class
-attributes that constructor arguments do not set, so ``amax_epsilon`` must be assigned after
-construction. The real classes are exercised by the GPU tests in test_te_backend.py.
+The one TE behaviour that matters here: the ``fp8_quant_*`` QParams of Float8CurrentScaling /
+Float8BlockScaling are class attributes that constructor arguments do not set, so
+``amax_epsilon`` must be assigned after construction.
 """
 
 from __future__ import annotations
@@ -16,13 +16,15 @@ import pytest
 
 from lptrain.config.schema import PrecisionConfig
 from lptrain.precision import te_adapter
-from lptrain.testing import te_standin
+from lptrain.testing import te_python
 
 
 @pytest.fixture
 def fake_te() -> Iterator[types.ModuleType]:
-    with te_standin.installed() as mods:
-        yield mods["transformer_engine.common.recipe"]
+    with te_python.installed():
+        import transformer_engine.common.recipe as ter
+
+        yield ter
 
 
 def _cfg(**kw) -> PrecisionConfig:

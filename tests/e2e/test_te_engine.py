@@ -1,5 +1,6 @@
-"""The data-parallel engine on Transformer Engine's tensors, through the stand-in TE, on a
-virtual GPU (one rank; the two-rank byte gather is in tests/dist/test_te_standin_dist.py).
+"""The data-parallel engine on Transformer Engine's tensors, through TE's own Python (newest
+installed release, kernels emulated: lptrain.testing.te_python) on a virtual GPU (one rank;
+the two-rank byte gather is in tests/dist/test_te_standin_dist.py).
 
 Each test holds one defect the engine had with TE's classes (read against TE's source) and
 fails on the engine as it was, where TE tensors fell through to the plain-tensor path:
@@ -17,6 +18,7 @@ fails on the engine as it was, where TE tensors fell through to the plain-tensor
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,8 +27,8 @@ import torch
 
 from lptrain.config import World, derive
 from lptrain.config.compose import load
-from lptrain.testing.fake_gpu import virtual_gpu
-from lptrain.testing.te_standin import tensors as TE
+from lptrain.testing import te_python
+from lptrain.testing.fake_gpu import standin_gpu, virtual_gpu
 
 BASE = ["data.builtin_max_mb=1", "logging.progress=false", "run.device=cuda", "precision.backend=te",
         "train.global_batch_size=4", "train.micro_batch_size=2", "model.seq_length=64",
@@ -41,6 +43,7 @@ DELAYED = ["precision.fp8_format=hybrid", "precision.fp8_recipe=delayed", "preci
 MOE = ["model.moe.num_experts=4", "model.moe.router_topk=2", "model.moe.ffn_hidden_size=64",
        "model.moe.grouped_gemm=true", "model.moe.single_grouped_weight=true"]
 NO_BF16_EDGES = ["precision.first_last_layers_bf16=false"]
+MOE_DISCRETE = [o for o in MOE if "single_grouped_weight" not in o]
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +68,16 @@ def _batches(engine: object, cache: Path) -> Iterator[list[dict[str, torch.Tenso
         yield [next(it), next(it)]
 
 
+def _te_classes() -> tuple[type, ...]:
+    if getattr(sys.modules.get("transformer_engine"), "_lptrain_version", None) is not None:  # stand-in
+        from lptrain.testing.te_standin import tensors as TE
+
+        return (TE.QuantizedTensor, TE.GroupedTensor)
+    return tuple(c for c in (te_python.te_class("QuantizedTensor"), te_python.te_class("GroupedTensor")) if c)
+
+
 def _te_params(engine: object) -> dict[str, torch.Tensor]:
-    return {n: p for n, p in engine.model.named_parameters() if isinstance(p, (TE.QuantizedTensor, TE.GroupedTensor))}  # type: ignore[attr-defined]
+    return {n: p for n, p in engine.model.named_parameters() if isinstance(p, _te_classes())}  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize(("target", "recipe"), [("sm90", TENSORWISE), ("sm100", MXFP8), ("sm100", NVFP4)],
@@ -81,7 +92,7 @@ def test_masters_start_from_te_init_values_and_the_cpu_copies_are_released(
                      World.detect())
         ref = build_model(cfg, build_factory(cfg.precision, num_layers=2, run_cfg=cfg))
         inits = {n: p.get_high_precision_init_val().float() for n, p in ref.named_parameters()
-                 if isinstance(p, TE.QuantizedTensor)}
+                 if isinstance(p, _te_classes())}
         dequantized = {n: p.dequantize().float().cpu() for n, p in ref.named_parameters() if n in inits}
         engine = _engine([*recipe, *NO_BF16_EDGES], cache)
         masters = engine.checkpoint_state()["global"]["model"]
@@ -93,17 +104,19 @@ def test_masters_start_from_te_init_values_and_the_cpu_copies_are_released(
         assert te[n].get_high_precision_init_val() is None, n  # host copy released
 
 
-@pytest.mark.parametrize(("target", "recipe", "version", "staging"), [
-    ("sm90", TENSORWISE, "2.19", torch.uint8),
-    ("sm90", BLOCKWISE, "2.19", torch.uint8),
-    ("sm90", BLOCKWISE, "2.13", torch.uint8),  # reshapes refused up to 2.13
-    ("sm100", MXFP8, "2.19", torch.bfloat16),
-    ("sm100", NVFP4, "2.19", torch.bfloat16),
-    ("sm100", [*MXFP8, *MOE], "2.19", torch.bfloat16),
-], ids=["tensorwise", "blockwise", "blockwise-2.13", "mxfp8-reuse", "nvfp4", "moe-grouped-mxfp8"])
-def test_te_params_take_the_quantized_buffer_paths(target: str, recipe: list[str], version: str,
-                                                   staging: torch.dtype, cache: Path) -> None:
-    with virtual_gpu(target, te=True, te_version=version):
+@pytest.mark.parametrize(("target", "recipe", "staging"), [
+    ("sm90", TENSORWISE, torch.uint8),
+    ("sm90", BLOCKWISE, torch.uint8),
+    ("sm100", MXFP8, torch.bfloat16),
+    ("sm100", NVFP4, torch.bfloat16),
+    ("sm100", [*MXFP8, *MOE], torch.bfloat16),
+    ("sm100", [*MXFP8, *MOE_DISCRETE], torch.bfloat16),
+], ids=["tensorwise", "blockwise", "mxfp8-reuse", "nvfp4", "moe-grouped-mxfp8", "moe-discrete-mxfp8"])
+def test_te_params_take_the_quantized_buffer_paths(target: str, recipe: list[str], staging: torch.dtype,
+                                                   cache: Path) -> None:
+    """(Blockwise reshapes refused up to TE 2.13: tests/e2e/test_te_python_releases.py.)"""
+    grouped = "model.moe.single_grouped_weight=true" in recipe
+    with standin_gpu(target) if grouped else virtual_gpu(target, te=True):
         engine = _engine([*recipe, *NO_BF16_EDGES], cache)
         te = _te_params(engine)
         quantized = [b for b in engine.ddp.buffers if b.key.quantized]  # type: ignore[attr-defined]
@@ -113,7 +126,7 @@ def test_te_params_take_the_quantized_buffer_paths(target: str, recipe: list[str
             for name in buf.params:
                 p, s = te[name], buf.slots[name]
                 if staging == torch.uint8:  # bytes aliased: the gather moves 1 byte per element
-                    raw = p._data if isinstance(p, TE.Float8Tensor) else p._rowwise_data
+                    raw = p._data if type(p).__name__ == "Float8Tensor" else p._rowwise_data
                     assert buf.aliased[name]
                     assert raw.data_ptr() == buf.param_data[s.start:s.end].data_ptr(), name
                 else:
@@ -142,15 +155,15 @@ def test_te_param_gather_on_equals_off(recipe: list[str], cache: Path) -> None:
 
 
 def test_member_weight_of_a_single_grouped_te_weight(cache: Path) -> None:
-    with virtual_gpu("sm100", te=True, te_version="2.19"):
+    with standin_gpu("sm100"):
         engine = _engine([*MXFP8, *MOE], cache)
         module = next(m for m in engine.model.modules() if getattr(m, "single_grouped_weight", False))  # type: ignore[attr-defined]
         with pytest.raises(RuntimeError, match="forbids shape-manipulation"):
             module.weight[0]
         members = [module.member_weight(i) for i in range(module.num_gemms)]
-    assert [tuple(m.shape) for m in members] == [tuple(module.weight.shape[1:])] * module.num_gemms
-    stacked = torch.stack([m.dequantize().float() for m in members])
-    assert torch.equal(stacked, module.weight.dequantize().float())
+        assert [tuple(m.shape) for m in members] == [tuple(module.weight.shape[1:])] * module.num_gemms
+        stacked = torch.stack([m.dequantize().float() for m in members])  # (TE's kernels: on the GPU)
+        assert torch.equal(stacked, module.weight.dequantize().float())
 
 
 def _resume(overrides: list[str], target: str, cache: Path, drop: str) -> dict[str, list[float]]:
@@ -202,3 +215,70 @@ def test_te_engine_holds_the_bytes_the_emulated_engine_holds(target: str, recipe
             mem[backend] = engine.memory_breakdown()
     for category in ("grads", "param_buffer", "masters", "moments", "padding"):
         assert mem["te"][category] == mem["emulated"][category], (category, mem)
+
+
+def _train_eval_train(cache: Path, with_eval: bool) -> list[float]:
+    with virtual_gpu("sm90", te=True):
+        engine = _engine([*DELAYED, "precision.fp8_amax_history_len=1", *NO_BF16_EDGES], cache)
+        b = _batches(engine, cache)
+        losses = [engine.train_step(next(b), 1).loss]
+        held_out = next(b)  # drawn either way: the training batches are the same
+        if with_eval:
+            engine.evaluate(iter(held_out), 2)
+        losses += [engine.train_step(next(b), s).loss for s in (2, 3)]
+    return losses
+
+
+def test_evaluation_leaves_te_delayed_scaling_as_it_was(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 48 finding 4: TE's delayed-scaling cast max-reduces the evaluation's amaxes into
+    ``amax_history[0]`` under no_grad; the next step's update then used max(eval, train).
+    Train-eval-train equals train-train bitwise; without the guard it does not."""
+    from lptrain.precision import te_adapter
+
+    plain = _train_eval_train(cache, with_eval=False)
+    assert _train_eval_train(cache, with_eval=True) == plain
+    import contextlib
+
+    monkeypatch.setattr(te_adapter, "forward_amax_slots_kept", lambda model: contextlib.nullcontext())
+    assert _train_eval_train(cache, with_eval=True) != plain
+
+
+def _weight_casts(cache: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[int, int]:
+    """(TE weight casts in one step of 2 micro-batches, TE linears) on TE's own Python."""
+    with virtual_gpu("sm90", te=True):
+        import transformer_engine_torch as tex
+
+        engine = _engine([*E4M3_TENSORWISE, *NO_BF16_EDGES], cache)
+        weights = {p.data_ptr() for n, p in engine.model.named_parameters() if n.endswith("weight") and p.dim() == 2}  # type: ignore[attr-defined]
+        casts = []
+        real = tex.quantize
+
+        def counting(tensor: torch.Tensor, quantizer: object, *a: object, **k: object) -> object:
+            if isinstance(tensor, torch.Tensor) and tensor.data_ptr() in weights:
+                casts.append(tensor.data_ptr())
+            return real(tensor, quantizer, *a, **k)
+
+        monkeypatch.setattr(tex, "quantize", counting)
+        engine.train_step(next(_batches(engine, cache)), 1)
+        monkeypatch.setattr(tex, "quantize", real)
+        linears = sum(1 for m in engine.model.modules() if type(m).__module__.startswith("transformer_engine")  # type: ignore[attr-defined]
+                      or "TEParallel" in type(m).__name__)
+    return len(casts), linears
+
+
+E4M3_TENSORWISE = ["precision.fp8_format=e4m3", "precision.fp8_recipe=tensorwise"]
+
+
+def test_each_te_weight_is_cast_once_per_step(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 48 finding 5: TE's modules get Megatron's ``is_first_microbatch`` (the first
+    micro-batch casts and caches each bf16 weight, the others reuse it); with ``None``, as
+    before, TE cast every weight on every micro-batch (2 here)."""
+    import contextlib
+
+    from lptrain.precision import te_adapter
+
+    casts, linears = _weight_casts(cache, monkeypatch)
+    assert linears > 0 and casts == linears, (casts, linears)
+    monkeypatch.setattr(te_adapter, "micro_batch", lambda first: contextlib.nullcontext())
+    casts, linears = _weight_casts(cache, monkeypatch)
+    assert casts == 2 * linears, (casts, linears)

@@ -1,4 +1,4 @@
-"""Two ranks on the TE backend (stand-in TE, virtual GPUs): TE's per-tensor and blockwise FP8
+"""Two ranks on the TE backend (TE's own Python, kernels emulated, on virtual GPUs): TE's per-tensor and blockwise FP8
 weights gathered as bytes -- each rank casts its master shard with TE's
 ``cast_master_weights_to_fp8`` after one MAX all-reduce of the amaxes -- and MXFP8 through the
 reused grad buffer, each bitwise equal to gathering nothing (bf16 params quantized in the

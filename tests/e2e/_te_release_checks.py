@@ -1,0 +1,111 @@
+"""Checks of lptrain's version-gated TE paths on one TE release (run in a subprocess: one TE
+per process), printing one JSON object. ``LPTRAIN_TE_PYTHON`` names the folder;
+``probe_unfixed`` runs the probe check with the code its fix replaced, so the caller can
+show the check fails without it. Used by tests/e2e/test_te_python_releases.py."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def _old_probe_copy(q: Any) -> Any:
+    """The statistics probe's quantizer copy before issue 48 (keeps ``internal``, shares the
+    delayed-scaling amax buffer)."""
+    c = q.copy()
+    c.set_usage(rowwise=True, columnwise=False)
+    if hasattr(c, "optimize_for_gemm"):
+        c.optimize_for_gemm = False
+    return c
+
+
+def probe(unfixed: bool) -> dict[str, Any]:
+    """Issue 48 findings 1 and 3: a TE Linear's forward quantizer (internal after TE's forward)
+    copied by the probe gives block statistics, not a crash (no ``.shape`` on 2.9-2.18's
+    storage) or plain ones (``*TensorBase`` unread up to 2.8); and the copy's cast of another
+    input leaves the module's amax history as it was."""
+    from lptrain.precision import operand_stats as S
+    from lptrain.precision import te_numerics as N
+    from lptrain.testing.fake_gpu import virtual_gpu
+
+    out: dict[str, Any] = {}
+    copy = _old_probe_copy if unfixed else N._probe_copy
+    readers = N.READERS
+    if unfixed:  # the readers before the fix: no *TensorBase (TE <= 2.8's storage classes)
+        N.READERS = {k: v for k, v in readers.items() if not k.endswith("Base")}
+    with virtual_gpu("sm90", te=True) as vc:
+        from transformer_engine.common import recipe as R
+
+        from lptrain.precision import te_adapter
+
+        out["te"] = vc.te_backend
+        torch.manual_seed(0)
+        lin = te_adapter.te_linear(64, 64)
+        x = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
+        with te_adapter.te_autocast(R.DelayedScaling(amax_history_len=4)):
+            lin(x.requires_grad_())
+        q = lin.quantizers["scaling_fwd"][0]
+        out["internal_after_forward"] = bool(getattr(q, "internal", False))
+        hist = lin.fp8_meta["scaling_fwd"].amax_history
+        before = hist.clone()
+        try:
+            qt = copy(q)(x * 3)
+            out["class"] = type(qt).__name__
+            vec = N._vector(qt, x * 3)
+            out["block_stats"] = not torch.equal(vec, S.plain_stats(x * 3))
+        except AttributeError as e:
+            out["class"], out["error"] = "AttributeError", str(e)
+        out["history_kept"] = bool(torch.equal(hist, before))
+    N.READERS = readers
+    return out
+
+
+def engine_steps() -> dict[str, Any]:
+    """Two training steps, an evaluation and the checkpoint state on the virtual GPU for the
+    recipes this release has (blockwise with its byte param gather: reshapes refused up to
+    2.13)."""
+    from lptrain.config.compose import load
+    from lptrain.testing import te_python
+    from lptrain.testing.fake_gpu import fake_gpu_steps
+
+    te_python.load()
+    v = tuple(int(p) for p in (te_python.version() or "0").split(".")[:2])
+    runs = {"delayed": ("sm90", ["precision.fp8_recipe=delayed", "precision.fp8_format=hybrid"]),
+            "blockwise-param-gather": ("sm90", ["precision.fp8_recipe=blockwise", "precision.fp8_format=e4m3",
+                                                "precision.fp8_param_gather=true",
+                                                "ddp.use_distributed_optimizer=true"])}
+    if v >= (2, 8):
+        runs["nvfp4"] = ("sm100", ["precision.fp4_format=e2m1"])
+    out = {}
+    for name, (target, ov) in runs.items():
+        cfg = load("tiny_cpu.yaml", ["precision.backend=te", *ov]).cfg
+        report = fake_gpu_steps(cfg, target, steps=2)
+        out[name] = report.losses
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", default="probe,engine")
+    args = ap.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    result: dict[str, Any] = {}
+    try:
+        if "probe" in args.only:
+            result["probe"] = probe(unfixed=False)
+            result["probe_unfixed"] = probe(unfixed=True)
+        if "engine" in args.only:
+            result["engine"] = engine_steps()
+    except Exception:  # the caller shows it
+        result["exception"] = traceback.format_exc()
+    print("RESULT " + json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""lptrain's version-gated TE paths on older releases of TE's own Python (one subprocess per
+release: TE registers global state at import, so one release per process).
+
+Every other TE-backend test runs the newest installed release in-process; this module runs
+tests/e2e/_te_release_checks.py on a subset of ``make install``'s matrix:
+
+* 2.8.0, the oldest lptrain supports: ``*TensorBase`` storage classes, ``fp8_autocast``;
+* 2.12.0: storage without ``.shape``, ``Float8BlockwiseQTensor`` refusing inner-dimension
+  reshapes (the blockwise byte param gather must never reshape);
+* 2.18.0: the last release whose storage has no ``.shape``.
+
+Issue 48 finding 1: TE's modules set ``internal=True`` on their quantizers in forward, and
+the statistics probe's copy kept it, so the copy returned a storage object: no ``.shape``
+before 2.19 (AttributeError in the hook), and on 2.8 a ``*TensorBase`` the readers did not
+know (plain statistics, silently). Finding 3: the copy shared the module's live amax, so
+probing another tensor (a recomputed input) changed the run's delayed scaling.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lptrain.testing import te_python
+
+SCRIPT = Path(__file__).with_name("_te_release_checks.py")
+# one subprocess per release imports torch and TE's Python (about 5 s quiet, much more on a
+# loaded machine) and runs its checks
+pytestmark = pytest.mark.timeout(900)
+RELEASES = {"2.8.0": "probe", "2.12.0": "probe,engine", "2.18.0": "probe"}
+
+
+def _run(release: str, only: str) -> dict[str, Any]:
+    folders = te_python.installed_folders()
+    if release not in folders:
+        pytest.fail(f"TE {release}'s Python is not installed; {te_python.HOW_TO_GET}")
+    env = {**os.environ, te_python.ENV: str(folders[release]),
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--only", only], env=env, capture_output=True,
+                          text=True, timeout=600)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert line is not None, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(line[len("RESULT "):])
+    assert "exception" not in result, result["exception"]
+    return result
+
+
+@pytest.fixture(scope="module", params=list(RELEASES))
+def release(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
+    return request.param, _run(request.param, RELEASES[request.param])
+
+
+def test_the_probe_reads_block_statistics_and_leaves_delayed_scaling_alone(release: tuple[str, dict]) -> None:
+    name, result = release
+    fixed, unfixed = result["probe"], result["probe_unfixed"]
+    assert fixed["te"] == f"TE {name}, TE's own Python, kernels emulated"
+    assert fixed["internal_after_forward"]  # what TE's forward does to its quantizers
+    assert fixed["block_stats"] and fixed["history_kept"], fixed
+    assert not fixed["class"].endswith(("Storage", "Base"))
+    # the code before the fix, on the same release
+    if name == "2.8.0":
+        assert unfixed["class"] == "Float8TensorBase" and not unfixed["block_stats"], unfixed
+    else:
+        assert unfixed["class"] == "AttributeError" and "shape" in unfixed["error"], unfixed
+    assert not unfixed["history_kept"], unfixed
+
+
+def test_engine_steps_on_the_release(release: tuple[str, dict]) -> None:
+    name, result = release
+    if "engine" not in result:
+        pytest.skip(f"TE {name}: probe checks only")
+    for recipe, losses in result["engine"].items():
+        assert len(losses) == 2 and all(x == x for x in losses), (recipe, losses)
