@@ -176,13 +176,14 @@ def all_rules() -> list[Rule]:
         model,
         moe,
         muon,
+        optim_state,
         pp,
         precision,
         ranges,
         tp,
     )
 
-    return [*precision.RULES, *ddp.RULES, *muon.RULES, *moe.RULES, *ep.RULES, *tp.RULES, *pp.RULES,
+    return [*precision.RULES, *ddp.RULES, *muon.RULES, *optim_state.RULES, *moe.RULES, *ep.RULES, *tp.RULES, *pp.RULES,
             *model.RULES,
             *choices.RULES, *ranges.RULES, *data.RULES, *loop.RULES, *inert.RULES]
 
