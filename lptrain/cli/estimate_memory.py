@@ -138,7 +138,9 @@ def estimate_memory_cmd(
         return
     typer.echo(f"{Path(recipe).name}: {est.params / 1e6:.2f}M params, dp {dp}, target {tgt}; "
                f"rank {w.rank} (the most loaded)")
-    labels = {**LABELS, "activations": "activations (in flight)"} if est.pp > 1 else LABELS
+    labels = {**LABELS, "activations": "activations (in flight)"} if est.pp > 1 else dict(LABELS)
+    if est.optimizer_state:  # the precision-aware optimizer: masters in another form
+        labels["masters"] = "masters"
     for k, v in w.bytes.items():
         typer.echo(f"  {labels[k]:<30} {v / GIB:10.3f} GiB")
     typer.echo(f"  {'total':<30} {w.total / GIB:10.3f} GiB")

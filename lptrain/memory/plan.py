@@ -16,8 +16,11 @@ Categories (bytes on one rank; ``ranks`` holds every rank, ``worst`` the largest
 * ``quantized_weights``: FP8/FP4 primary weights, both orientations with their scales
   (``precision.fp8_param_gather`` / ``fp4_param_gather``);
 * ``grads``: the grad buffers' parameter elements (``main_grad`` views);
-* ``masters``: fp32 master copies this rank updates (its shard; whole matrices it owns);
-* ``optimizer_states``: AdamW ``exp_avg``/``exp_avg_sq``/``step`` (Lion: ``exp_avg``), Muon ``momentum_buffer``;
+* ``masters``: fp32 master copies this rank updates (its shard; whole matrices it owns); with
+  the precision-aware optimizer as stored (fp16 with scales, or an int16 remainder of the bf16
+  param, when TE holds them: :mod:`lptrain.memory.optimizer`);
+* ``optimizer_states``: AdamW ``exp_avg``/``exp_avg_sq``/``step`` (Lion: ``exp_avg``), Muon
+  ``momentum_buffer``; with the precision-aware optimizer in their stored dtypes and scales;
 * ``padding``: alignment and bucket padding of the grad and param buffers;
 * ``param_gather_staging``: the high-precision staging area of quantized buffers for the
   param all-gather (zero when ``ddp.reuse_grad_buf_for_mxfp8_param_ag`` reuses the grad
@@ -48,8 +51,9 @@ import torch
 
 from lptrain.config.schema import LPTrainConfig
 from lptrain.distributed.layout import BufferLayout, ParamSpec
-from lptrain.memory.accounting import OptimizerLayout, Sharding, StoredParam, rank_memory
+from lptrain.memory.accounting import Sharding, StoredParam, rank_memory
 from lptrain.memory.breakdown import PERSISTENT as PERSISTENT  # the categories listed above
+from lptrain.memory.optimizer import optimizer_layout, optimizer_state_dtypes
 
 _WEIGHT_NAME = re.compile(r"weight\d*")
 _EXACT_NUMEL = 1 << 22  # quantize shapes up to 4M elements whole; larger ones by row slabs
@@ -81,6 +85,9 @@ class MemoryEstimate:
     notes: list[str] = field(default_factory=list)
     tp: int = 1  # tensor-parallel size (the world is tp x pp x dp ranks)
     pp: int = 1  # pipeline-parallel size (ranks of every stage are in ``ranks``)
+    # the stored dtypes of the optimizer tensors ({}: fp32 throughout, no precision-aware
+    # optimizer): main_grads, masters (who holds them), exp_avg, exp_avg_sq
+    optimizer_state: dict[str, str] = field(default_factory=dict)
 
     @property
     def worst(self) -> RankMemory:
@@ -98,6 +105,7 @@ class MemoryEstimate:
             "total_bytes": w.total,
             "activations_recompute_bytes": self.activations_recompute,
             "per_rank_total_bytes": [r.total for r in self.ranks],
+            "optimizer_state_dtypes": dict(self.optimizer_state) or optimizer_state_dtypes(None),
             "notes": list(self.notes),
         }
 
@@ -293,20 +301,6 @@ def _sharding(cfg: LPTrainConfig, dp: int, rank: int) -> Sharding:
                     dims.coords(world_rank, EXPERT_ORDER)["edp"] % expert_n)
 
 
-def _optimizer_layout(cfg: LPTrainConfig, dp: int, layout: BufferLayout) -> OptimizerLayout:
-    """The run's optimizer state placement (layer-wise Muon owners planned once)."""
-    from lptrain.optim.layerwise import plan_ownership
-    from lptrain.optim.lion import scalar_optimizer_name
-
-    o = cfg.optimizer
-    layer_wise = bool(o.use_layer_wise_optimizer)
-    muon_specs = [b for b in layout.buffers if b.key.is_muon] if layer_wise else []
-    dense_n, expert_n = _group_sizes(cfg, dp)
-    owners = (plan_ownership(muon_specs, dense_size=dense_n, expert_size=expert_n,
-                             param_layout=o.layer_wise_param_layout) if muon_specs else {})
-    return OptimizerLayout(layer_wise, o.layer_wise_param_layout, owners, scalar_optimizer_name(o))
-
-
 def _stored(info: Sequence[_Param]) -> dict[str, StoredParam]:
     return {p.name: StoredParam(p.numel, p.quantized_bytes or p.numel * p.dtype.itemsize,
                                 bool(p.quantized_bytes)) for p in info}
@@ -419,9 +413,12 @@ def estimate_memory(cfg: LPTrainConfig, dp: int, target: str = "cpu") -> MemoryE
             f"{dims.coords(worst.rank)['pp']} is the most loaded; a stage holds "
             f"{lay.in_flight(0, micro):g} micro-batches of activations at most, as Megatron-LM counts "
             "them, and the schedule's receive buffers of every micro-batch")
+    state = optimizer_state_dtypes(cfg) if cfg.optimizer.use_precision_aware_optimizer else {}
+    if state:
+        notes.append("precision-aware optimizer: " + ", ".join(f"{k} {v}" for k, v in state.items()))
     return MemoryEstimate(
         dp=dp, ranks=ranks, activations_recompute=acts_rc, params=params, layout_report=report,
-        notes=notes, tp=tp, pp=lay.pp,
+        notes=notes, tp=tp, pp=lay.pp, optimizer_state=state,
     )
 
 
@@ -473,7 +470,7 @@ def _stage_memory(cfg: LPTrainConfig, dp: int, model: torch.nn.Module, quantizer
     acts = configured_activation_bytes(cfg, model, act_bytes, quantizers, in_flight)
     buckets = _sharded_bucket_bytes(layout)
     copies = _transient_weight_copies(cfg, model, info, quantizers, act_bytes, in_flight)
-    optimizer = _optimizer_layout(cfg, dp, layout)
+    optimizer = optimizer_layout(cfg, layout, *_group_sizes(cfg, dp))
     stored = _stored(info)
     reuse = bool(cfg.ddp.reuse_grad_buf_for_mxfp8_param_ag)
     ranks = []

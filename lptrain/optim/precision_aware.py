@@ -33,11 +33,13 @@ other dtypes, the fp32 values are stored again and the engine warns that they we
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
+from lptrain.catalog.optimizer_state import SCALED
 from lptrain.config.schema import LPTrainConfig, OptimizerConfig
 from lptrain.optim.fused_adam import EmulatedFusedAdam
 from lptrain.precision.optimizer_states import (
@@ -231,3 +233,41 @@ def state_bytes(opt: torch.optim.Optimizer) -> tuple[int, int, int]:
                 if torch.is_tensor(stored) and stored.dim() == 0:
                     scalars += n
     return masters, states, scalars
+
+
+# ---- loading a checkpoint: conversions and the bitwise restore ---------------------------------
+
+LOSSLESS = {("remainders", "fp32"), ("fp32", "remainders"), ("bf16", "fp32"), ("fp16", "fp32"),
+            ("fp8", "fp32")}
+
+
+def optimizer_state_notes(sp: Optional[StatePrecision], saved_global: dict[str, Any],
+                          children: Sequence[Any], raw: Optional[list[Any]]) -> list[str]:
+    """After every child's ``load_full_state``: restore the saved bits of this rank's pieces
+    (``raw``, the checkpoint's local ``optimizer_raw``) when the dtypes match, and say what was
+    converted: state saved in other dtypes (stored again in this run's), or fp16 / fp8 state
+    re-scaled because this rank's pieces are not the ones that saved it (another layout)."""
+    if not saved_global.get("optimizer"):
+        return []
+    saved = dict(FP32_DTYPES)
+    saved.update(saved_global.get("optimizer_state_dtypes") or {})
+    run = sp.saved_dtypes() if sp is not None else dict(FP32_DTYPES)
+    changed = [k for k in run if saved[k] != run[k]]
+    notes = []
+    if changed:
+        parts = ", ".join(f"{k} {saved[k]} -> {run[k]}" for k in changed)
+        exact = all((saved[k], run[k]) in LOSSLESS for k in changed)
+        notes.append(f"the checkpoint's optimizer state was saved in other dtypes ({parts}); "
+                     f"converted to this run's ({'exactly' if exact else 'rounded: not bitwise'})")
+    if sp is None or changed:
+        return notes
+    restored = raw is not None and len(raw) == len(children)
+    for child, r in zip(children, raw or [], strict=False):
+        restored = child.load_raw_state(r) and restored
+    scaled = [k for k in ("exp_avg", "exp_avg_sq", "master") if run[k] in SCALED]
+    if not restored and scaled:
+        notes.append(f"{', '.join(scaled)} ({', '.join(run[k] for k in scaled)}) re-scaled: this "
+                     "rank's optimizer pieces are not the ones that saved them (another layout or "
+                     "world size), so their per-tensor scales were computed afresh (not bitwise)")
+    return notes
+
