@@ -106,7 +106,8 @@ class LayerWiseStateMixin:
         if self.state_precision is None:
             return {}
         return {f"{pc.unit.name}[{pc.unit.member}]": {
-                    k: stored_tensors(v) if k == "momentum_buffer" else v.clone()
+                    k: ({n: t.clone() for n, t in stored_tensors(v).items()} if k == "momentum_buffer"
+                        else v.clone())
                     for k, v in self.optimizer.state[pc.master].items()}
                 for pc in self.pieces if self.optimizer.state.get(pc.master)}
 
