@@ -33,13 +33,13 @@ MAIN_PARAMS_DTYPES = ("fp32", "fp16")
 STATE_KEYS = ("optimizer.exp_avg_dtype", "optimizer.exp_avg_sq_dtype")
 DTYPE_KEYS = ("optimizer.main_grads_dtype", "optimizer.main_params_dtype", *STATE_KEYS)
 
-# Bytes per element of each stored dtype, and the fp32 scales a scaled dtype adds per
+# Bytes per element of each stored dtype, and the fp32 scales a non-fp32 dtype adds per
 # optimizer tensor (a shard piece: the per-tensor scale is per tensor TE steps): FusedAdam's
-# scale, and for FP8 the quantizer's scale and the tensor's scale_inv (TE's Float8Quantizer
-# also keeps a 4-byte amax, which the emulation does not need).
+# scale (kept for bf16 states too, unused), and for FP8 the quantizer's scale and the
+# tensor's scale_inv (TE's Float8Quantizer also keeps a 4-byte amax the emulation has no use for).
 BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
 SCALED = ("fp16", "fp8")
-SCALE_BYTES = {"fp16": 4, "fp8": 12}
+SCALE_BYTES = {"bf16": 4, "fp16": 4, "fp8": 12}
 # A remainder master: the bf16 parameter holds the high half, the optimizer an int16.
 REMAINDER_BYTES = 2
 # Largest magnitude TE scales a state to: fp16's max / 2 (headroom for the next step) and

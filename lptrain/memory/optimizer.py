@@ -48,7 +48,7 @@ def optimizer_state_dtypes(cfg: Optional[LPTrainConfig]) -> dict[str, str]:
     grads = sp.main_grads if sp is not None else "fp32"
 
     def stored(dtype: str) -> str:
-        scale = f" + {SCALE_BYTES[dtype]} B of scales per optimizer tensor" if dtype in SCALE_BYTES else ""
+        scale = f" + {SCALE_BYTES[dtype]} B of scale per optimizer tensor" if dtype in SCALE_BYTES else ""
         return f"{dtype} ({BYTES[dtype]} B/element{scale})"
 
     if sp is not None and sp.te_holds_masters and sp.remainders:
