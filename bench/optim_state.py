@@ -34,7 +34,7 @@ import json
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from harness import Figure, add_args, report

@@ -108,7 +108,7 @@ class RefState:
         return self.data if self.kind == "fp8" else self.data.astype(F32)
 
 
-def ref_kernel(g, p, m, v, *, lr, b1, b2, eps, step, wd):  # noqa: ANN001, ANN201
+def ref_kernel(g, p, m, v, *, lr, b1, b2, eps, step, wd):
     """multi_tensor_adam's AdamW mode, numpy fp32, one rounding per operation."""
     b1, b2, lr, eps, wd = F32(b1), F32(b2), F32(lr), F32(eps), F32(wd)
     bc1 = F32(1.0 - float(b1) ** step)

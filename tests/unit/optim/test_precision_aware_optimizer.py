@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import sys
 import types
+from typing import ClassVar
 
 import pytest
 import torch
@@ -19,20 +20,19 @@ import torch
 from lptrain.config import World, check, compose, derive
 from lptrain.optim.fused_adam import EmulatedFusedAdam
 from lptrain.optim.precision_aware import StatePrecision, fused_adam, state_precision
-from lptrain.precision import optimizer_states as S
 
 BASE = ["data.builtin_max_mb=1", "logging.progress=false", "model.seq_length=32",
         "train.micro_batch_size=2", "train.global_batch_size=2"]
 PAO = ["optimizer.use_precision_aware_optimizer=true", "ddp.use_distributed_optimizer=true"]
 
 
-def _engine(overrides: list[str]):  # noqa: ANN202
+def _engine(overrides: list[str]):
     from lptrain.train.engine import TrainEngine
 
     return TrainEngine(derive(compose("tiny_cpu.yaml", [*BASE, *overrides]), World(dp=1)))
 
 
-def _batch(cfg) -> list[dict[str, torch.Tensor]]:  # noqa: ANN001
+def _batch(cfg) -> list[dict[str, torch.Tensor]]:
     tok = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_length + 1),
                         generator=torch.Generator().manual_seed(5))
     return [{"tokens": tok[:, :-1], "labels": tok[:, 1:]}]
@@ -126,13 +126,13 @@ class _FakeFusedAdam(EmulatedFusedAdam):
     """Stands in for TE's class: records the constructor's keywords; ``_apply_scale`` as TE's
     (which sets the quantizer scale to 1 / scale)."""
 
-    kwargs: dict = {}
+    kwargs: ClassVar[dict] = {}
 
-    def __init__(self, params, **kwargs) -> None:  # noqa: ANN001
+    def __init__(self, params, **kwargs) -> None:
         _FakeFusedAdam.kwargs = kwargs
         super().__init__(params, **kwargs)
 
-    def _apply_scale(self, state_name, unscaled_state, scaled_state, scale) -> None:  # noqa: ANN001
+    def _apply_scale(self, state_name, unscaled_state, scaled_state, scale) -> None:
         scaled_state._quantizer.scale.copy_(1 / scale)
         scaled_state.copy_(unscaled_state)
 
