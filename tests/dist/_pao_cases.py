@@ -66,7 +66,8 @@ def run_case(overrides: Sequence[str], resume: bool) -> dict[str, Any]:
     if state is not None:
         out["dtypes"] = state["global"]["optimizer_state_dtypes"]
         out["moment_dtypes"] = sorted({str(v.dtype) for entry in state["global"]["optimizer"].values()
-                                       for k, v in entry.items() if k in ("exp_avg", "momentum_buffer")})
+                                       for k, v in entry.items()
+                                       if k in ("exp_avg", "exp_avg_sq", "momentum_buffer")})
         f = _engine(overrides)
         out["notes"] = f.load_checkpoint_state(state)
         out["resumed"] = _step(f, 2)
