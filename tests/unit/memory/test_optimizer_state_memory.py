@@ -63,6 +63,9 @@ CASES = {
     "te-held-remainders": ("tiny_cpu.yaml", [*PAO, "ddp.use_distributed_optimizer=true",
                                              "optimizer.exp_avg_dtype=fp8", "optimizer.exp_avg_sq_dtype=fp16",
                                              "optimizer.main_grads_dtype=bf16"]),
+    # NVFP4 primary weights gathered (lptrain's fp32 masters), bf16 main grads, FP8 moment
+    "nvfp4-pg": ("nvfp4_adamw_cpu.yaml", [*PAO, "precision.fp4_param_gather=true", "optimizer.main_grads_dtype=bf16",
+                                          "optimizer.exp_avg_dtype=fp8"]),
     # layer-wise Muon (its momentum as exp_avg, FP8) with MXFP8 param gather; fp32 masters
     "muon-fp8-momentum": ("mxfp8_muon_cpu.yaml", [*PAO, "optimizer.exp_avg_dtype=fp8",
                                                   "optimizer.exp_avg_sq_dtype=bf16",
