@@ -10,6 +10,7 @@ test_optimizer_state_memory.py``.
 
 from __future__ import annotations
 
+import importlib.machinery
 import sys
 import types
 from typing import ClassVar
@@ -144,6 +145,7 @@ def test_te_backend_builds_fused_adam_megatrons_way(monkeypatch: pytest.MonkeyPa
     import lptrain.precision.te_adapter as adapter
 
     te_opt = types.ModuleType("transformer_engine.pytorch.optimizers")
+    te_opt.__spec__ = importlib.machinery.ModuleSpec(te_opt.__name__, None)
     te_opt.FusedAdam = _FakeFusedAdam  # type: ignore[attr-defined]
     te_f8 = types.ModuleType("transformer_engine.pytorch.tensor.float8_tensor")
     te_f8.Float8Tensor = _FakeFloat8  # type: ignore[attr-defined]
@@ -170,3 +172,15 @@ def test_te_backend_builds_fused_adam_megatrons_way(monkeypatch: pytest.MonkeyPa
         assert torch.isnan(state.copied).all()
     finally:
         adapter._guarded_fused_adam_cls.cache_clear()
+
+
+def test_the_stand_in_te_steps_with_the_emulation() -> None:
+    """Regression: lptrain's stand-in TE (the fake GPU step of ``pretrain --dry-run --target
+    sm100``) has no ``pytorch.optimizers``; the TE backend then builds the emulated FusedAdam
+    (it raised ModuleNotFoundError)."""
+    from lptrain.precision.te_adapter import te_fused_adam
+    from lptrain.testing import te_standin
+
+    with te_standin.installed():
+        opt = te_fused_adam([{"params": [torch.zeros(2)]}], exp_avg_dtype=torch.bfloat16)
+    assert type(opt) is EmulatedFusedAdam
