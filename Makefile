@@ -46,10 +46,10 @@ test: install
 lint: install
 	$(BIN)/ruff check lptrain tests bench
 
-# Every bench under bench/ (about 20 minutes on 2 shared cores: each measurement repeats until
+# Every bench under bench/ (about 55 minutes on 2 shared cores, half of it optim_state's 11 runs: each measurement repeats until
 # its medians are tight or its time cap is reached; see README "Benchmarks"). A FAIL or
 # REGRESSED does not stop the others.
-BENCHES := quantize model_step train_step host_overhead ddp tp pp cp optim moe data hf_export muon_vs_adamw checkpoint memory numerics threads
+BENCHES := quantize model_step train_step host_overhead ddp tp pp cp optim moe data hf_export muon_vs_adamw optim_state checkpoint memory numerics threads
 
 bench: install
 	@for b in $(BENCHES); do echo "== bench/$$b.py"; $(BIN)/python bench/$$b.py || echo "bench/$$b.py exited $$?"; done

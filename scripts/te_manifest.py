@@ -80,6 +80,7 @@ CLASSES: tuple[tuple[str, str], ...] = (
     ("transformer_engine.pytorch.fp8", "FP8GlobalStateManager"),
     ("transformer_engine.pytorch.quantization", "FP8GlobalStateManager"),
     ("transformer_engine.pytorch.distributed", "activation_recompute_forward"),
+    ("transformer_engine.pytorch.optimizers", "FusedAdam"),
 )
 FUNCTIONS: tuple[tuple[str, str], ...] = (
     ("transformer_engine.pytorch", "autocast"),

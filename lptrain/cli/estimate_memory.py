@@ -152,6 +152,8 @@ def estimate_memory_cmd(
     typer.echo(f"{Path(recipe).name}: {est.params / 1e6:.2f}M params, dp {dp}, target {tgt}; "
                f"rank {w.rank} (the most loaded)")
     labels = labels_for(est)
+    if est.optimizer_state:  # the precision-aware optimizer: masters in another form
+        labels["masters"] = "masters"
     width = max(30, *(len(labels[k]) for k in w.bytes))
     for k, v in w.bytes.items():
         typer.echo(f"  {labels[k]:<{width}} {v / GIB:10.3f} GiB")

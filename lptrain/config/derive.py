@@ -45,9 +45,18 @@ def derive(cfg: LPTrainConfig, world: World) -> LPTrainConfig:
         prec.quantized_gemm = resolve("auto", quant_recipe(out), sm,
                                       world.cublaslt_version if sm else None, prec.backend)
 
-    # Gradients of bf16 params are reduced in fp32 unless the recipe says otherwise.
+    # Gradients of bf16 params are reduced in fp32 unless the recipe says otherwise, or the
+    # precision-aware optimizer's main grads are bf16 (Megatron: accumulate_allreduce_grads_in_
+    # fp32 follows main_grads_dtype; PAO-MAIN-GRADS-DERIVE).
     if ddp.grad_reduce_in_fp32 is None:
-        ddp.grad_reduce_in_fp32 = prec.params_dtype == "bf16"
+        ddp.grad_reduce_in_fp32 = prec.params_dtype == "bf16" and opt.main_grads_dtype == "fp32"
+
+    # PAO-REMAINDERS-DERIVE: TE keeps fp32 masters of bf16 params as remainders wherever it
+    # holds them (Megatron's default store_param_remainders=True, which TE ignores elsewhere).
+    if opt.store_param_remainders is None:
+        from lptrain.config.rulesets.optim_state import remainders_possible
+
+        opt.store_param_remainders = remainders_possible(out)
 
     # One bucket without overlap (nothing to pipeline); Megatron's size with it.
     if ddp.bucket_size is None and ddp.overlap_grad_reduce:

@@ -177,6 +177,7 @@ def all_rules() -> list[Rule]:
         model,
         moe,
         muon,
+        optim_state,
         pp,
         precision,
         ranges,
@@ -184,7 +185,7 @@ def all_rules() -> list[Rule]:
         tp,
     )
 
-    return [*precision.RULES, *scaled_gemm.RULES, *ddp.RULES, *muon.RULES, *moe.RULES, *ep.RULES,
+    return [*precision.RULES, *scaled_gemm.RULES, *ddp.RULES, *muon.RULES, *optim_state.RULES, *moe.RULES, *ep.RULES,
             *tp.RULES, *pp.RULES, *cp.RULES, *model.RULES,
             *choices.RULES, *ranges.RULES, *data.RULES, *loop.RULES, *inert.RULES]
 

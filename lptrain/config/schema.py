@@ -6,8 +6,10 @@ catalog (``docs/rules.md``) names the keys by these dotted names. Values that ot
 determine (``ddp.grad_reduce_in_fp32``, ``ddp.bucket_size``, ...) default to ``None`` here and
 are filled in by :func:`lptrain.config.derive.derive`, never computed ad hoc deeper in the code.
 
-The allowed values of every choice key are declared once, here, with :func:`choice` (the
-recipe, coefficient-set and scale-mode names come from :mod:`lptrain.catalog`): the value-set
+The allowed values of every choice key are declared once, with :func:`choice` (from
+:mod:`lptrain.config.fields`; the recipe, coefficient-set and scale-mode names come from
+:mod:`lptrain.catalog`; the ``optimizer`` section lives in :mod:`lptrain.config.optimizer_schema`
+and is re-exported here): the value-set
 rules (``rulesets/choices.py``), the help texts and the rule messages all read them through
 :func:`choices_of`. They are tuples in the field metadata rather than ``Literal`` annotations
 on purpose: OmegaConf validates a ``Literal`` field while merging, so an unknown value would
@@ -20,43 +22,30 @@ every allowed value and the fix next to the config's other violations (exit 1).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, fields, is_dataclass
 from typing import Any, Optional
 
-from lptrain.catalog import muon_scaling, ns_coefficients, pipeline
+from lptrain.catalog import pipeline
 from lptrain.catalog import recipes as catalog_recipes
 from lptrain.catalog import scaled_gemm as catalog_scaled_gemm
+from lptrain.config.fields import choice, one_of, opt, opt_factory, show_value
+from lptrain.config.optimizer_schema import (
+    LAYER_WISE_LAYOUTS,
+    LR_SCHEDULES,
+    MUON_COEFFICIENTS,
+    MUON_SCALE_MODES,
+    MUON_TP_MODES,
+    OPTIMIZERS,
+    SCALAR_OPTIMIZERS,
+    MuonConfig,
+    OptimizerConfig,
+)
 
-
-def opt(default: Any, help: str) -> Any:
-    """A dataclass field with a scalar default and its one-line documentation."""
-    return field(default=default, metadata={"help": help})
-
-
-def opt_factory(factory: Any, help: str) -> Any:
-    """A dataclass field with a mutable default (list, nested section) and its documentation."""
-    return field(default_factory=factory, metadata={"help": help})
-
-
-def show_value(value: Any) -> str:
-    """A config value as a user writes it (``None`` is ``null``)."""
-    return "null" if value is None else str(value)
-
-
-def one_of(values: Sequence[Any], notes: Mapping[Any, str] | None = None, last: str = "or") -> str:
-    """``a, b or c`` (each value followed by its note in parentheses, when it has one)."""
-    notes = notes or {}
-    shown = [show_value(v) + (f" ({notes[v]})" if notes.get(v) else "") for v in values]
-    return shown[0] if len(shown) == 1 else f"{', '.join(shown[:-1])} {last} {shown[-1]}"
-
-
-def choice(default: Any, values: Sequence[Any], help: str,
-           notes: Mapping[Any, str] | None = None) -> Any:
-    """A field that takes one of ``values``: the one declaration of them. ``help`` names the
-    place of the list as ``{choices}``; ``notes`` explain single values there."""
-    return field(default=default, metadata={
-        "help": help.format(choices=one_of(values, notes)), "choices": tuple(values)})
+__all__ = [
+    "LAYER_WISE_LAYOUTS", "LR_SCHEDULES", "MUON_COEFFICIENTS", "MUON_SCALE_MODES", "MUON_TP_MODES",
+    "OPTIMIZERS", "SCALAR_OPTIMIZERS", "MuonConfig", "OptimizerConfig", "choice", "one_of", "opt",
+    "opt_factory", "show_value",
+]
 
 
 # Allowed values of the choice keys (see the module docstring), read through choices_of().
@@ -71,12 +60,6 @@ FP8_RECIPES = catalog_recipes.recipe_names("fp8")
 FP4_FORMATS = (None, *catalog_recipes.family_formats("fp4"))
 FP4_RECIPES = catalog_recipes.recipe_names("fp4")
 AMAX_ALGOS = ("most_recent", "max")
-MUON_COEFFICIENTS = tuple(ns_coefficients.COEFFICIENT_SETS)
-MUON_SCALE_MODES = muon_scaling.SCALE_MODES
-SCALAR_OPTIMIZERS = ("adamw", "lion")
-OPTIMIZERS = ("adamw", "muon")
-LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
-LAYER_WISE_LAYOUTS = ("compact", "padded")
 ON_NONFINITE = ("stop", "skip")
 ON_ANOMALY = (None, "stop", "skip_batch", "rollback")
 NAN_TENSORS = ("output_grad", "output")
@@ -85,7 +68,6 @@ RECOMPUTE_GRANULARITIES = (None, "selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
 RECOMPUTE_MODULES = ("core_attn", "mlp_act", "mlp")
 SHARDING_TYPES = ("dp_reshardable", "fully_reshardable", "fully_sharded_model_space")
-MUON_TP_MODES = ("duplicated", "distributed")
 PIPELINE_SCHEDULES = pipeline.SCHEDULES
 CP_COMM_TYPES = ("p2p", "a2a", "allgather", "a2a+p2p")  # model.cp_comm_type (Megatron's names)
 WANDB_MODES = ("online", "offline", "disabled")
@@ -272,76 +254,6 @@ class DistConfig:
         "--distributed-timeout-minutes) and a rank may make no progress before the launcher's "
         "watchdog names it and stops the job (exit 3).",
     )
-
-
-@dataclass
-class MuonConfig:
-    """Muon hyperparameters (for 2-D hidden matrices)."""
-
-    lr: Optional[float] = opt(
-        None,
-        "Peak lr of the Muon group (null = optimizer.lr); the AdamW groups (embeddings, head, "
-        "norms) keep optimizer.lr. Its min lr is optimizer.min_lr scaled by the same ratio.",
-    )
-    momentum: float = opt(0.95, "Momentum coefficient, in [0, 1).")
-    nesterov: bool = opt(True, "Use Nesterov momentum.")
-    ns_steps: int = opt(
-        5,
-        "Newton-Schulz iterations: simple >= 1, quintic a multiple of 5, polar_express >= 8, "
-        "aol a multiple of 4.",
-    )
-    coefficients: str = choice("quintic", MUON_COEFFICIENTS, "Newton-Schulz coefficients: {choices}.")
-    scale_mode: str = choice(
-        "spectral", MUON_SCALE_MODES, "Update scaling: {choices}.",
-        {"shape_scaling": "RMS 1/sqrt(fan_in): Keller-style lr ~0.02",
-         "spectral": "update RMS 1: takes AdamW's lr",
-         "unit_rms_norm": "as shape_scaling when fan_out >= fan_in"},
-    )
-    extra_scale_factor: float = opt(1.0, "Extra multiplier on the orthogonalized update.")
-    split_qkv: bool = opt(True, "Orthogonalize Q, K and V separately.")
-    tp_mode: str = choice(
-        "duplicated", MUON_TP_MODES,
-        "Newton-Schulz of a tensor-parallel matrix (tensor_model_parallel_size > 1): {choices}; "
-        "both give the same update.",
-        {"duplicated": "all-gather the shards, every TP rank orthogonalizes, keeps its slice",
-         "distributed": "one TP rank per matrix orthogonalizes, then scatters the slices"},
-    )
-    scalar_optimizer: str = choice(
-        "adamw", SCALAR_OPTIMIZERS,
-        "Optimizer for the params Muon does not take (embeddings, output head, norms): {choices}.",
-        {"lion": "at optimizer.lr, with optimizer.lion_beta1/lion_beta2"},
-    )
-
-
-@dataclass
-class OptimizerConfig:
-    """Optimizer and learning-rate schedule."""
-
-    name: str = choice("adamw", OPTIMIZERS, "Optimizer: {choices}.")
-    lr: float = opt(3e-4, "Peak learning rate.")
-    min_lr: float = opt(3e-5, "Final learning rate of the decay.")
-    weight_decay: float = opt(0.1, "Decoupled weight decay.")
-    adam_beta1: float = opt(0.9, "AdamW beta1.")
-    adam_beta2: float = opt(0.95, "AdamW beta2.")
-    adam_eps: float = opt(1e-8, "AdamW epsilon.")
-    lion_beta1: float = opt(
-        0.95, "Lion beta1: weight of the momentum in the signed update (scalar_optimizer=lion)."
-    )
-    lion_beta2: float = opt(0.98, "Lion beta2: decay of Lion's momentum (scalar_optimizer=lion).")
-    clip_grad: float = opt(1.0, "Global gradient-norm clip (0 = off).")
-    lr_schedule: str = choice("cosine", LR_SCHEDULES, "LR decay: {choices}.")
-    warmup_iters: int = opt(10, "Linear warmup iterations.")
-    decay_iters: Optional[int] = opt(None, "Decay length; null = train.train_iters.")
-    override_opt_param_scheduler: bool = opt(False, "On resume: this config's lr schedule from the "
-                                             "step reached, where it differs from the checkpoint's.")
-    use_checkpoint_opt_param_scheduler: bool = opt(False, "On resume: the checkpoint's lr schedule, "
-                                                   "whatever this config's says.")
-    layer_wise_param_layout: str = choice("compact", LAYER_WISE_LAYOUTS,
-                                          "Layer-wise optimizer layout: {choices}.")
-    use_layer_wise_optimizer: Optional[bool] = opt(
-        None, "Derived: Muon + distributed optimizer use the layer-wise distributed optimizer."
-    )
-    muon: MuonConfig = opt_factory(MuonConfig, "Muon settings.")
 
 
 @dataclass

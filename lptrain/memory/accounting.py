@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lptrain.catalog import optimizer_state as pao
 from lptrain.distributed.layout import BufferLayout, BufferSpec
 from lptrain.memory.breakdown import MemoryBreakdown
 from lptrain.optim.layerwise import units_of_buffer
@@ -64,6 +65,15 @@ class OptimizerLayout:
     param_layout: str = "compact"
     owners: Mapping[tuple[str, int], int] | None = None
     scalar_optimizer: str = "adamw"
+    # the precision-aware optimizer (lptrain.catalog.optimizer_state): the stored dtypes of
+    # the moments (Muon's momentum is exp_avg's) and of the masters TE holds ("fp32", "fp16"
+    # or "remainders"; None: lptrain holds fp32 masters); fp16 and fp8 add one fp32 scale per
+    # optimizer tensor (a piece of this rank's shard, an owned Muon matrix), and TE's step
+    # counter is per param group (no 0-dim tensor per piece)
+    precision_aware: bool = False
+    exp_avg: str = "fp32"
+    exp_avg_sq: str = "fp32"
+    te_master: str | None = None
 
 
 def kept_grad_elements(buf: BufferSpec, rank: int, size: int) -> tuple[int, int]:
@@ -116,17 +126,19 @@ def _buffers_bytes(m: MemoryBreakdown, layout: BufferLayout, params: Mapping[str
 
 def _optimizer_bytes(m: MemoryBreakdown, layout: BufferLayout, sharding: Sharding,
                      optimizer: OptimizerLayout) -> None:
-    """This rank's fp32 masters and optimizer states."""
-    adam_elems = adam_pieces = muon_elems = masters = 0
+    """This rank's masters and optimizer states (fp32, or as the precision-aware optimizer
+    stores them)."""
+    adam_elems = adam_pieces = muon_elems = muon_units = masters = 0
     for buf in layout.buffers:
         size, me = sharding.of(buf)
         if buf.key.is_muon and optimizer.layer_wise:
             owners = optimizer.owners or {}
             member_level = optimizer.param_layout == "compact"
-            mine = sum(u.numel for u in units_of_buffer(buf, member_level=member_level)
-                       if owners[u.key] == me)
-            masters += mine
-            muon_elems += mine
+            mine = [u.numel for u in units_of_buffer(buf, member_level=member_level)
+                    if owners[u.key] == me]
+            masters += sum(mine)
+            muon_elems += sum(mine)
+            muon_units += len(mine)
             continue
         slots = {s.name: s for s in buf.params}
         for bucket in buf.buckets:
@@ -140,6 +152,9 @@ def _optimizer_bytes(m: MemoryBreakdown, layout: BufferLayout, sharding: Shardin
                 else:
                     adam_elems += n
                     adam_pieces += 1
+    if optimizer.precision_aware:
+        _precision_aware_bytes(m, optimizer, masters, adam_elems, adam_pieces, muon_elems, muon_units)
+        return
     m.masters = masters * MASTER_BYTES
     if optimizer.scalar_optimizer == "lion":
         scalar = adam_elems * LION_STATE_BYTES
@@ -147,6 +162,27 @@ def _optimizer_bytes(m: MemoryBreakdown, layout: BufferLayout, sharding: Shardin
         m.optimizer_scalars = adam_pieces * ADAMW_STEP_BYTES
         scalar = adam_elems * ADAMW_STATE_BYTES + m.optimizer_scalars
     m.optimizer_states = scalar + muon_elems * MUON_STATE_BYTES
+
+
+def _state_bytes(dtype: str, elems: int, tensors: int) -> int:
+    """``elems`` elements of a state stored as ``dtype`` in ``tensors`` optimizer tensors."""
+    return elems * pao.BYTES[dtype] + tensors * pao.SCALE_BYTES.get(dtype, 0)
+
+
+def _precision_aware_bytes(m: MemoryBreakdown, o: OptimizerLayout, masters: int, adam_elems: int,
+                           adam_pieces: int, muon_elems: int, muon_units: int) -> None:
+    """The precision-aware optimizer's state: TE's FusedAdam for the non-Muon pieces (moments
+    in their dtypes, masters held by TE as fp32, fp16 + scale or an int16 remainder, or fp32
+    by lptrain), Muon's momentum as ``exp_avg`` next to its fp32 masters."""
+    if o.te_master is None:
+        m.masters = masters * MASTER_BYTES
+    else:
+        held = pao.master_bytes("fp16" if o.te_master == "fp16" else "fp32", o.te_master == "remainders")
+        m.masters = (_state_bytes("fp16", 0, adam_pieces) if o.te_master == "fp16" else 0) + (
+            adam_elems * held + muon_elems * MASTER_BYTES)
+    m.optimizer_states = (_state_bytes(o.exp_avg, adam_elems, adam_pieces)
+                          + _state_bytes(o.exp_avg_sq, adam_elems, adam_pieces)
+                          + _state_bytes(o.exp_avg, muon_elems, muon_units))
 
 
 def rank_memory(

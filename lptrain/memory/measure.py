@@ -18,6 +18,7 @@ import torch
 from lptrain.distributed.buffers import ParamAndGradBuffer
 from lptrain.memory.breakdown import MemoryBreakdown
 from lptrain.optim.child import OptimizerChild
+from lptrain.optim.precision_aware import state_bytes
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -86,18 +87,17 @@ def measured_memory(
             m.weights += _nbytes(p)
     for buf in buffers:
         _buffer_bytes(m, buf)
-    seen: set[int] = set()
     for child in children:
-        for pc in child.pieces:
-            m.masters += _nbytes(pc.master)
+        # TE holding the masters (the precision-aware optimizer): the pieces are the params'
+        # own slices, and the masters are FusedAdam's ``master_param`` state
+        if not getattr(child, "params_are_masters", False):
+            for pc in child.pieces:
+                m.masters += _nbytes(pc.master)
         for opt in child.optimizers:
-            for state in opt.state.values():
-                for v in state.values():
-                    if torch.is_tensor(v) and id(v) not in seen:
-                        seen.add(id(v))
-                        m.optimizer_states += _nbytes(v)
-                        if v.dim() == 0:
-                            m.optimizer_scalars += _nbytes(v)
+            masters, states, scalars = state_bytes(opt)  # as stored: FP8 codes, scales, ...
+            m.masters += masters
+            m.optimizer_states += states
+            m.optimizer_scalars += scalars
     return m
 
 

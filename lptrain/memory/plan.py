@@ -16,8 +16,11 @@ Categories (bytes on one rank; ``ranks`` holds every rank, ``worst`` the largest
 * ``quantized_weights``: FP8/FP4 primary weights, both orientations with their scales
   (``precision.fp8_param_gather`` / ``fp4_param_gather``);
 * ``grads``: the grad buffers' parameter elements (``main_grad`` views);
-* ``masters``: fp32 master copies this rank updates (its shard; whole matrices it owns);
-* ``optimizer_states``: AdamW ``exp_avg``/``exp_avg_sq``/``step`` (Lion: ``exp_avg``), Muon ``momentum_buffer``;
+* ``masters``: fp32 master copies this rank updates (its shard; whole matrices it owns); with
+  the precision-aware optimizer as stored (fp16 with scales, or an int16 remainder of the bf16
+  param, when TE holds them: :mod:`lptrain.memory.optimizer`);
+* ``optimizer_states``: AdamW ``exp_avg``/``exp_avg_sq``/``step`` (Lion: ``exp_avg``), Muon
+  ``momentum_buffer``; with the precision-aware optimizer in their stored dtypes and scales;
 * ``padding``: alignment and bucket padding of the grad and param buffers;
 * ``param_gather_staging``: the high-precision staging area of quantized buffers for the
   param all-gather (zero when ``ddp.reuse_grad_buf_for_mxfp8_param_ag`` reuses the grad
@@ -48,9 +51,10 @@ import torch
 
 from lptrain.config.schema import LPTrainConfig
 from lptrain.distributed.layout import BufferLayout, ParamSpec
-from lptrain.memory.accounting import OptimizerLayout, Sharding, StoredParam, rank_memory
+from lptrain.memory.accounting import Sharding, StoredParam, rank_memory
 from lptrain.memory.breakdown import PERSISTENT as PERSISTENT  # the categories listed above
 from lptrain.memory.context_parallel import context_parallel_note, cp_buffer_bytes
+from lptrain.memory.optimizer import optimizer_layout, optimizer_state_dtypes
 from lptrain.memory.stages import pipeline_buffer_bytes, sampled_stages, whole_params
 
 _WEIGHT_NAME = re.compile(r"weight\d*")
@@ -87,6 +91,9 @@ class MemoryEstimate:
     # micro-batches whose activations the worst rank's stage holds at once (1 without PP);
     # ``layout_report`` is that stage's too: every figure printed is the worst rank's
     in_flight: float = 1.0
+    # the stored dtypes of the optimizer tensors ({}: fp32 throughout, no precision-aware
+    # optimizer): main_grads, masters (who holds them), exp_avg, exp_avg_sq
+    optimizer_state: dict[str, str] = field(default_factory=dict)
 
     @property
     def worst(self) -> RankMemory:
@@ -106,6 +113,7 @@ class MemoryEstimate:
             "activations_recompute_bytes": self.activations_recompute,
             "per_rank_total_bytes": [r.total for r in self.ranks],
             "activations_in_flight": self.in_flight,
+            "optimizer_state_dtypes": dict(self.optimizer_state) or optimizer_state_dtypes(None),
             "notes": list(self.notes),
         }
 
@@ -306,20 +314,6 @@ def _sharding(cfg: LPTrainConfig, dp: int, rank: int) -> Sharding:
                     dims.coords(world_rank, EXPERT_ORDER)["edp"] % expert_n)
 
 
-def _optimizer_layout(cfg: LPTrainConfig, dp: int, layout: BufferLayout) -> OptimizerLayout:
-    """The run's optimizer state placement (layer-wise Muon owners planned once)."""
-    from lptrain.optim.layerwise import plan_ownership
-    from lptrain.optim.lion import scalar_optimizer_name
-
-    o = cfg.optimizer
-    layer_wise = bool(o.use_layer_wise_optimizer)
-    muon_specs = [b for b in layout.buffers if b.key.is_muon] if layer_wise else []
-    dense_n, expert_n = _group_sizes(cfg, dp)
-    owners = (plan_ownership(muon_specs, dense_size=dense_n, expert_size=expert_n,
-                             param_layout=o.layer_wise_param_layout) if muon_specs else {})
-    return OptimizerLayout(layer_wise, o.layer_wise_param_layout, owners, scalar_optimizer_name(o))
-
-
 def _stored(info: Sequence[_Param]) -> dict[str, StoredParam]:
     return {p.name: StoredParam(p.numel, p.quantized_bytes or p.numel * p.dtype.itemsize,
                                 bool(p.quantized_bytes)) for p in info}
@@ -441,10 +435,13 @@ def estimate_memory(cfg: LPTrainConfig, dp: int, target: str = "cpu") -> MemoryE
             f"of activations at most (stage 0: {in_flight[0]:g}), as Megatron-LM counts them, and "
             "the schedule's receive buffers of every micro-batch; the layout is stage "
             f"{worst_stage}'s")
+    state = optimizer_state_dtypes(cfg) if cfg.optimizer.use_precision_aware_optimizer else {}
+    if state:
+        notes.append("precision-aware optimizer: " + ", ".join(f"{k} {v}" for k, v in state.items()))
     return MemoryEstimate(
         dp=dp, ranks=ranks, activations_recompute=recompute[worst_stage], params=params,
         layout_report=reports[worst_stage], notes=notes, tp=tp, pp=lay.pp, cp=dims.cp,
-        in_flight=in_flight[worst_stage],
+        in_flight=in_flight[worst_stage], optimizer_state=state,
     )
 
 
@@ -466,7 +463,7 @@ def _stage_memory(cfg: LPTrainConfig, dp: int, model: torch.nn.Module, quantizer
     acts = configured_activation_bytes(cfg, model, act_bytes, quantizers, in_flight)
     buckets = _sharded_bucket_bytes(layout)
     copies = _transient_weight_copies(cfg, model, info, quantizers, act_bytes, in_flight)
-    optimizer = _optimizer_layout(cfg, dp, layout)
+    optimizer = optimizer_layout(cfg, layout, *_group_sizes(cfg, dp))
     stored = _stored(info)
     reuse = bool(cfg.ddp.reuse_grad_buf_for_mxfp8_param_ag)
     ranks = []

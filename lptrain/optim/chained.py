@@ -25,6 +25,9 @@ from lptrain.distributed.groups import SINGLE, Group
 from lptrain.optim.child import OptimizerChild
 from lptrain.optim.distributed import ExpertShardedMasterOptimizer, ShardedMasterOptimizer
 from lptrain.optim.layerwise import build_layer_wise_children
+from lptrain.optim.precision_aware import StatePrecision, state_precision
+
+__all__ = ["ChainedOptimizer", "StepOutcome", "build_optimizer", "state_precision"]
 
 
 @dataclass
@@ -102,7 +105,7 @@ class ChainedOptimizer:
 
 def build_optimizer(
     buffers: Sequence[ParamAndGradBuffer], cfg: OptimizerConfig, ep: Group = SINGLE,
-    tp: Group = SINGLE, pp: Group = SINGLE,
+    tp: Group = SINGLE, pp: Group = SINGLE, state: Optional[StatePrecision] = None,
 ) -> ChainedOptimizer:
     """The run's optimizer over the data-parallel engine's buffers: the layer-wise children
     (:func:`lptrain.optim.layerwise.build_layer_wise_children`) with
@@ -111,14 +114,16 @@ def build_optimizer(
     children add their norms over the tensor-parallel group ``tp`` (expert buffers already
     reduce over it: the experts are whole on every TP rank). Under pipeline parallelism each
     stage has its own children; their norms join over ``pp`` (one list of terms, summed as
-    the unpipelined optimizer sums it)."""
+    the unpipelined optimizer sums it). ``state``: the precision-aware optimizer's settings
+    (:func:`lptrain.optim.precision_aware.state_precision`; None: off)."""
     children: list[OptimizerChild]
     if cfg.use_layer_wise_optimizer:
-        children = build_layer_wise_children(buffers, cfg, ep=ep, tp=tp, pp=pp)
+        children = build_layer_wise_children(buffers, cfg, ep=ep, tp=tp, pp=pp, state=state)
     else:
         dense = [b for b in buffers if not b.key.is_expert]
         expert = [b for b in buffers if b.key.is_expert]
-        children = [ShardedMasterOptimizer(dense, cfg, label="dense", tp=tp, pp=pp)]
+        children = [ShardedMasterOptimizer(dense, cfg, label="dense", tp=tp, pp=pp, state=state)]
         if expert:
-            children.append(ExpertShardedMasterOptimizer(expert, cfg, label="expert", ep=ep, pp=pp))
+            children.append(ExpertShardedMasterOptimizer(expert, cfg, label="expert", ep=ep, pp=pp,
+                                                         state=state))
     return ChainedOptimizer(children, cfg.clip_grad)

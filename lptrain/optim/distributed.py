@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -39,11 +39,14 @@ from lptrain.optim.fp64_scratch import fp64_copy
 from lptrain.optim.lion import scalar_optimizer
 from lptrain.optim.muon import Muon, build_muon
 from lptrain.optim.param_groups import copy_param_attributes
+from lptrain.optim.precision_aware import StatePrecision, fused_adam
+from lptrain.optim.sharded_state import ShardedStateMixin
 from lptrain.precision.collectives import all_gather_uneven
 from lptrain.precision.param_storage import (
     StageEntry,
     StagePlan,
     high_precision_value,
+    is_quantized,
     release_high_precision_init,
     write_values,
 )
@@ -91,11 +94,26 @@ def norm_views(piece: MasterPiece, grad: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
+def param_location(buf: ParamAndGradBuffer, p: torch.nn.Parameter, lo: int, hi: int,
+                   p_lo: int) -> torch.Tensor:
+    """The param's own storage of buffer elements ``[lo, hi)`` (its elements from ``p_lo``):
+    this rank's slice of a sharded param buffer (ZeRO-3: of the kept shard), or the
+    parameter's data itself; shaped like ``p`` when it is all of it."""
+    if is_quantized(p):
+        raise RuntimeError(f"{p.__class__.__name__} param: TE holds masters of plain params only "
+                           "(rule PAO-TE-MASTERS-QUANTIZED-PG)")
+    loc = buf.param_slice(lo, hi) if buf.sharded else p.detach().view(-1)[p_lo : p_lo + hi - lo]
+    return loc.view(p.shape) if hi - lo == p.numel() else loc
+
+
 # (buffer, lo, hi, pieces, part sizes, the part of each piece): see ``_norm_spans``
 _NormSpan = tuple[ParamAndGradBuffer, int, int, list[MasterPiece], list[int], list[int]]
 
 
-def _pieces(buffers: Sequence[ParamAndGradBuffer]) -> list[MasterPiece]:
+def _pieces(buffers: Sequence[ParamAndGradBuffer], params_are_masters: bool = False) -> list[MasterPiece]:
+    """This rank's pieces, each with an fp32 master; with ``params_are_masters`` (TE's
+    FusedAdam holds the masters: :mod:`lptrain.optim.precision_aware`) the "master" handed to
+    the optimizer is the param's own slice of the param buffer instead."""
     out: list[MasterPiece] = []
     for buf in buffers:
         for bucket in buf.buckets:
@@ -106,8 +124,13 @@ def _pieces(buffers: Sequence[ParamAndGradBuffer]) -> list[MasterPiece]:
                 if a >= b:
                     continue
                 p = buf.params[name]
-                value = high_precision_value(p).reshape(-1)[a - s.start : b - s.start]
                 whole = a == s.start and b == s.end
+                if params_are_masters:
+                    master = param_location(buf, p, a, b, a - s.start)
+                    out.append(MasterPiece(name, p, buf, a, b, a - s.start, b - s.start,
+                                           copy_param_attributes(p, master) if whole else master))
+                    continue
+                value = high_precision_value(p).reshape(-1)[a - s.start : b - s.start]
                 master = value.clone().view(p.shape) if whole else value.clone()
                 if whole:
                     copy_param_attributes(p, master)
@@ -115,7 +138,7 @@ def _pieces(buffers: Sequence[ParamAndGradBuffer]) -> list[MasterPiece]:
     return out
 
 
-class ShardedMasterOptimizer(MasterOptimizer):
+class ShardedMasterOptimizer(ShardedStateMixin, MasterOptimizer):
     """AdamW (and Muon for Muon-managed whole matrices) over one set of buffers; an
     :class:`lptrain.optim.child.OptimizerChild`."""
 
@@ -127,8 +150,12 @@ class ShardedMasterOptimizer(MasterOptimizer):
         label: str,
         tp: Group = SINGLE,
         pp: Group = SINGLE,
+        state: Optional[StatePrecision] = None,
     ) -> None:
         self.buffers = list(buffers)
+        # the precision-aware optimizer (None: torch's AdamW on fp32 masters)
+        self.state_precision = state
+        self.params_are_masters = state is not None and state.te_holds_masters
         # Tensor parallelism: the grad norm sums the tensor-parallel shards over ``tp`` and
         # counts a replicated param (a norm, the router) once, on TP rank 0.
         self.tp = tp
@@ -141,7 +168,7 @@ class ShardedMasterOptimizer(MasterOptimizer):
         self.device = self.buffers[0].device if self.buffers else torch.device("cpu")
         self.label = label
         self.holds_experts = any(b.key.is_expert for b in self.buffers)
-        self.pieces: list[MasterPiece] = _pieces(self.buffers)
+        self.pieces: list[MasterPiece] = _pieces(self.buffers, self.params_are_masters)
         for buf in self.buffers:
             for p in buf.params.values():
                 release_high_precision_init(p)
@@ -152,8 +179,10 @@ class ShardedMasterOptimizer(MasterOptimizer):
         if adam:
             decay = [pc.master for pc in adam if pc.param.dim() >= 2]
             no_decay = [pc.master for pc in adam if pc.param.dim() < 2]
-            # AdamW, or Lion for Muon's non-matrix params (optimizer.muon.scalar_optimizer)
-            self.optimizers.append(scalar_optimizer(decay, no_decay, cfg))
+            # AdamW, or Lion for Muon's non-matrix params (optimizer.muon.scalar_optimizer);
+            # TE's FusedAdam with the precision-aware optimizer
+            self.optimizers.append(scalar_optimizer(decay, no_decay, cfg) if state is None
+                                   else fused_adam(decay, no_decay, cfg, state))
         if muon:
             if any(not pc.whole for pc in muon):
                 raise RuntimeError("Muon params must be whole on a rank (unsharded Muon buffers)")
@@ -168,6 +197,10 @@ class ShardedMasterOptimizer(MasterOptimizer):
         per bucket and cut into the pieces (one cast instead of one per tensor, and the fp32
         grads the optimizer reads lie side by side; the cast is elementwise and exact, so the
         values are those of a cast per piece)."""
+        if self.params_are_masters:  # the grad buffer's slices, in its dtype (Megatron)
+            for pc, g in zip(self.pieces, self._grad_views, strict=True):
+                pc.master.decoupled_grad = g  # type: ignore[attr-defined]
+            return
         if all(b.key.grad_dtype == torch.float32 for b in self.buffers):
             super().prepare_grads()
             return
@@ -177,6 +210,18 @@ class ShardedMasterOptimizer(MasterOptimizer):
                 parts = (g if g.dtype == torch.float32 else g.float()).split(sizes)
                 for pc, i in zip(pieces, keep, strict=True):
                     pc.master.grad = parts[i].view(pc.master.shape)
+
+    def master_grads(self) -> list[torch.Tensor]:
+        if self.params_are_masters:
+            return [pc.master.decoupled_grad for pc in self.pieces]  # type: ignore[attr-defined]
+        return super().master_grads()
+
+    def discard_grads(self) -> None:
+        if self.params_are_masters:
+            for pc in self.pieces:
+                pc.master.decoupled_grad = None  # type: ignore[attr-defined]
+            return
+        super().discard_grads()
 
     def grad_norm_sq(self) -> torch.Tensor:
         """Squared norm of this optimizer's full gradient (fp64, the same on every rank; each
@@ -295,7 +340,9 @@ class ShardedMasterOptimizer(MasterOptimizer):
         """What :meth:`stage` writes, worked out once (the pieces and buffers are fixed):
         ``(param, master)`` for replicated buffers, the :func:`stage_shards` entries (every
         param of the sharded buffers, in buffer order: the same on every rank) for the others."""
-        piece_of = {pc.name: pc for pc in self.pieces}
+        # TE holding the masters wrote the params themselves: nothing to write, only the
+        # (collective) entry list to keep
+        piece_of = {} if self.params_are_masters else {pc.name: pc for pc in self.pieces}
         direct: list[tuple[torch.Tensor, torch.Tensor]] = []
         entries: list[StageEntry] = []
         for buf in self.buffers:
@@ -327,98 +374,6 @@ class ShardedMasterOptimizer(MasterOptimizer):
     def update_rms(self) -> Optional[float]:
         return self.muon.last_update_rms if self.muon is not None else None
 
-    # ---- checkpoint ---------------------------------------------------------------------------
-
-    def _states(self) -> dict[int, dict[str, Any]]:
-        return {
-            id(t): opt.state.get(t, {})
-            for opt in self.optimizers
-            for g in opt.param_groups
-            for t in g["params"]
-        }
-
-    def full_state(self) -> dict[str, dict[str, torch.Tensor]]:
-        """``{param name: {"master": ..., <optimizer state>: ...}}`` with full tensors (pieces
-        of sharded params gathered), identical on every rank of ``self.group``. Collective."""
-        states = self._states()
-        vector_keys: set[str] = set()
-        scalar_keys: set[str] = set()
-        for pc in self.pieces:
-            for k, v in states[id(pc.master)].items():
-                is_vec = torch.is_tensor(v) and v.numel() == pc.master.numel() and v.dim() > 0
-                (vector_keys if is_vec else scalar_keys).add(k)
-        sharded = self.group.active and any(b.sharded for b in self.buffers)
-        if sharded:
-            found: list[Any] = [None] * self.group.size
-            dist.all_gather_object(found, (sorted(vector_keys), sorted(scalar_keys)), group=self.group.pg)
-            for vk, sk in found:
-                vector_keys.update(vk)
-                scalar_keys.update(sk)
-        out: dict[str, dict[str, torch.Tensor]] = {}
-        for buf in self.buffers:
-            for name, p in buf.params.items():
-                entry = {k: torch.zeros(p.numel(), dtype=torch.float32, device=self.device)
-                         for k in ("master", *sorted(vector_keys))}
-                entry.update({k: torch.zeros((), dtype=torch.float64, device=self.device)
-                              for k in sorted(scalar_keys)})
-                out[name] = entry
-        for pc in self.pieces:
-            entry = out[pc.name]
-            entry["master"][pc.p_lo : pc.p_hi] = pc.master.reshape(-1)
-            for k, v in states[id(pc.master)].items():
-                if k in vector_keys:
-                    entry[k][pc.p_lo : pc.p_hi] = v.reshape(-1)
-                elif torch.is_tensor(v):
-                    entry[k].copy_(v)  # a 0-dim state (AdamW's step): no host round trip
-                else:
-                    entry[k].fill_(v)
-        if sharded:
-            for buf in self.buffers:
-                if not buf.sharded:
-                    continue  # replicated: already identical everywhere
-                for name in buf.params:
-                    for v in out[name].values():
-                        op = dist.ReduceOp.SUM if v.dim() else dist.ReduceOp.MAX
-                        dist.all_reduce(v, op=op, group=self.group.pg)  # disjoint pieces
-        for name, entry in out.items():
-            shape = self._param(name).shape
-            for k in ("master", *vector_keys):
-                entry[k] = entry[k].view(shape)
-        return out
-
-    def _param(self, name: str) -> torch.nn.Parameter:
-        for buf in self.buffers:
-            if name in buf.params:
-                return buf.params[name]
-        raise KeyError(name)
-
-    def load_full_state(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
-        """Inverse of :meth:`full_state`, for any shard layout (resharding)."""
-        with torch.no_grad():
-            for opt in self.optimizers:
-                for g in opt.param_groups:
-                    for t in g["params"]:
-                        opt.state.pop(t, None)
-            owners = {}
-            for opt in self.optimizers:
-                for g in opt.param_groups:
-                    for t in g["params"]:
-                        owners[id(t)] = opt
-            for pc in self.pieces:
-                entry = state[pc.name]
-                pc.master.reshape(-1).copy_(entry["master"].reshape(-1)[pc.p_lo : pc.p_hi])
-                opt = owners[id(pc.master)]
-                st: dict[str, Any] = {}
-                for k, v in entry.items():
-                    if k == "master":
-                        continue
-                    if v.dim() > 0:
-                        st[k] = v.reshape(-1)[pc.p_lo : pc.p_hi].clone().view(pc.master.shape)
-                    else:
-                        st[k] = v.to(torch.float32).clone()
-                if st:
-                    opt.state[pc.master] = st
-
 
 class ExpertShardedMasterOptimizer(ShardedMasterOptimizer):
     """The expert child of the chained optimizer under expert parallelism: as the dense one,
@@ -427,9 +382,9 @@ class ExpertShardedMasterOptimizer(ShardedMasterOptimizer):
 
     def __init__(
         self, buffers: Sequence[ParamAndGradBuffer], cfg: OptimizerConfig, *, label: str, ep: Group = SINGLE,
-        pp: Group = SINGLE,
+        pp: Group = SINGLE, state: Optional[StatePrecision] = None,
     ) -> None:
-        super().__init__(buffers, cfg, label=label, pp=pp)
+        super().__init__(buffers, cfg, label=label, pp=pp, state=state)
         self.ep = ep
 
     def _reduce_replicated(self, sq: torch.Tensor) -> torch.Tensor:

@@ -56,8 +56,11 @@ from lptrain.optim.child import MasterOptimizer, OptimizerChild, foreach_scalar
 from lptrain.optim.compact_gather import CompactGather
 from lptrain.optim.distributed import ExpertShardedMasterOptimizer, ShardedMasterOptimizer
 from lptrain.optim.fp64_scratch import fp64_copy
+from lptrain.optim.layerwise_state import LayerWiseStateMixin
 from lptrain.optim.muon import build_muon
 from lptrain.optim.param_groups import copy_param_attributes
+from lptrain.optim.precision_aware import StatePrecision
+from lptrain.precision.optimizer_states import TORCH_DTYPES
 from lptrain.precision.param_storage import (
     high_precision_value,
     release_high_precision_init,
@@ -193,7 +196,7 @@ class OwnedUnit:
         return self.buffer.grad_slice(self.unit.lo, self.unit.hi).view(self.master.shape)
 
 
-class LayerWiseMuon(MasterOptimizer):
+class LayerWiseMuon(LayerWiseStateMixin, MasterOptimizer):
     """Muon over the Muon buffers, one owner per matrix (see the module doc); an
     :class:`lptrain.optim.child.OptimizerChild`."""
 
@@ -206,8 +209,11 @@ class LayerWiseMuon(MasterOptimizer):
         gather_mode: Optional[str] = None,
         label: str = "muon",
         tp: Group = SINGLE,
+        state: Optional[StatePrecision] = None,
     ) -> None:
         self.buffers = list(buffers)
+        # the precision-aware optimizer: the momentum is stored as Adam's exp_avg (masters fp32)
+        self.state_precision = state
         # Tensor parallelism: each TP rank owns its shards of the same units (the same
         # ownership: identical layouts); a unit replicated over TP counts on TP rank 0 only.
         self.tp = tp
@@ -246,7 +252,8 @@ class LayerWiseMuon(MasterOptimizer):
         for buf in self.buffers:  # owners copied theirs; nobody keeps the init copies
             for p in buf.params.values():
                 release_high_precision_init(p)
-        self.optimizer = build_muon([pc.master for pc in self.pieces], cfg)
+        self.optimizer = build_muon([pc.master for pc in self.pieces], cfg,
+                                    TORCH_DTYPES[state.exp_avg] if state is not None else torch.float32)
         self.optimizers: list[torch.optim.Optimizer] = [self.optimizer]
         self._rms: Optional[float] = None
         self._rms_pending: Optional[tuple[torch.Tensor, Any]] = None
@@ -379,53 +386,10 @@ class LayerWiseMuon(MasterOptimizer):
         self._finish_rms()
         return self._rms
 
-    # ---- checkpoint ------------------------------------------------------------------------
-
-    def full_state(self) -> dict[str, dict[str, torch.Tensor]]:
-        """``{name: {"master", "momentum_buffer"}}`` full fp32 tensors, identical on every
-        rank (owners fill their units, one SUM all-reduce per buffer group). Collective."""
-        keys = ["master"] + (["momentum_buffer"] if self._stepped else [])
-        out = {
-            name: {k: torch.zeros(p.shape, dtype=torch.float32, device=p.device) for k in keys}
-            for buf in self.buffers for name, p in buf.params.items()
-        }
-        for pc in self.pieces:
-            u = pc.unit
-            vals = {"master": pc.master}
-            if self._stepped:
-                vals["momentum_buffer"] = self.optimizer.state[pc.master]["momentum_buffer"]
-            for k, v in vals.items():
-                dst = out[u.name][k]
-                (dst[u.member] if u.member >= 0 else dst).copy_(v)
-        for buf in self.buffers:
-            g = buf.groups.intra
-            if g.active:
-                for name in buf.params:
-                    for v in out[name].values():
-                        dist.all_reduce(v, group=g.pg)
-        return out
-
-    def load_full_state(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
-        """Inverse of :meth:`full_state` (any DP size or layout wrote it)."""
-        with torch.no_grad():
-            self.optimizer.state.clear()
-            for pc in self.pieces:
-                u = pc.unit
-                entry = state[u.name]
-
-                def part(t: torch.Tensor, u: MuonUnit = u) -> torch.Tensor:
-                    return t[u.member] if u.member >= 0 else t
-
-                pc.master.copy_(part(entry["master"]).view(pc.master.shape))
-                if "momentum_buffer" in entry:
-                    mom = part(entry["momentum_buffer"]).to(torch.float32).clone()
-                    self.optimizer.state[pc.master] = {"momentum_buffer": mom.view(pc.master.shape)}
-            self._stepped = "momentum_buffer" in next(iter(state.values()), {})
-
 
 def build_layer_wise_children(
     buffers: Sequence[ParamAndGradBuffer], cfg: OptimizerConfig, ep: Optional[Group] = None,
-    tp: Group = SINGLE, pp: Group = SINGLE,
+    tp: Group = SINGLE, pp: Group = SINGLE, state: Optional[StatePrecision] = None,
 ) -> list[OptimizerChild]:
     """Chained-optimizer children for the layer-wise path: byte-sharded AdamW over the
     non-Muon buffers and a :class:`LayerWiseMuon` over the Muon buffers, for dense and for
@@ -439,10 +403,11 @@ def build_layer_wise_children(
         adam = [b for b in buffers if not b.key.is_muon and b.key.is_expert == expert]
         muon = [b for b in buffers if b.key.is_muon and b.key.is_expert == expert]
         if adam and expert:
-            children.append(ExpertShardedMasterOptimizer(adam, cfg, label=label, ep=ep or SINGLE, pp=pp))
+            children.append(ExpertShardedMasterOptimizer(adam, cfg, label=label, ep=ep or SINGLE, pp=pp,
+                                                         state=state))
         elif adam:
-            children.append(ShardedMasterOptimizer(adam, cfg, label=label, tp=tp, pp=pp))
+            children.append(ShardedMasterOptimizer(adam, cfg, label=label, tp=tp, pp=pp, state=state))
         if muon:
             children.append(LayerWiseMuon(muon, cfg, param_layout=cfg.layer_wise_param_layout,
-                                          label=label, tp=SINGLE if expert else tp))
+                                          label=label, tp=SINGLE if expert else tp, state=state))
     return children

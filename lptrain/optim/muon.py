@@ -204,10 +204,15 @@ class Muon(_UpdateRMS, NamedStateMixin, torch.optim.Optimizer):
         return loss
 
 
-def build_muon(masters: Sequence[torch.Tensor], cfg: OptimizerConfig) -> Muon:
+def build_muon(masters: Sequence[torch.Tensor], cfg: OptimizerConfig,
+               momentum_dtype: torch.dtype = torch.float32) -> Muon:
     """Muon over ``masters`` (one group named ``muon``) with the config's settings: the
-    optimizer of every distributed Muon path (byte-sharded and layer-wise)."""
-    return Muon([{"params": list(masters), "name": "muon"}], **muon_hparams(cfg))
+    optimizer of every distributed Muon path (byte-sharded and layer-wise). ``momentum_dtype``:
+    the momentum's stored dtype (the precision-aware optimizer's exp_avg_dtype)."""
+    group: dict[str, Any] = {"params": list(masters), "name": "muon"}
+    if momentum_dtype != torch.float32:
+        group["momentum_dtype"] = momentum_dtype
+    return Muon([group], **muon_hparams(cfg))
 
 
 def _adamw_group_step(group: dict[str, Any], state: Any) -> None:

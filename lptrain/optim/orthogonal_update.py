@@ -18,6 +18,7 @@ import torch
 from lptrain.catalog.muon_scaling import muon_scale
 from lptrain.optim.newton_schulz import NS_EPS, CoefficientsArg, newton_schulz
 from lptrain.optim.tp_muon import TPOrthogonalizer
+from lptrain.precision.optimizer_states import make_state, store_scaled, unscale
 
 __all__ = ["muon_group_step", "muon_momentum_", "muon_update", "orthogonalize"]
 
@@ -114,15 +115,21 @@ def muon_group_step(
     their count, for :attr:`Muon.last_update_rms`; ``(None, 0)`` when no param had a grad.
     """
     mats: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[Sequence[int]]]] = []
+    # the precision-aware optimizer stores the momentum as Adam's exp_avg (exp_avg_dtype):
+    # read into fp32 here, stored back after the step (lptrain.precision.optimizer_states)
+    stored: list[tuple[dict[str, Any], torch.Tensor]] = []
+    momentum_dtype = group.get("momentum_dtype", torch.float32)
     for p in group["params"]:
         if p.grad is None:
             continue
         st = state[p]
         if "momentum_buffer" not in st:
-            st["momentum_buffer"] = torch.zeros_like(
-                p, dtype=torch.float32, memory_format=torch.contiguous_format
-            )
-        buf = st["momentum_buffer"]
+            st["momentum_buffer"] = make_state(momentum_dtype, p)
+            if momentum_dtype != torch.float32:
+                st["momentum_scale"] = torch.ones(1, dtype=torch.float32, device=p.device)
+        buf = unscale(st["momentum_buffer"], st.get("momentum_scale"))
+        if buf is not st["momentum_buffer"]:
+            stored.append((st, buf))
         if p.dim() == 3:
             # Per member on views: bitwise identical to discrete expert weights.
             mats += [(p[i], p.grad[i], buf[i], None) for i in range(p.shape[0])]
@@ -160,4 +167,6 @@ def muon_group_step(
         p.add_(update.to(p.dtype), alpha=-lr)
         sq.append(update.square().sum())
         count += update.numel()
+    for st, buf in stored:
+        store_scaled(st["momentum_buffer"], buf, st.get("momentum_scale"))
     return torch.stack(sq).sum(), count

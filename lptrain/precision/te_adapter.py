@@ -490,3 +490,71 @@ def te_grouped_linear(num_gemms: int, in_features: int, out_features: int, *,
             "model.moe.single_grouped_weight=false"
         )
     return module
+
+
+# ---- the precision-aware optimizer: TE's FusedAdam (lptrain.optim.precision_aware) ----------
+
+
+@functools.cache
+def _guarded_fused_adam_cls() -> type:
+    """TE's FusedAdam with one change: an all-zero FP8 state keeps quantizer scale 1 (TE sets
+    ``1 / 0 = inf`` and stores ``0 * inf = NaN``; :mod:`lptrain.precision.optimizer_states`)."""
+    from transformer_engine.pytorch.optimizers import FusedAdam
+    from transformer_engine.pytorch.tensor.float8_tensor import Float8Tensor
+
+    from lptrain.catalog.optimizer_state import SCALED_RANGE
+    from lptrain.precision import optimizer_states as states
+
+    states.stored_tensors.register(Float8Tensor)(  # its bits, for a bitwise checkpoint
+        lambda st: {"data": st._data, "scale_inv": st._scale_inv, "scale": st._quantizer.scale})
+    states.stored_bytes.register(Float8Tensor)(lambda st: st._data.numel() + 12)
+
+    class GuardedFusedAdam(FusedAdam):  # type: ignore[misc, valid-type]
+        def _apply_scale(self, state_name: str, unscaled_state: torch.Tensor, scaled_state: Any,
+                         scale: torch.Tensor) -> None:
+            if self.name_to_dtype_map[state_name] != torch.uint8:
+                super()._apply_scale(state_name, unscaled_state, scaled_state, scale)
+                return
+            torch.div(states.absmax(unscaled_state), SCALED_RANGE["fp8"], out=scale)
+            scaled_state._quantizer.scale.copy_(torch.where(scale > 0, 1 / scale, torch.ones_like(scale)))
+            scaled_state.copy_(unscaled_state)
+
+    return GuardedFusedAdam
+
+
+def te_fused_adam(groups: list[dict[str, Any]], **kwargs: Any) -> torch.optim.Optimizer:
+    """TE's FusedAdam over ``groups`` with Megatron's keyword arguments (``lptrain.optim.
+    precision_aware.fused_adam``), guarded against the all-zero FP8 state. A TE without
+    ``pytorch.optimizers`` (every release lptrain supports has it) is lptrain's stand-in: the
+    fake GPU step of ``pretrain --dry-run`` then steps with the emulation of the class."""
+    try:
+        real = importlib.util.find_spec("transformer_engine.pytorch.optimizers") is not None
+    except (ImportError, ValueError):  # transformer_engine.pytorch is a module: the stand-in
+        real = False
+    if not real:
+        from lptrain.optim.fused_adam import EmulatedFusedAdam
+        return EmulatedFusedAdam(groups, **kwargs)
+    return _guarded_fused_adam_cls()(groups, **kwargs)
+
+
+def te_master_value(opt: Any, p: torch.Tensor) -> torch.Tensor:
+    """The fp32 master FusedAdam holds for bf16 param ``p`` (rebuilt from its remainder)."""
+    from lptrain.precision.optimizer_states import join_remainders
+    if opt.store_param_remainders and p.dtype == torch.bfloat16:
+        return join_remainders(p.detach(), opt.state[p]["master_param"])
+    return opt.get_unscaled_state(p, "master_param").float()
+
+
+def te_load_master(opt: Any, p: torch.Tensor, master: torch.Tensor) -> None:
+    """Make FusedAdam hold ``master`` for ``p``, and ``p`` the value its kernel writes for it."""
+    from lptrain.precision.optimizer_states import split_remainders
+    remainders = bool(opt.store_param_remainders and p.dtype == torch.bfloat16)
+    if not opt.state[p]:
+        opt.initialize_state(p, remainders)
+    if remainders:
+        hi, rem = split_remainders(master.float().reshape(p.shape))
+        p.data.copy_(hi)
+        opt.state[p]["master_param"].copy_(rem)
+        return
+    opt.set_scaled_state(p, "master_param", master.float().reshape(p.shape).clone())
+    p.data.copy_(master.reshape(p.shape))

@@ -36,6 +36,7 @@ BW = f"{TENSOR}.float8_blockwise_tensor.Float8BlockwiseQTensor"
 MX = f"{TENSOR}.mxfp8_tensor.MXFP8Tensor"
 NV = f"{TENSOR}.nvfp4_tensor.NVFP4Tensor"
 GT = f"{TENSOR}.grouped_tensor.GroupedTensor"
+FA = f"{PT}.optimizers.FusedAdam"
 PARAM = "parameter"
 
 # First releases of the paths below (the te_storage / te_adapter gates).
@@ -179,4 +180,16 @@ TE_CALLS: tuple[TECall, ...] = (
     *(TECall(f"{PT}.{m}", "fp8_meta", TE_MIN_VERSION, why="the forward amax slot around evaluation")
       for m in ("Linear", "GroupedLinear")),
     TECall(F8, "_scale_inv", TE_MIN_VERSION),
+    # the precision-aware optimizer (te_adapter.te_fused_adam): FusedAdam built as Megatron
+    # builds it, its state read and written through its own API
+    TECall(f"{PT}.optimizers", "FusedAdam", TE_MIN_VERSION, kind="class"),
+    *(TECall(FA, kw, TE_MIN_VERSION, kind="kwarg")
+      for kw in ("params", "lr", "betas", "eps", "weight_decay", "adam_w_mode", "master_weights",
+                 "master_weight_dtype", "exp_avg_dtype", "exp_avg_sq_dtype", "use_decoupled_grad",
+                 "store_param_remainders")),
+    *(TECall(FA, m, TE_MIN_VERSION) for m in (
+        "_apply_scale", "initialize_state", "get_unscaled_state", "set_scaled_state", "step",
+        "name_to_dtype_map", "store_param_remainders", "master_weights", "_scales")),
+    TECall(F8, "_quantizer", TE_MIN_VERSION, why="an FP8 optimizer state's quantizer scale"),
+    TECall(f"{TENSOR}.float8_tensor.Float8Quantizer", "scale", TE_MIN_VERSION),
 )

@@ -86,7 +86,7 @@ class TrainEngine(EngineCheckpointState):
         from lptrain.distributed.launch_env import init_process_group_from_env
         from lptrain.distributed.layout import plan_run_layout, run_param_specs
         from lptrain.model.build import resolve_device
-        from lptrain.optim.chained import build_optimizer
+        from lptrain.optim.chained import build_optimizer, state_precision
 
         self.cfg = cfg
         # (resolved again after joining: joining selects this rank's CUDA device)
@@ -121,8 +121,8 @@ class TrainEngine(EngineCheckpointState):
         self.layout = plan_run_layout(cfg, run_param_specs(cfg, named), self.groups.intra.size,
                                       expert_dp=expert.size if expert is not None else None)
         self.ddp = DataParallel(self.model, self.layout, cfg.ddp, self.groups, device=self.device)
-        self.optimizer = build_optimizer(self.ddp.buffers, cfg.optimizer, ep=self.groups.ep,
-                                         tp=self.groups.tp, pp=self.groups.pp)
+        self.optimizer = build_optimizer(self.ddp.buffers, cfg.optimizer, ep=self.groups.ep, tp=self.groups.tp,
+                                         pp=self.groups.pp, state=state_precision(cfg))
         self.ddp.release_sharded_params()  # ZeRO-3: the masters hold the values now
         # Set by a caller that decides what an anomalous step does (the loop's
         # train.on_anomaly): a non-finite or spiking step is then returned skipped, with its

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lptrain.optim.precision_aware import FP32_DTYPES, optimizer_state_notes, state_precision
 from lptrain.precision.model_state import (
     load_rank_state,
     load_scaling_state,
@@ -23,6 +24,7 @@ from lptrain.precision.model_state import (
 )
 
 if TYPE_CHECKING:
+    from lptrain.config.schema import LPTrainConfig
     from lptrain.distributed.groups import ParallelGroups
     from lptrain.model.gpt import GPTModel
     from lptrain.optim.chained import ChainedOptimizer
@@ -32,6 +34,7 @@ if TYPE_CHECKING:
 class EngineCheckpointState:
     """Mixin: needs ``model``, ``optimizer``, ``groups``, ``device`` and ``params_synced``."""
 
+    cfg: LPTrainConfig
     model: GPTModel
     optimizer: ChainedOptimizer
     groups: ParallelGroups
@@ -68,8 +71,12 @@ class EngineCheckpointState:
         local["tensor_model_parallel_size"] = self.groups.tp.size
         local["pipeline_model_parallel_size"] = self.groups.pp.size
         local["context_parallel_size"] = self.groups.cp.size
+        sp = state_precision(self.cfg)
+        if sp is not None:  # the stored bits and scales of this rank's pieces (bitwise resume)
+            local["optimizer_raw"] = [child.raw_state() for child in self.optimizer.children]
         return {
-            "global": {"model": model, "optimizer": optim, "scaling": scaling_state(self.model)},
+            "global": {"model": model, "optimizer": optim, "scaling": scaling_state(self.model),
+                       "optimizer_state_dtypes": sp.saved_dtypes() if sp else dict(FP32_DTYPES)},
             "local": local,
         }
 
@@ -86,19 +93,25 @@ class EngineCheckpointState:
                    for buf in child.buffers for name in buf.params}
         return local_tp_entries(entries, dict(self.model.named_parameters()))
 
-    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+    def load_checkpoint_state(self, state: dict[str, Any]) -> list[str]:
+        """Load ``state`` (from :meth:`checkpoint_state`, at any DP, EP, TP or PP size).
+        Returns warnings for the log: optimizer state converted from the dtypes it was saved
+        in, or re-scaled for another shard layout (:func:`optimizer_state_notes`)."""
         g = state["global"]
         for child in self.optimizer.children:
             child.load_full_state(self._child_entries(child, g))
-        load_scaling_state(self.model, g.get("scaling") or {})
-        with self.params_synced():  # push the loaded masters into the params
-            pass
         # absent when written at another world size: the streams start from (seed, rank); the
         # same at another tensor-, pipeline- or context-parallel size (the ranks hold other
         # shards, other modules, other tokens)
         local = dict(state.get("local") or {})
         sizes = (local.pop("tensor_model_parallel_size", 1), local.pop("pipeline_model_parallel_size", 1),
                  local.pop("context_parallel_size", 1))
+        raw = local.pop("optimizer_raw", None)
         if sizes != (self.groups.tp.size, self.groups.pp.size, self.groups.cp.size):
-            local = {}
+            local, raw = {}, None
+        notes = optimizer_state_notes(state_precision(self.cfg), g, self.optimizer.children, raw)
+        load_scaling_state(self.model, g.get("scaling") or {})
+        with self.params_synced():  # push the loaded masters into the params
+            pass
         load_rank_state(self.model, local, self.model.quantizer_recipe())
+        return notes

@@ -37,11 +37,12 @@ def resume(engine: TrainEngine, candidates: list[Path], log: RunLog,
     failures = []
     for i, folder in enumerate(candidates):
         error = None
+        notes: list[str] = []
         try:
             state, train_state = load_checkpoint(folder, engine.rank, engine.world_size)
             if not load_optimizer:
                 state["global"]["optimizer"] = {}
-            engine.load_checkpoint_state(state)
+            notes = engine.load_checkpoint_state(state)
         except (CheckpointError, KeyError, RuntimeError, ValueError) as e:
             error = str(e)
         error = _first_error(error)
@@ -60,6 +61,8 @@ def resume(engine: TrainEngine, candidates: list[Path], log: RunLog,
         if not load_optimizer:
             log.line("note: checkpoint.load_optimizer=false: the optimizer starts fresh from the "
                      "saved weights")
+        for note in notes:  # optimizer state converted (lptrain.optim.precision_aware)
+            log.line(f"warning: {note}")
         log.line(f"resuming from {folder} (step {train_state['iteration']})")
         return train_state
     raise NoCheckpointLoaded("no checkpoint could be loaded: " + "; ".join(failures))

@@ -28,7 +28,8 @@ PRECISION_CHOICES = choice_table(
 )
 OPTIMIZER_CHOICES = choice_table(
     "optimizer.name", "optimizer.layer_wise_param_layout", "optimizer.lr_schedule",
-    "optimizer.muon.scalar_optimizer", "optimizer.muon.tp_mode",
+    "optimizer.muon.scalar_optimizer", "optimizer.muon.tp_mode", "optimizer.main_grads_dtype",
+    "optimizer.main_params_dtype", "optimizer.exp_avg_dtype", "optimizer.exp_avg_sq_dtype",
 )
 MOE_CHOICES = choice_table("model.moe.load_balancing_type", "model.moe.score_function")
 MODEL_CHOICES = choice_table("model.recompute_granularity", "model.recompute_method",

@@ -20,8 +20,10 @@ from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
+from lptrain.catalog import optimizer_state as pao
 from lptrain.catalog import recipes as catalog_recipes
 from lptrain.config.rules import Rule, get_key, is_moe, layer_wise, quant_recipe, quant_spec, runs
+from lptrain.config.rulesets.optim_state import remainders_possible
 from lptrain.config.schema import LPTrainConfig, one_of, show_value
 from lptrain.config.world import World
 
@@ -322,6 +324,47 @@ GATES: tuple[Gate, ...] = (
         because="no param is optimized by Lion (it is Muon's optimizer for non-matrix params: "
                 "optimizer.name=muon with optimizer.muon.scalar_optimizer=lion)",
         fix="set optimizer.name=muon and optimizer.muon.scalar_optimizer=lion",
+    ),
+    Gate(
+        rule_id="PAO-DTYPES-NEED-PAO", keys=pao.DTYPE_KEYS,
+        context=("optimizer.use_precision_aware_optimizer",),
+        idle=lambda c, w: not c.optimizer.use_precision_aware_optimizer,
+        condition="not use_precision_aware_optimizer -> main_grads_dtype, main_params_dtype, "
+                  "exp_avg_dtype and exp_avg_sq_dtype fp32",
+        because="the precision-aware optimizer is off (optimizer.use_precision_aware_optimizer="
+                "false), so every optimizer tensor stays fp32 (Megatron-LM: '... can only be fp32 "
+                "when not using precision-aware optimizer')",
+        fix="set optimizer.use_precision_aware_optimizer=true (with a distributed optimizer)",
+    ),
+    Gate(
+        rule_id="INERT-PAO-REMAINDERS", keys=("optimizer.store_param_remainders",),
+        context=("optimizer.use_precision_aware_optimizer", "optimizer.main_params_dtype",
+                 "precision.params_dtype", "precision.fp8_recipe"),
+        idle=lambda c, w: not remainders_possible(c),
+        condition="not (use_precision_aware_optimizer, main_params_dtype=fp32, params_dtype=bf16 "
+                  "and TE holding the masters) -> store_param_remainders false",
+        because="TE keeps remainders only of fp32 masters it holds of bf16 params "
+                "(use_precision_aware_optimizer=true, main_params_dtype=fp32, params_dtype=bf16, "
+                "and no quantized recipe among "
+                f"{', '.join(pao.LPTRAIN_HELD_RECIPES)}); here use_precision_aware_optimizer="
+                "{cfg.optimizer.use_precision_aware_optimizer}, main_params_dtype="
+                "{cfg.optimizer.main_params_dtype}, params_dtype={cfg.precision.params_dtype}, "
+                "recipe {recipe}",
+        fix="use the precision-aware optimizer with fp32 main params on bf16 params and bf16 or "
+            "delayed-scaling GEMMs",
+        neutral_of={"optimizer.store_param_remainders": lambda c: False},
+        also_neutral={"optimizer.store_param_remainders": (None,)},
+    ),
+    Gate(
+        rule_id="INERT-PAO-FP32-PARAMS",
+        keys=("optimizer.main_grads_dtype", "optimizer.main_params_dtype"),
+        context=("precision.params_dtype", "optimizer.use_precision_aware_optimizer"),
+        idle=lambda c, w: c.optimizer.use_precision_aware_optimizer and c.precision.params_dtype == "fp32",
+        condition="use_precision_aware_optimizer and params_dtype=fp32 -> main_grads_dtype and "
+                  "main_params_dtype fp32",
+        because="precision.params_dtype=fp32: the grads of fp32 params are fp32 and fp32 params "
+                "are their own masters (FusedAdam updates them in place)",
+        fix="set precision.params_dtype=bf16",
     ),
     Gate(
         rule_id="INERT-CONSTANT-LR", keys=("optimizer.min_lr", "optimizer.decay_iters"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from lptrain.catalog import recipes as catalog_recipes
+from lptrain.catalog.optimizer_state import BF16_MOMENTS_MIN_TE, STATE_KEYS
 from lptrain.catalog.recipes import (
     GROUPED_AMAX_EPSILON_MIN_TE,
     SINGLE_GROUPED_WEIGHT_MIN_TE,
@@ -14,6 +15,7 @@ from lptrain.config.rules import (
     Rule,
     fp4_on,
     fp8_on,
+    get_key,
     is_mxfp8,
     quant_recipe,
     quant_spec,
@@ -128,6 +130,11 @@ def _te_version_needs(c: LPTrainConfig, w: World) -> list[tuple[str, str, str]]:
             needs.append((key, f"{what} needs TE >= {version}", version))
 
     need("precision.backend", "lptrain's TE backend", TE_MIN_VERSION)
+    o = c.optimizer
+    for key in STATE_KEYS:
+        if o.use_precision_aware_optimizer and get_key(c, key) == "bf16":
+            need(key, "bf16 Adam moments (FusedAdam exp_avg_dtype / exp_avg_sq_dtype=bf16)",
+                 BF16_MOMENTS_MIN_TE)
     spec = quant_spec(c)
     if spec is not None:
         need(recipe_key(c), spec.name, spec.min_te)
@@ -257,7 +264,8 @@ def _min_te_text() -> str:
     parts += [f"{s.name} {s.min_te}" for s in catalog_recipes.RECIPES if s.min_te != TE_MIN_VERSION]
     parts += [f"{s.name} on sm{sm}+ {v}" for s in catalog_recipes.RECIPES for sm, v in s.min_te_from_sm]
     parts += [f"amax_epsilon in grouped expert GEMMs {GROUPED_AMAX_EPSILON_MIN_TE}",
-              f"single grouped weight {SINGLE_GROUPED_WEIGHT_MIN_TE}"]
+              f"single grouped weight {SINGLE_GROUPED_WEIGHT_MIN_TE}",
+              f"bf16 Adam moments {BF16_MOMENTS_MIN_TE}"]
     return ", ".join(parts)
 
 
@@ -460,7 +468,7 @@ RULES = [
     Rule(
         id="PREC-TE-VERSION", severity="error",
         keys=("precision.backend", "precision.fp8_recipe", "precision.amax_epsilon",
-              "model.moe.single_grouped_weight"),
+              "model.moe.single_grouped_weight", *STATE_KEYS),
         when=_te_too_old, message="Transformer Engine {world.te_version} is too old: {detail}",
         fix="upgrade Transformer Engine to >= {need} (pip install -U "
             "'transformer_engine[pytorch]')",
@@ -469,7 +477,8 @@ RULES = [
             "NVFP4BlockScaling (2.8), blockwise on Blackwell (2.9), GroupedLinear QParams (2.3) "
             "and a single grouped weight whose GEMMs take the grouped parameter and its "
             "main_grad (2.19; 2.14-2.18 run them on members without gradients); lptrain sets "
-            "NVTE_GROUPED_LINEAR_SINGLE_PARAM (2.15+) and use_grouped_tensor (2.19+)",
+            "NVTE_GROUPED_LINEAR_SINGLE_PARAM (2.15+) and use_grouped_tensor (2.19+); FusedAdam "
+            "takes bf16 moments from 2.3 (its precision-aware arguments date from 1.13)",
         section=S,
     ),
     Rule(

@@ -53,6 +53,9 @@ VPP2 = "model.virtual_pipeline_model_parallel_size=2"
 CP2 = "model.context_parallel_size=2"
 CP4 = "model.context_parallel_size=4"
 HCP22 = "model.hierarchical_context_parallel_sizes=[2,2]"
+PAO = "optimizer.use_precision_aware_optimizer=true"
+BF16_GRADS = "optimizer.main_grads_dtype=bf16"
+FP16_MASTERS = "optimizer.main_params_dtype=fp16"
 
 # (rule, trigger overrides, expected keys (subset, in order), neighbour overrides, world[,
 # the neighbour's world when it differs])
@@ -164,6 +167,26 @@ CASES: list[tuple] = [
      ("checkpoint.sharding_type",), ["checkpoint.sharding_type=fully_reshardable"], CPU),
     ("MUON-LR-SCALE", [MUON, "optimizer.lr=2e-2", "optimizer.min_lr=2e-3"], ("optimizer.lr",),
      [MUON, "optimizer.lr=2e-3", "optimizer.min_lr=2e-4"], CPU),
+    # the precision-aware optimizer (lptrain/config/rulesets/optim_state.py)
+    ("PAO-NEEDS-DISTOPT", [PAO], ("optimizer.use_precision_aware_optimizer", "ddp.use_distributed_optimizer"),
+     [PAO, DISTOPT], CPU),
+    ("PAO-ADAM-ONLY", [PAO, DISTOPT, MUON, LION],
+     ("optimizer.use_precision_aware_optimizer", "optimizer.muon.scalar_optimizer"), [PAO, DISTOPT, MUON], CPU),
+    ("PAO-MAIN-GRADS-FP32-REDUCE", [PAO, DISTOPT, BF16_GRADS, "ddp.grad_reduce_in_fp32=true"],
+     ("optimizer.main_grads_dtype", "ddp.grad_reduce_in_fp32"), [PAO, DISTOPT, BF16_GRADS], CPU),
+    ("PAO-MAIN-GRADS-MATCH-REDUCE", [PAO, DISTOPT, "ddp.grad_reduce_in_fp32=false"],
+     ("optimizer.main_grads_dtype", "ddp.grad_reduce_in_fp32"),
+     [PAO, DISTOPT, "ddp.grad_reduce_in_fp32=false", BF16_GRADS], CPU),
+    ("PAO-TE-MASTERS-QUANTIZED-PG", [PAO, DISTOPT, E4M3, MXFP8, FP8PG, REUSE, FP16_MASTERS],
+     ("optimizer.main_params_dtype", "precision.fp8_param_gather"), [PAO, DISTOPT, E4M3, MXFP8, FP8PG, REUSE], CPU),
+    ("PAO-MUON-FP16-MASTERS", [PAO, DISTOPT, MUON, FP16_MASTERS], ("optimizer.main_params_dtype", "optimizer.name"),
+     [PAO, DISTOPT, MUON], CPU),
+    ("PAO-DTYPES-NEED-PAO", ["optimizer.exp_avg_dtype=bf16"], ("optimizer.exp_avg_dtype",),
+     [PAO, DISTOPT, "optimizer.exp_avg_dtype=bf16"], CPU),
+    ("INERT-PAO-REMAINDERS", [PAO, DISTOPT, FP16_MASTERS, "optimizer.store_param_remainders=true"],
+     ("optimizer.store_param_remainders",), [PAO, DISTOPT, "optimizer.store_param_remainders=true"], CPU),
+    ("INERT-PAO-FP32-PARAMS", [PAO, DISTOPT, "precision.params_dtype=fp32", FP16_MASTERS],
+     ("optimizer.main_params_dtype",), [PAO, DISTOPT, "precision.params_dtype=fp32"], CPU),
     ("MUON-HPARAMS", [MUON, "optimizer.muon.momentum=1.0"], ("optimizer.muon.momentum",),
      [MUON, "optimizer.muon.momentum=0.9"], CPU),
     ("MOE-SGW-NEEDS-GROUPED", [MOE, SGW], ("model.moe.grouped_gemm",), [MOE, SGW, GROUPED], CPU),

@@ -163,6 +163,12 @@ def _muon(cfg: Any) -> Any:
     return MuonWithAdamW([w], [], cfg.optimizer)
 
 
+def _fused_adam(cfg: Any) -> Any:
+    from lptrain.optim.precision_aware import fused_adam, state_precision
+
+    return fused_adam([torch.zeros(4, dtype=torch.bfloat16)], [], cfg.optimizer, state_precision(cfg))
+
+
 def _recipe(cfg: Any) -> Any:
     from lptrain.precision.factory import recipe_from_config
 
@@ -178,6 +184,7 @@ def _sampler(cfg: Any) -> Any:
 
 MOE = ("model.moe.num_experts=4",)
 MUON = ("optimizer.name=muon",)
+PAO = ("optimizer.use_precision_aware_optimizer=true", "ddp.use_distributed_optimizer=true")
 E4M3 = ("precision.fp8_format=e4m3",)
 FILES = "the dataset's files on disk, not a config value (the loader checks them in full)"
 API = "a guard on how the class is called by code, not reachable from a config"
@@ -257,6 +264,15 @@ SITES: dict[str, ByRule | NotConfig] = {
     "lptrain/distributed/buffers.py::ParamAndGradBuffer.param_slice::IndexError: params [{}, {}) are outside":
         NotConfig("ranges the buffer computes from its own layout (its buckets' shards)"),
     # optimizers
+    "lptrain/optim/distributed.py::param_location::RuntimeError: {} param: TE holds masters of plain params only":
+        ByRule("PAO-TE-MASTERS-QUANTIZED-PG", (*PAO, *E4M3, "precision.fp8_recipe=mxfp8",
+                                               "precision.fp8_param_gather=true",
+                                               "ddp.reuse_grad_buf_for_mxfp8_param_ag=true",
+                                               "optimizer.main_params_dtype=fp16")),
+    "lptrain/optim/fused_adam.py::EmulatedFusedAdam.__init__::RuntimeError: FusedAdam only supports fp32/fp16 master w":
+        ByRule("OPT-CHOICES", (*PAO, "optimizer.main_params_dtype=bf16"), build=_fused_adam),
+    "lptrain/optim/fused_adam.py::EmulatedFusedAdam.__init__::RuntimeError: FusedAdam only supports fp32/fp16/bf16/fp8":
+        ByRule("OPT-CHOICES", (*PAO, "optimizer.exp_avg_dtype=fp64")),
     "lptrain/optim/distributed.py::ShardedMasterOptimizer.__init__::RuntimeError: Muon params must be whole on a rank (unsh":
         NotConfig("the layout never shards Muon buffers (plan_layout keeps them whole)"),
     "lptrain/optim/muon.py::MuonWithAdamW.__init__::ValueError: optimizer.muon.scalar_optimizer={} is not on":
