@@ -177,13 +177,14 @@ def all_rules() -> list[Rule]:
         moe,
         muon,
         pp,
+        pp_split,
         precision,
         ranges,
         tp,
     )
 
     return [*precision.RULES, *ddp.RULES, *muon.RULES, *moe.RULES, *ep.RULES, *tp.RULES, *pp.RULES,
-            *model.RULES,
+            *pp_split.RULES, *model.RULES,
             *choices.RULES, *ranges.RULES, *data.RULES, *loop.RULES, *inert.RULES]
 
 

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from lptrain.precision import autocast as _ac
+from lptrain.precision import deferred_wgrad as _deferred
 from lptrain.precision import gemm as _gemm
 from lptrain.precision import linear_ops as _ops
 from lptrain.precision import operand_stats as _stats
@@ -70,8 +71,13 @@ class _HighPrecisionLinearFn(torch.autograd.Function):
             dx = (dy2 @ weight).reshape(*dy.shape[:-1], weight.shape[1])
         else:
             dx = (dy2.float() @ weight.float()).reshape(*dy.shape[:-1], weight.shape[1]).to(x.dtype)
-        dw = _gemm.wgrad_fp32(dy2, x.reshape(-1, x.shape[-1]))
-        return dx, accumulate_wgrad(weight, dw, ctx.fuse_wgrad), None
+        x2 = x.reshape(-1, x.shape[-1])
+        deferred = _deferred.queue() if weight.requires_grad else None
+        if deferred is not None:  # the W step of a zero-bubble schedule computes it
+            fuse = ctx.fuse_wgrad
+            deferred.defer([weight], lambda: [accumulate_wgrad(weight, _gemm.wgrad_fp32(dy2, x2), fuse)])
+            return dx, None, None
+        return dx, accumulate_wgrad(weight, _gemm.wgrad_fp32(dy2, x2), ctx.fuse_wgrad), None
 
 
 def accumulate_wgrad(weight: torch.Tensor, dw: torch.Tensor, fuse: bool) -> Optional[torch.Tensor]:

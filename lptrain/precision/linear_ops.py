@@ -34,6 +34,7 @@ from typing import Any, Optional
 import torch
 
 from lptrain.precision import autocast as _ac
+from lptrain.precision import deferred_wgrad as _deferred
 from lptrain.precision import operand_stats as _stats
 
 ROLES = ("input", "weight", "grad")
@@ -279,6 +280,7 @@ class _QuantizedGroupedFn(torch.autograd.Function):
         ctx.in_features = x.shape[-1]
         ctx.x_dtype = x.dtype
         ctx.weights = weights if op.fuse_wgrad else None
+        ctx.all_weights = weights  # (a deferred W step hands them their grads)
         y = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)) if outs else x.new_zeros(0, op.out_features)
         return y.to(x.dtype)
 
@@ -290,16 +292,17 @@ class _QuantizedGroupedFn(torch.autograd.Function):
         n = len(ctx.m_splits)
         dys = (dy,) if n == 1 and ctx.m_splits[0] == dy.shape[0] else torch.split(dy, ctx.m_splits, dim=0)
         dxs: list[torch.Tensor] = []
-        dws: list[torch.Tensor] = []
+        # per member: the wgrad operands (dy, x), or the member's output width (no tokens)
+        pairs: list[Any] = []
         operands = _saved_operands(ctx, ctx.kinds)
+        deferred = _deferred.queue() if need_wgrad else None
         for i, dyi in enumerate(dys):
             mq = op.qstate.members[i]
             qx, qw = operands[i], operands[n + i]
-            n_out = dyi.shape[1]
             if dyi.shape[0] == 0:
                 if need_dgrad:
                     dxs.append(dy.new_zeros(0, ctx.in_features, dtype=torch.float32))
-                dws.append(torch.zeros(n_out, ctx.in_features, dtype=torch.float32, device=dy.device))
+                pairs.append(dyi.shape[1])
                 continue
             qdy = _quantize(mq.grad, dyi.detach(), need_dgrad, need_wgrad)
             dy_row = op.deq(qdy, "rowwise") if need_dgrad else None
@@ -308,10 +311,19 @@ class _QuantizedGroupedFn(torch.autograd.Function):
             if op.record:
                 op.record_operand("grad", i, dyi, qdy, dy_row)
             if need_wgrad:
-                dws.append(op.col_t(qdy) @ op.col_t(qx).t())
+                # (kept for a deferred W step: only the orientation its GEMM reads)
+                pairs.append((_only_columnwise(qdy) if deferred is not None else qdy, qx))
         del operands
         dx = (dxs[0] if len(dxs) == 1 else torch.cat(dxs, dim=0)).to(ctx.x_dtype) if need_dgrad else None
-        wgrads = _weight_grads(ctx, dws) if need_wgrad else [None] * len(ctx.wdtypes)
+        if not need_wgrad:
+            wgrads: list[Optional[torch.Tensor]] = [None] * len(ctx.wdtypes)
+        elif deferred is not None:  # the W step of a zero-bubble schedule computes them
+            grads_of = functools.partial(_weight_grads, _WgradContext.of(ctx), op, pairs, ctx.in_features,
+                                         dy.device)
+            deferred.defer(ctx.all_weights, grads_of)
+            wgrads = [None] * len(ctx.wdtypes)
+        else:
+            wgrads = _weight_grads(ctx, op, pairs, ctx.in_features, dy.device)
         # Delayed scaling: the first module of the autocast region updates grad-role scales
         # after its backward, i.e. after every module's backward (numerics.md 2.1).
         if op.bwd_slots is not None:
@@ -331,7 +343,30 @@ def _saved_operands(ctx: Any, plain: list[bool]) -> list[Any]:
     return [_PlainOperand(t) if p else t for t, p in zip(ctx.saved_tensors, plain, strict=True)]
 
 
-def _weight_grads(ctx: Any, dws: list[torch.Tensor]) -> list[Optional[torch.Tensor]]:
+@dataclass(frozen=True)
+class _WgradContext:
+    """What :func:`_weight_grads` reads of an op's autograd context (kept past its backward
+    by a deferred W step, without the context's saved tensors)."""
+
+    op: Any
+    wdtypes: list[torch.dtype]
+    weights: Optional[Sequence[torch.Tensor]]
+
+    @staticmethod
+    def of(ctx: Any) -> _WgradContext:
+        return _WgradContext(ctx.op, ctx.wdtypes, ctx.weights)
+
+
+def _weight_grads(ctx: Any, op: Any, pairs: list[Any], in_features: int,
+                  device: torch.device) -> list[Optional[torch.Tensor]]:
+    """The wgrad GEMMs ``dW_i = dy_i^T x_i`` of every member (an exact zero for a member without
+    tokens: ``pairs[i]`` its output width), then :func:`_accumulate_weight_grads`."""
+    dws = [torch.zeros(p, in_features, dtype=torch.float32, device=device) if isinstance(p, int)
+           else op.col_t(p[0]) @ op.col_t(p[1]).t() for p in pairs]
+    return _accumulate_weight_grads(ctx, dws)
+
+
+def _accumulate_weight_grads(ctx: Any, dws: list[torch.Tensor]) -> list[Optional[torch.Tensor]]:
     """Per-weight autograd grads; with fusion, accumulate into ``main_grad`` and return
     :func:`fused_wgrad_placeholder` (None under a data-parallel engine, else zeros)."""
     op: _OpContext = ctx.op

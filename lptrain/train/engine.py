@@ -82,6 +82,7 @@ class TrainEngine(EngineCheckpointState):
 
     def __init__(self, cfg: LPTrainConfig) -> None:
         from lptrain.distributed.ddp import DataParallel
+        from lptrain.catalog.pipeline import layout_for
         from lptrain.distributed.groups import build_groups
         from lptrain.distributed.launch_env import init_process_group_from_env
         from lptrain.distributed.layout import plan_run_layout, run_param_specs
@@ -94,10 +95,11 @@ class TrainEngine(EngineCheckpointState):
         moe = cfg.model.moe
         ep = moe.expert_model_parallel_size if moe.num_experts else 1
         pp = max(1, cfg.model.pipeline_model_parallel_size)
+        self.loss_stage = layout_for(cfg.model).loss_rank  # the pipeline rank computing the loss
         self.groups = build_groups(cfg.ddp.num_distributed_optimizer_instances, ep=ep,
                                    tp=cfg.model.tensor_model_parallel_size,
                                    sequence_parallel=cfg.model.sequence_parallel, pp=pp,
-                                   tied_embeddings=cfg.model.tie_embeddings)
+                                   tied_embeddings=cfg.model.tie_embeddings, loss_stage=self.loss_stage)
         self.rank, self.world_size = self.groups.rank, self.groups.world_size
         self.dp_rank, self.dp_size = self.groups.dp.rank, self.groups.dp.size
         # the ranks that split each sequence (sequence parallelism): per-token statistics
@@ -339,10 +341,10 @@ class TrainEngine(EngineCheckpointState):
             dist.all_reduce(out, group=g.pg)  # (one row per rank, the others zero: exact)
         out = out.cpu()
         if self.pipeline is not None:
-            # the losses are the last stage's rows (pipeline ranks are outermost), the
-            # non-finite codes every rank's (kept for _nonfinite)
+            # the losses are the rows of the stage computing the loss (pipeline ranks are
+            # outermost), the non-finite codes every rank's (kept for _nonfinite)
             self._codes = [int(c) for c in out[:, 2].tolist()]
-            out = out.view(self.groups.pp.size, -1, 3)[-1].clone()
+            out = out.view(self.groups.pp.size, -1, 3)[self.loss_stage].clone()
             out[:, 2] = 0.0
         tp = self.groups.tp.size
         if tp > 1:
@@ -360,9 +362,9 @@ class TrainEngine(EngineCheckpointState):
         if not math.isfinite(float(losses[:, 1].mean())):
             r = int((~torch.isfinite(losses[:, 1])).nonzero()[0])
             where = f"rank {r}"
-            if self.pipeline is not None:  # the rows are the last stage's
-                last = self.groups.pp.size - 1
-                where = f"rank {r + last * self.groups.everyone.size} (pipeline stage {last}, the last)"
+            if self.pipeline is not None:  # the rows are the loss stage's
+                last = self.loss_stage
+                where = f"rank {r + last * self.groups.everyone.size} (pipeline stage {last}, the loss's)"
             return f"step {step}, {where}: loss is {float(losses[r, 1])}"
         return None
 
