@@ -42,8 +42,8 @@ import torch.distributed as dist
 from lptrain.config.schema import LPTrainConfig
 from lptrain.distributed.ddp import DataParallel
 from lptrain.distributed.groups import ParallelGroups
-from lptrain.model.gpt import AUX_KEYS, GPTModel
 from lptrain.distributed.pipeline_orders import schedule_class
+from lptrain.model.gpt import AUX_KEYS, GPTModel
 from lptrain.model.pipeline import PipelineChunk, chunk_io, pipeline_layout
 from lptrain.precision.deferred_wgrad import deferring
 

@@ -379,6 +379,12 @@ def estimate_memory(cfg: LPTrainConfig, dp: int, target: str = "cpu") -> MemoryE
     embedding on the first, the head on the last) with its in-flight micro-batches
     (:meth:`lptrain.catalog.pipeline.PipelineLayout.in_flight`) and the schedule's receive
     buffers; the ranks of every stage are reported, the worst is the most loaded stage's."""
+    from lptrain.memory.pipeline_plan import (
+        pipeline_buffer_bytes,
+        sampled_stages,
+        stage_in_flight,
+        stage_params,
+    )
     from lptrain.model.pipeline import pipeline_layout
     from lptrain.precision.factory import recipe_from_config
 
@@ -390,20 +396,21 @@ def estimate_memory(cfg: LPTrainConfig, dp: int, target: str = "cpu") -> MemoryE
     ranks: list[RankMemory] = []
     params, report = 0, ""
     recompute: dict[int, int] = {}  # stage -> its activations with full recompute
-    for stage in _sampled_stages(lay.pp):
+    in_flight = stage_in_flight(cfg, lay, micro)
+    for stage in sampled_stages(lay.pp):
         model = meta_model(cfg, pp_rank=stage)
         stage_ranks, recompute[stage], stage_report = _stage_memory(
-            cfg, dp, model, quantizers, act_bytes, lay.in_flight(stage, micro),
-            _pipeline_buffer_bytes(cfg, lay, stage, micro, act_bytes))
+            cfg, dp, model, quantizers, act_bytes, in_flight[stage],
+            pipeline_buffer_bytes(cfg, lay, stage, micro, act_bytes))
         for r in stage_ranks:
             r.rank = dims.rank_of(dp=r.rank, pp=stage)
         ranks += stage_ranks
-        params += _whole_params(model, stage, lay.pp)
+        params += stage_params(model, stage, lay.pp)
         report = report or stage_report
     acts_rc = recompute[dims.coords(max(ranks, key=lambda r: (r.total, -r.rank)).rank)["pp"]]
     notes = []
     if dp > _MAX_RANKS:
-        notes.append(f"{len(ranks) // len(_sampled_stages(lay.pp))} of {dp} data-parallel ranks "
+        notes.append(f"{len(ranks) // len(sampled_stages(lay.pp))} of {dp} data-parallel ranks "
                      "evaluated (evenly spaced, first and last included)")
     if cfg.model.moe.num_experts:
         notes.append("MoE activations are estimated for perfectly balanced routing")
@@ -417,47 +424,13 @@ def estimate_memory(cfg: LPTrainConfig, dp: int, target: str = "cpu") -> MemoryE
             f"pipeline parallel {lay.pp}{f' x {lay.vpp} virtual chunks' if lay.vpp > 1 else ''} "
             f"({cfg.model.pipeline_schedule}, {micro} micro-batches per step): stage "
             f"{dims.coords(worst.rank)['pp']} is the most loaded; a stage holds "
-            f"{lay.in_flight(0, micro):g} micro-batches of activations at most, as Megatron-LM counts "
-            "them, and the schedule's receive buffers of every micro-batch")
+            f"{max(in_flight.values()):g} micro-batches of activations at most, as Megatron-LM counts "
+            "them (the zero-bubble schedules: read off their order, each held until its W step), "
+            "and the schedule's receive buffers of every micro-batch")
     return MemoryEstimate(
         dp=dp, ranks=ranks, activations_recompute=acts_rc, params=params, layout_report=report,
         notes=notes, tp=tp, pp=lay.pp,
     )
-
-
-def _sampled_stages(pp: int) -> list[int]:
-    """The pipeline stages planned one by one: all up to 8, else the first two, a middle one
-    and the last two (the stages between are alike)."""
-    if pp <= 8:
-        return list(range(pp))
-    return sorted({0, 1, pp // 2, pp - 2, pp - 1})
-
-
-def _whole_params(model: torch.nn.Module, stage: int, pp: int) -> int:
-    """The stage's part of the whole model's parameter count (a tied head's copy of the
-    embedding on the last stage counted on the first)."""
-    from lptrain.model.tensor_parallel import whole_parameter_count
-
-    n = whole_parameter_count(model)
-    embedding = getattr(model, "embedding", None)
-    if pp > 1 and stage > 0 and embedding is not None:
-        n -= whole_parameter_count(embedding)
-    return n
-
-
-def _pipeline_buffer_bytes(cfg: LPTrainConfig, lay: Any, stage: int, micro: int, act_bytes: int) -> int:
-    """``torch.distributed.pipelining``'s receive buffers on ``stage``: one hidden-state
-    tensor per micro-batch of the step for the forward input of every chunk but the first,
-    and one for the output gradient of every chunk but the last (allocated once, kept)."""
-    if lay.pp == 1:
-        return 0
-    m = cfg.model
-    tp = max(1, m.tensor_model_parallel_size)
-    rows = m.seq_length // tp if m.sequence_parallel and tp > 1 else m.seq_length
-    hidden = cfg.train.micro_batch_size * rows * m.hidden_size * act_bytes
-    chunks = lay.rank_chunks(stage)
-    n = sum(c != 0 for c in chunks) + sum(c != lay.chunks - 1 for c in chunks)
-    return n * micro * hidden
 
 
 def _stage_memory(cfg: LPTrainConfig, dp: int, model: torch.nn.Module, quantizers: Optional[_Quantizers],

@@ -36,6 +36,13 @@ import torch
 from lptrain.precision import autocast as _ac
 from lptrain.precision import deferred_wgrad as _deferred
 from lptrain.precision import operand_stats as _stats
+from lptrain.precision.wgrad import (  # noqa: F401 (add_wgrad, the probe: this module's API)
+    _hooks_fire_without_grad,
+    _weight_grads,
+    _WgradContext,
+    add_wgrad,
+    fused_wgrad_placeholder,
+)
 
 ROLES = ("input", "weight", "grad")
 
@@ -163,64 +170,6 @@ def col_operand_t(q: Any) -> torch.Tensor:
     return q.dequantize("columnwise").t()
 
 
-def add_wgrad(weight: torch.Tensor, dw: torch.Tensor, main_grad: Optional[torch.Tensor]) -> None:
-    """Accumulate ``dw`` into ``main_grad`` (fp32 add) and flag the weight (fusion contract)."""
-    assert main_grad is not None
-    # reshaped and cast only when needed: each is an op per linear per backward, and the
-    # add is the same either way
-    if dw.shape != main_grad.shape:
-        dw = dw.view_as(main_grad)
-    main_grad.add_(dw if dw.dtype == main_grad.dtype else dw.to(main_grad.dtype))
-    weight.grad_added_to_main_grad = True
-
-
-def fused_wgrad_placeholder(weight: torch.Tensor) -> Optional[torch.Tensor]:
-    """What a fused-wgrad backward hands autograd for ``weight`` once its grad is in
-    ``main_grad``.
-
-    Under a data-parallel engine (``weight.main_grad_hooked``: its post-accumulate hook adds
-    ``.grad`` into ``main_grad`` when there is one, resets the fusion flag and marks the grad
-    ready) this is ``None``, so autograd accumulates nothing into ``.grad``: the zero tensor,
-    its accumulation and the hook's drop of it, per weight per backward, are not paid (host
-    cost that caps small models). Autograd still runs the weight's AccumulateGrad and so the
-    hook, with ``.grad`` None; :func:`_hooks_fire_without_grad` checks that this torch does,
-    else the zero is returned as before. Without an engine, a fresh zero of the weight's
-    shape, the way TE does (never a cached one: ``p.grad`` would alias it, and autograd's
-    in-place sum of a later grad would write into the cache). A weight the engine keeps no
-    hook on (``weight.main_grad_unhooked``: no overlapped reduction needs its readiness)
-    gets ``None`` on any torch.
-    """
-    if getattr(weight, "main_grad_unhooked", False):  # the engine expects no grad at all
-        return None
-    if getattr(weight, "main_grad_hooked", False) and _hooks_fire_without_grad():
-        return None
-    return torch.zeros(tuple(weight.shape), dtype=weight.dtype, device=weight.device)
-
-
-class _NoWeightGrad(torch.autograd.Function):
-    """y = x * w whose backward gives ``w`` no grad (the probe of :func:`_hooks_fire_without_grad`)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return x * w
-
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
-        return dy, None
-
-
-@functools.cache
-def _hooks_fire_without_grad() -> bool:
-    """Whether autograd runs a leaf's post-accumulate-grad hooks when a backward hands it no
-    grad (None), as torch 2.13 does. Probed once on two 1-element tensors."""
-    w = torch.ones(1, requires_grad=True)
-    fired: list[Optional[torch.Tensor]] = []
-    w.register_post_accumulate_grad_hook(lambda p: fired.append(p.grad))
-    with torch.enable_grad():
-        _NoWeightGrad.apply(torch.ones(1, requires_grad=True), w).sum().backward()
-    return fired == [None]
-
-
 class _QuantizedGroupedFn(torch.autograd.Function):
     """y_i = x_i W_i^T for consecutive token splits x_i, each member quantized on its own.
 
@@ -341,58 +290,6 @@ def _save_operands(ctx: Any, operands: list[Any]) -> list[bool]:
 
 def _saved_operands(ctx: Any, plain: list[bool]) -> list[Any]:
     return [_PlainOperand(t) if p else t for t, p in zip(ctx.saved_tensors, plain, strict=True)]
-
-
-@dataclass(frozen=True)
-class _WgradContext:
-    """What :func:`_weight_grads` reads of an op's autograd context (kept past its backward
-    by a deferred W step, without the context's saved tensors)."""
-
-    op: Any
-    wdtypes: list[torch.dtype]
-    weights: Optional[Sequence[torch.Tensor]]
-
-    @staticmethod
-    def of(ctx: Any) -> _WgradContext:
-        return _WgradContext(ctx.op, ctx.wdtypes, ctx.weights)
-
-
-def _weight_grads(ctx: Any, op: Any, pairs: list[Any], in_features: int,
-                  device: torch.device) -> list[Optional[torch.Tensor]]:
-    """The wgrad GEMMs ``dW_i = dy_i^T x_i`` of every member (an exact zero for a member without
-    tokens: ``pairs[i]`` its output width), then :func:`_accumulate_weight_grads`."""
-    dws = [torch.zeros(p, in_features, dtype=torch.float32, device=device) if isinstance(p, int)
-           else op.col_t(p[0]) @ op.col_t(p[1]).t() for p in pairs]
-    return _accumulate_weight_grads(ctx, dws)
-
-
-def _accumulate_weight_grads(ctx: Any, dws: list[torch.Tensor]) -> list[Optional[torch.Tensor]]:
-    """Per-weight autograd grads; with fusion, accumulate into ``main_grad`` and return
-    :func:`fused_wgrad_placeholder` (None under a data-parallel engine, else zeros)."""
-    op: _OpContext = ctx.op
-    out: list[Optional[torch.Tensor]] = []
-    if op.single:
-        dtype = ctx.wdtypes[0]
-        w = ctx.weights[0] if ctx.weights is not None else None
-        main_grad = getattr(w, "main_grad", None) if w is not None else None
-        if op.fuse_wgrad and main_grad is not None:
-            for i, dw in enumerate(dws):
-                main_grad[i].add_(dw.to(main_grad.dtype))
-            w.grad_added_to_main_grad = True
-            out.append(fused_wgrad_placeholder(w))
-        else:
-            out.append(torch.stack(dws).to(dtype))
-        return out
-    for i, dw in enumerate(dws):
-        dtype = ctx.wdtypes[i]
-        w = ctx.weights[i] if ctx.weights is not None else None
-        main_grad = getattr(w, "main_grad", None) if w is not None else None
-        if op.fuse_wgrad and main_grad is not None:
-            add_wgrad(w, dw, main_grad)
-            out.append(fused_wgrad_placeholder(w))
-        else:
-            out.append(dw.to(dtype))
-    return out
 
 
 @dataclass

@@ -81,8 +81,8 @@ class TrainEngine(EngineCheckpointState):
     """Model + data-parallel engine + optimizer for one run (see the module doc)."""
 
     def __init__(self, cfg: LPTrainConfig) -> None:
-        from lptrain.distributed.ddp import DataParallel
         from lptrain.catalog.pipeline import layout_for
+        from lptrain.distributed.ddp import DataParallel
         from lptrain.distributed.groups import build_groups
         from lptrain.distributed.launch_env import init_process_group_from_env
         from lptrain.distributed.layout import plan_run_layout, run_param_specs
@@ -92,9 +92,8 @@ class TrainEngine(EngineCheckpointState):
         self.cfg = cfg
         # (resolved again after joining: joining selects this rank's CUDA device)
         init_process_group_from_env(resolve_device(cfg), 60.0 * cfg.dist.distributed_timeout_minutes)
-        moe = cfg.model.moe
+        moe, pp = cfg.model.moe, max(1, cfg.model.pipeline_model_parallel_size)
         ep = moe.expert_model_parallel_size if moe.num_experts else 1
-        pp = max(1, cfg.model.pipeline_model_parallel_size)
         self.loss_stage = layout_for(cfg.model).loss_rank  # the pipeline rank computing the loss
         self.groups = build_groups(cfg.ddp.num_distributed_optimizer_instances, ep=ep,
                                    tp=cfg.model.tensor_model_parallel_size,

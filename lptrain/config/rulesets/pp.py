@@ -11,7 +11,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from lptrain.catalog.pipeline import SPLIT_BACKWARD_SCHEDULES, V_SCHEDULES, PipelineLayout, layout_for
+from lptrain.catalog.pipeline import (
+    SPLIT_BACKWARD_SCHEDULES,
+    V_SCHEDULES,
+    PipelineLayout,
+    layout_for,
+)
 from lptrain.catalog.pipeline_split import SplitError
 from lptrain.config.rules import Rule, is_moe
 from lptrain.config.schema import LPTrainConfig
