@@ -207,25 +207,29 @@ class Simulation:
 
 
 def simulate(orders: Mapping[int, Sequence[Action]], cost: Mapping[tuple[int, str], float],
-             num_chunks: int, link: float = 0.0) -> Simulation:
+             num_chunks: int, link: float = 0.0, cores: Optional[int] = None) -> Simulation:
     """Run each rank's ``orders`` in sequence, every action starting when its rank is free
-    and its inputs exist: a forward after the previous chunk's forward of that micro-batch, a
+    and its input exists: a forward after the previous chunk's forward of that micro-batch, a
     backward (B or I) after the next chunk's (the last chunk's after its own forward), a W
     after its I. ``cost[(chunk, kind)]`` is one action's seconds ("B" defaults to I + W); a
-    dependency between chunks on different ranks adds ``link`` (one P2P transfer). The
-    analytic bubble of any schedule at any stage loads."""
+    dependency between chunks on different ranks arrives ``link`` later (one P2P transfer).
+    ``cores``: the ranks share that many cores (processor sharing: ``k`` actions running at
+    once each progress at ``min(1, cores / k)``); None gives every rank its own (a GPU each).
+    The analytic bubble of any schedule at any stage loads."""
     rank_of = {a[0]: r for r, acts in orders.items() for a in acts}
     done: dict[tuple[int, str, int], float] = {}
     pos = {r: 0 for r in orders}
-    free = {r: 0.0 for r in orders}
     busy = {r: 0.0 for r in orders}
+    running: dict[int, list[float]] = {}  # rank -> [seconds of work left]
 
     def seconds(chunk: int, kind: str) -> float:
         if kind == "B" and (chunk, "B") not in cost:
             return cost[(chunk, "I")] + cost[(chunk, "W")]
         return cost[(chunk, kind)]
 
-    def ready(chunk: int, kind: str, mb: int) -> Optional[float]:
+    def arrival(r: int) -> Optional[float]:
+        """When rank ``r``'s next action has its input (None: not produced yet)."""
+        chunk, kind, mb = orders[r][pos[r]]
         if kind == "F":
             dep = (chunk - 1, "F", mb) if chunk > 0 else None
         elif kind == "W":
@@ -238,28 +242,38 @@ def simulate(orders: Mapping[int, Sequence[Action]], cost: Mapping[tuple[int, st
             return 0.0
         if dep not in done:
             return None
-        hop = link if rank_of.get(dep[0]) != rank_of.get(chunk) else 0.0
-        return done[dep] + hop
+        return done[dep] + (link if rank_of.get(dep[0]) != r else 0.0)
 
-    remaining = sum(len(a) for a in orders.values())
-    while remaining:
-        moved = False
-        for r, acts in orders.items():
-            while pos[r] < len(acts):
-                chunk, kind, mb = acts[pos[r]]
-                at = ready(chunk, kind, mb)
-                if at is None:
-                    break
-                start = max(at, free[r])
-                free[r] = start + seconds(chunk, kind)
-                busy[r] += seconds(chunk, kind)
-                done[(chunk, kind, mb)] = free[r]
+    now = 0.0
+    while True:
+        waits = []
+        for r in orders:
+            if r in running or pos[r] >= len(orders[r]):
+                continue
+            at = arrival(r)
+            if at is not None and at <= now:
+                chunk, kind, _mb = orders[r][pos[r]]
+                running[r] = [seconds(chunk, kind)]
+            elif at is not None:
+                waits.append(at - now)
+        if not running:
+            if not waits:
+                break
+            now += min(waits)
+            continue
+        rate = 1.0 if cores is None else min(1.0, cores / len(running))
+        dt = min([left[0] / rate for left in running.values()] + waits)
+        now += dt
+        for r in list(running):
+            running[r][0] -= dt * rate
+            busy[r] += dt * rate
+            if running[r][0] <= 1e-12 * max(1.0, now):
+                done[orders[r][pos[r]]] = now
                 pos[r] += 1
-                remaining -= 1
-                moved = True
-        if not moved:
-            raise ValueError("the schedule's order deadlocks (an action waits on one never run)")
-    return Simulation(max(free.values()), tuple(busy[r] for r in sorted(busy)))
+                del running[r]
+    if any(pos[r] < len(orders[r]) for r in orders):
+        raise ValueError("the schedule's order deadlocks (an action waits on one never run)")
+    return Simulation(now, tuple(busy[r] for r in sorted(busy)))
 
 
 def peak_in_flight(order: Sequence[Action], layers: Mapping[int, int]) -> float:

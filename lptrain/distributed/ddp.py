@@ -20,6 +20,9 @@ micro-batch's hooks count ready params per bucket and dispatch each bucket's red
 asynchronously as soon as it is complete. Without it, lptrain's own fused-wgrad weights in
 unsharded buckets get no hook at all (``p.main_grad_unhooked``): there is nothing for it to
 do, and ``backward_phase`` does the rest of its work (``_collect_unhooked``) once per backward.
+A weight whose gradient a zero-bubble pipeline schedule defers to its W step
+(``p.wgrad_pending``: :mod:`lptrain.precision.deferred_wgrad`) is skipped by the hook autograd
+fires in the I step; the W step calls it (``p.main_grad_hook``) once the grad is in.
 """
 
 from __future__ import annotations

@@ -1,11 +1,15 @@
 """Pipeline parallelism on ``torch.distributed.pipelining``: this rank's stages, the schedule,
 and the data-parallel engine's per-step order inside it.
 
-The schedule is torch's (``Schedule1F1B``, ``ScheduleInterleaved1F1B``: its stages, its
-order, its P2P); lptrain supplies the modules it runs (:class:`lptrain.model.pipeline.
-PipelineChunk`, one per model chunk this rank holds), static shapes (no forward is run to
-infer them), the loss function, and :class:`EngineStage`, a ``PipelineStage`` whose backward
-runs inside the data-parallel engine's phases.
+The schedule is torch's (``Schedule1F1B``, ``ScheduleInterleaved1F1B``, and the zero-bubble
+``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``: its stages,
+its order, its P2P; :mod:`lptrain.distributed.pipeline_orders`); lptrain supplies the modules
+it runs (:class:`lptrain.model.pipeline.PipelineChunk`, one per model chunk this rank holds, in
+the loop or V placement of :class:`lptrain.catalog.pipeline.PipelineLayout`), static shapes (no
+forward is run to infer them), the loss function, and :class:`EngineStage`, a
+``PipelineStage`` whose backward runs inside the data-parallel engine's phases -- and whose
+split backward (the zero-bubble schedules' I and W steps) defers the GEMMs' weight gradients
+rather than torch's graph split.
 
 **Why the result is the unpipelined run's, bit for bit** (at the same data- and
 tensor-parallel sizes):
@@ -17,7 +21,10 @@ tensor-parallel sizes):
   hooks; the grad reduction of a stage is dispatched only by the last micro-batch's backward
   of that stage (``no_sync`` for the others: Megatron's and torchtitan's rule), per bucket
   as without pipelining; the loss is ``loss / m`` per micro-batch as without pipelining
-  (the schedule's own ``scale_grads`` is off);
+  (the schedule's own ``scale_grads`` is off). Under a split backward the GEMM weights'
+  gradients are added in the W steps, which torch's zero-bubble orders run in micro-batch
+  order per chunk (checked: a W out of order is refused), and a weight is reported ready
+  only once its last W job has run (:mod:`lptrain.precision.deferred_wgrad`);
 * delayed scaling advances per micro-batch and per layer exactly as without pipelining
   (:mod:`lptrain.model.pipeline`), and stochastic rounding draws from per-quantizer
   generators that each layer advances in micro-batch order, seeded by the rank's position
