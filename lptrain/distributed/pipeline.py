@@ -49,7 +49,7 @@ import torch.distributed as dist
 from lptrain.config.schema import LPTrainConfig
 from lptrain.distributed.ddp import DataParallel
 from lptrain.distributed.groups import ParallelGroups
-from lptrain.distributed.pipeline_orders import schedule_class
+from lptrain.distributed.pipeline_orders import forward_only, schedule_class
 from lptrain.model.gpt import AUX_KEYS, GPTModel
 from lptrain.model.pipeline import PipelineChunk, chunk_io, pipeline_layout
 from lptrain.precision.deferred_wgrad import deferring
@@ -206,6 +206,8 @@ class PipelineRunner:
         loss_fn = self._loss if train else self._eval_loss
         kind = self.cfg.model.pipeline_schedule if train else self._eval_schedule()
         cls = schedule_class(kind, self.layout.pp, n)
+        if not train and self.layout.v_shape:
+            cls = forward_only(cls)
         single = issubclass(cls, _pipelining().schedules.PipelineScheduleSingle)
         sched = cls(stages[0] if single else stages, n, loss_fn=loss_fn, scale_grads=False)
         if train:
@@ -214,8 +216,8 @@ class PipelineRunner:
 
     def _eval_schedule(self) -> str:
         """Evaluation's forward-only order: the training schedule's without its backward; a V
-        placement's through ZBV (DualPipeV refuses fewer than ``2 PP`` micro-batches, and
-        forward only the two run the same forwards)."""
+        placement's through ZBV's forwards (DualPipeV refuses fewer than ``2 PP`` micro-batches,
+        and forward only the two run the same forwards; :func:`forward_only`)."""
         kind = self.cfg.model.pipeline_schedule
         if self.layout.v_shape:
             return "zbv_zero_bubble"

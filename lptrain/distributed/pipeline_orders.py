@@ -12,6 +12,7 @@ of it.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from lptrain.catalog.pipeline import Action
@@ -34,6 +35,28 @@ def schedule_class(schedule: str, pp: int, micro_batches: int) -> Any:
     if schedule == "1f1b" and micro_batches < pp:
         return pipelining.ScheduleGPipe
     return getattr(pipelining, SCHEDULE_CLASSES[schedule])
+
+
+@functools.cache
+def forward_only(cls: Any) -> Any:
+    """``cls`` with its order cut to the forwards (and their P2P), for an evaluation. torch's
+    V schedules run their I actions even forward-only (``eval``), and the hand-over of an I's
+    input gradient between the two chunks of a rank then fails (``can't steal_bwd_input if
+    this stage doesn't have backward``): without them the same forwards run in the same order.
+    (The full order is built and validated first: torch refuses an order without backwards.)"""
+    from torch.distributed.pipelining.schedules import _ComputationType as T
+
+    keep = (T.FORWARD, T.SEND_F, T.RECV_F)
+
+    class ForwardOnly(cls):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.pipeline_order_with_comms = {
+                r: [a for a in acts if a.computation_type in keep]
+                for r, acts in self.pipeline_order_with_comms.items()}
+
+    ForwardOnly.__name__ = ForwardOnly.__qualname__ = f"{cls.__name__}ForwardOnly"
+    return ForwardOnly
 
 
 def _flatten(actions: list[Any]) -> list[Action]:

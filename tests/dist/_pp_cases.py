@@ -249,6 +249,10 @@ def world2(rank: int, world: int, root: str) -> dict[str, Any]:
     plain = train_steps("fp8_delayed_cpu.yaml", [*SMALL, *PP2], steps=3)
     evald = train_steps("fp8_delayed_cpu.yaml", [*SMALL, *PP2], steps=3, eval_every=1, sync_after=[2])
     out["eval_bitwise"] = first_difference(plain, evald)
+    # and through ZBV's forwards on the uneven V split (torch's own V eval fails: forward_only)
+    evald_v = train_steps("fp8_delayed_cpu.yaml", [*SMALL, *ZERO_BUBBLE["zbv_zero_bubble"]], steps=3, eval_every=1,
+                          sync_after=[2])
+    out["eval_v"] = (evald_v["losses"], evald_v["grad_norms"])
     out["nonfinite"] = nonfinite_note(rank)
     # checkpoints at PP 2: straight, split (bitwise), a copy of the first half for the PP 1
     # and PP 2 x DP 2 resumes, and the resume of the parent's PP 1 save

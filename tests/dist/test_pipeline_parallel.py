@@ -262,6 +262,16 @@ def test_train_eval_train_is_bitwise_under_pp(runs: dict[str, Any]) -> None:
         assert r["eval_bitwise"] is None, r["eval_bitwise"]
 
 
+def test_train_eval_train_is_bitwise_under_zbv(runs: dict[str, Any]) -> None:
+    """An evaluation after every step of ZBV on the uneven V split (ZBV's forwards alone:
+    torch's V schedules run their I steps' hand-over even forward-only, which fails) changes
+    no loss and no grad norm of the 6-step run without it."""
+    for r in runs["two"]:
+        losses, norms = r["eval_v"]
+        run6 = r["zero_bubble"][("fp8_delayed_cpu.yaml", "zbv_zero_bubble")]
+        assert losses == run6["losses"][:3] and norms == run6["grad_norms"][:3]
+
+
 def test_nonfinite_gradient_names_the_stage_rank_and_tensor(runs: dict[str, Any]) -> None:
     """A NaN gradient on the second stage stops every rank with one line naming the step, the
     rank, its pipeline stage and the parameter (named by the rank that holds it)."""
