@@ -52,8 +52,8 @@ FEW_SMALL = ["train.micro_batch_size=2"]
 # against PP 1. The V schedules run an uneven split of the 2 layers: chunk 0 the embedding
 # alone, chunks 1 and 2 a layer each, chunk 3 the loss alone (rank 0 runs the embedding and the
 # loss, rank 1 both layers) -- spelled as a layout for ZBV, as Megatron's embedding and loss
-# counted as layers for DualPipeV. A MoE model needs an MoE layer on every rank: its V runs
-# split 4 layers evenly (against the 4-layer PP 1 run).
+# counted as layers for DualPipeV. A MoE model needs an MoE layer on every rank, Muon a matrix:
+# their V runs split 4 layers evenly (against the 4-layer PP 1 run).
 ZERO_BUBBLE = {
     "interleaved_zero_bubble": [*PP2, "model.pipeline_schedule=interleaved_zero_bubble"],
     "zbv_zero_bubble": [*PP2, "model.pipeline_schedule=zbv_zero_bubble",
@@ -62,6 +62,7 @@ ZERO_BUBBLE = {
                   "model.account_for_loss_in_pipeline_split=true"],
 }
 MOE = "moe_mxfp8_cpu.yaml"
+EVERY_STAGE_A_LAYER = (MOE, "mxfp8_muon_cpu.yaml")
 NUMERICS = "mxfp8_adamw_cpu.yaml"  # its zero-bubble runs also record the quantization statistics
 # 1F1B on an uneven split: both layers on the first stage, the loss alone on the second
 UNEVEN_1F1B = [*PP2, "model.pipeline_model_parallel_layout=Ett|L"]
@@ -88,9 +89,10 @@ def recipe_of(case: str) -> str:
 
 
 def zero_bubble_case(recipe: str, schedule: str) -> list[str]:
-    """The overrides of ``schedule``'s PP 2 run of ``recipe`` (the MoE V runs at 4 layers)."""
+    """The overrides of ``schedule``'s PP 2 run of ``recipe`` (the MoE and Muon V runs at 4
+    layers, evenly split: rules PP-MOE-EVERY-STAGE, PP-MUON-EVERY-STAGE)."""
     ov = ZERO_BUBBLE[schedule]
-    if recipe == MOE and schedule != "interleaved_zero_bubble":
+    if recipe in EVERY_STAGE_A_LAYER and schedule != "interleaved_zero_bubble":
         return [*ov[:2], *FOUR_LAYERS]
     return ov
 

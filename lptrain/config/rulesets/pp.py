@@ -110,6 +110,14 @@ def _stages_without_moe(c: LPTrainConfig, w: World) -> Any:
     return {"stages": ", ".join(map(str, dense))} if dense else False
 
 
+def _stages_without_layers_for_muon(c: LPTrainConfig, w: World) -> Any:
+    lay = layout(c)
+    if lay is None or lay.pp <= 1 or c.optimizer.name != "muon":
+        return False
+    empty = [r for r in range(lay.pp) if not lay.rank_layers(r)]
+    return {"stages": ", ".join(map(str, empty))} if empty else False
+
+
 RULES = [
     Rule(
         id="LAUNCH-PP-DIVIDES-WORLD", severity="error",
@@ -259,6 +267,22 @@ RULES = [
                   "layer with i % moe_layer_freq == 0",
         why="each stage's optimizer joins the others' in the gradient norm child by child "
             "(dense, expert): every stage must have the same children",
+        section=S,
+    ),
+    Rule(
+        id="PP-MUON-EVERY-STAGE", severity="error",
+        keys=("optimizer.name", "model.pipeline_model_parallel_layout",
+              "model.account_for_embedding_in_pipeline_split", "model.account_for_loss_in_pipeline_split"),
+        when=_stages_without_layers_for_muon,
+        message="pipeline stage(s) {stages} hold no transformer layer (only the embedding and/or the "
+                "loss), so no Muon matrix: stages with and without a Muon optimizer part would join the "
+                "gradient norm differently, which is not built",
+        fix="give every pipeline rank a transformer layer (the layout, or fewer layers counted for "
+            "the embedding / loss), or use optimizer.name=adamw",
+        condition="pipeline_model_parallel_size > 1 and optimizer.name = muon -> every pipeline rank "
+                  "holds a transformer layer",
+        why="Muon optimizes the layers' matrices (the embedding and the head take the scalar "
+            "optimizer); each stage's optimizer joins the others' child by child",
         section=S,
     ),
 ]

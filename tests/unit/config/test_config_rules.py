@@ -231,6 +231,8 @@ CASES: list[tuple] = [
     ("PP-DUALPIPEV-MICRO-BATCHES", [PP2, "model.num_layers=4", "model.pipeline_schedule=dualpipev"],
      ("train.global_batch_size",),
      [PP2, "model.num_layers=4", "model.pipeline_schedule=dualpipev", "train.micro_batch_size=2"], CPU),
+    ("PP-MUON-EVERY-STAGE", [PP2, MUON, "model.pipeline_model_parallel_layout=Ett|L"], ("optimizer.name",),
+     [PP2, MUON, "model.pipeline_model_parallel_layout=Et|tL"], CPU),
     ("PP-MOE-EVERY-STAGE", [MOE, PP2, "model.num_layers=4", "model.moe.moe_layer_freq=4"],
      ("model.moe.moe_layer_freq",), [MOE, PP2, "model.num_layers=4", "model.moe.moe_layer_freq=2"], CPU),
     ("TP-HEADS", ["model.tensor_model_parallel_size=8"], ("model.num_attention_heads",),
