@@ -427,6 +427,8 @@ def estimate_memory(cfg: LPTrainConfig, dp: int, target: str = "cpu") -> MemoryE
             f"{max(in_flight.values()):g} micro-batches of activations at most, as Megatron-LM counts "
             "them (the zero-bubble schedules: read off their order, each held until its W step), "
             "and the schedule's receive buffers of every micro-batch")
+        if lay.uneven or lay.v_shape:  # the split each stage was planned from
+            notes.append("split: " + "; ".join(lay.describe().splitlines()))
     return MemoryEstimate(
         dp=dp, ranks=ranks, activations_recompute=acts_rc, params=params, layout_report=report,
         notes=notes, tp=tp, pp=lay.pp,
