@@ -44,12 +44,14 @@ from _pp_cases import (
     CKPT_STEPS,
     DP_CASES,
     DP_ZB_CASES,
+    DUALPIPEV_RECIPES,
     EVERY_STAGE_A_LAYER,
     FEW,
     FOUR_LAYERS,
     INTERLEAVED,
     NUMERICS,
     NVFP4_ALL,
+    ONE_SEQ,
     RECIPES,
     TIED,
     TP_CASES,
@@ -79,6 +81,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     torch.set_num_threads(1)  # as every spawned rank: tiny GEMMs, and the ranks share the cores
     try:
         pp1 = {r: run(r, [], numerics=r == NUMERICS) for r in RECIPES}
+        pp1_one_seq = {r: run(r, ONE_SEQ, numerics=r == NUMERICS) for r in DUALPIPEV_RECIPES}
         pp1_four = {r: run(r, FOUR_LAYERS) for r in INTERLEAVED}
         tied = run("tiny_cpu.yaml", TIED)
         sr = run("nvfp4_adamw_cpu.yaml", NVFP4_ALL)
@@ -94,7 +97,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         pretrain_run(root / "pp1_from_pp2dp2")
     finally:
         torch.set_num_threads(threads)
-    return {"root": root, "pp1": pp1, "pp1_four": pp1_four, "tied": tied, "sr": sr, "two": two, "four": four}
+    return {"root": root, "pp1": pp1, "pp1_four": pp1_four, "pp1_one_seq": pp1_one_seq, "tied": tied, "sr": sr,
+            "two": two, "four": four}
 
 
 def _joined(reports: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
@@ -173,24 +177,33 @@ def test_zero_bubble_schedules_match_pp1_bitwise(runs: dict[str, Any], recipe: s
     gradients; the GEMMs queue their weight gradients with the micro-batch's quantized
     operands) and a W step (the queue run, into ``main_grad``, in micro-batch order):
     losses, grad norms and every fp32 master after 6 steps equal the one-rank run's, in every
-    CPU recipe -- delayed scaling, stochastic rounding and the MoE experts included. The V
-    schedules (ZBV, DualPipeV) run an uneven split, rank 0 holding the embedding and the loss
-    only (spelled as a layout, and as Megatron's embedding and loss counted as layers; MoE and
-    Muon, which need a layer on every rank, at 4 layers split evenly)."""
+    CPU recipe -- delayed scaling, stochastic rounding and the MoE experts included. ZBV runs
+    the uneven V split ``E|t|t|L`` (rank 0 holds the embedding and the loss alone; MoE and Muon,
+    which need a layer on every rank, at 4 layers split evenly)."""
     four = recipe in EVERY_STAGE_A_LAYER and schedule != "interleaved_zero_bubble"
     want = runs["pp1_four" if four else "pp1"][recipe]
     _assert_bitwise([r["zero_bubble"][(recipe, schedule)] for r in runs["two"]], want, f"{recipe} {schedule}")
+
+
+@pytest.mark.parametrize("recipe", DUALPIPEV_RECIPES)
+def test_dualpipev_matches_pp1_bitwise(runs: dict[str, Any], recipe: str) -> None:
+    """DualPipeV at PP 2 (4 micro-batches of one sequence: it needs 2 PP) on the split Megatron's
+    embedding and loss counted as layers give (0 | 1 | 1 | 0 layers in a V): the PP 1 run of the
+    same batching, bitwise."""
+    _assert_bitwise([r["dualpipev"][recipe] for r in runs["two"]], runs["pp1_one_seq"][recipe], recipe)
 
 
 def test_numerics_records_follow_the_split(runs: dict[str, Any]) -> None:
     """The quantization statistics of every step (``logging.numerics_interval``) are the
     one-rank run's under every zero-bubble schedule and split: each stage records its own
     layers' operands (the grad operands in the I step) and the ranks' records merge by name."""
-    want = runs["pp1"][NUMERICS]["numerics"]
-    assert len(want) == 6 and all(want) and any("grad" in str(k) for k in want[0])
-    for schedule in ZERO_BUBBLE:
-        for r in runs["two"]:
-            assert r["zero_bubble"][(NUMERICS, schedule)]["numerics"] == want, schedule
+    split = [r["zero_bubble"][(NUMERICS, s)] for s in ZERO_BUBBLE for r in runs["two"]]
+    for want, got in ((runs["pp1"][NUMERICS], split),
+                      (runs["pp1_one_seq"][NUMERICS], [r["dualpipev"][NUMERICS] for r in runs["two"]])):
+        records = want["numerics"]
+        assert len(records) == 6 and all(records) and any("grad" in str(k) for k in records[0])
+        for g in got:
+            assert g["numerics"] == records
 
 
 @pytest.mark.parametrize("recipe", UNEVEN_1F1B_RECIPES)
