@@ -133,8 +133,7 @@ class PipelineLayout:
             parts = []
             for c in self.rank_chunks(r):
                 lay = self.chunk_layers(c)
-                what = [f"layers {lay.start}-{lay.stop - 1}" if len(lay) > 1 else
-                        f"layer {lay.start}" if len(lay) else "no layer"]
+                what = [f"layers {lay.start}-{lay.stop - 1}" if len(lay) > 1 else f"layer {lay.start}"][:len(lay)]
                 if c == 0:
                     what.insert(0, "embedding")
                 if c == self.chunks - 1:

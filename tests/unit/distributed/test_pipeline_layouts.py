@@ -74,6 +74,8 @@ def test_v_placement_puts_the_first_and_last_chunk_on_rank_0() -> None:
     assert loop.rank_chunks(0) == [0, 4] and loop.loss_rank == 3
     uneven = PipelineLayout.of(SplitKeys(2, pp=2, vpp=2, layout="E|t|t|L", v_shape=True))
     assert uneven.rank_layers(0) == [] and uneven.rank_layers(1) == [0, 1]
+    assert uneven.describe().splitlines() == ["pipeline rank 0: chunk 0: embedding; chunk 3: loss",
+                                              "pipeline rank 1: chunk 1: layer 0; chunk 2: layer 1"]
 
 
 ORDERS = [("1f1b", 1, 4, 2), ("1f1b", 1, 4, 8), ("interleaved_1f1b", 2, 2, 4), ("interleaved_zero_bubble", 1, 4, 8),
