@@ -116,8 +116,8 @@ def _even(k: SplitKeys) -> tuple[int, ...]:
         raise SplitError("PP-LAYERS-DIVIDE", (LAYERS, PP, VPP),
                          f"num_layers={k.num_layers} must divide into {what}: every stage (and every "
                          "virtual chunk) holds the same number of layers unless an uneven split is asked for",
-                         f"set model.num_layers to a multiple of {chunks}, or ask for an uneven split "
-                         f"({FIRST} / {LAST}, {EMBEDDING} / {LOSS}, or {LAYOUT})")
+                         f"set model.num_layers to a multiple of {chunks}, or set {FIRST} / {LAST}, "
+                         f"{EMBEDDING} / {LOSS}, or {LAYOUT}")
     return (k.num_layers // chunks,) * chunks
 
 

@@ -64,7 +64,7 @@ def _split_without_pp(c: LPTrainConfig, w: World) -> Any:
 
 def _split_rule(rule: str, keys: tuple[str, ...], condition: str, why: str, fix: str) -> Rule:
     return Rule(id=rule, severity="error", keys=keys, when=_fault(rule), message="{detail}",
-                fix=fix + " ({hint})", condition=condition, why=why, section=S)
+                fix=fix + ": {hint}", condition=condition, why=why, section=S)
 
 
 RULES = [
@@ -75,7 +75,7 @@ RULES = [
         "virtual_pipeline_model_parallel_size) == 0",
         "Megatron-LM's validate_args refuses the same ('number of layers should be divisible by the "
         "pipeline parallel size', and per virtual stage)",
-        "change model.num_layers or the pipeline sizes, or ask for an uneven split"),
+        "make the layers divide, or ask for an uneven split"),
     Rule(
         id="PP-SPLIT-NEEDS-PP", severity="error", keys=SPLIT_KEYS, when=_split_without_pp,
         message="{set} shape(s) the split of the layers over pipeline stages, but "
