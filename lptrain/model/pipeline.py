@@ -23,7 +23,9 @@ amax-reduction group (tensor x data parallel ranks of the stage): the delayed-sc
 a layer is updated once per micro-batch, forward roles when the region exits and gradient
 roles after the chunk's backward -- for every layer at the same point of its own sequence of
 quantizations as in the unpipelined run, whatever order the schedule runs the micro-batches
-and chunks in (a layer's forwards, and its backwards, still come in micro-batch order).
+and chunks in (a layer's forwards, and its backwards, still come in micro-batch order). Under
+a split backward (the zero-bubble schedules) the gradient operand is quantized, and its role
+updated, in the I step; the W step only multiplies the operands that step kept.
 """
 
 from __future__ import annotations
