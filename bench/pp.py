@@ -7,15 +7,17 @@ model of the schedule that runs.
   against the analytic bubble of the same schedule at the measured loads. The analytic figure
   runs torch's own order of the schedule (:func:`lptrain.distributed.pipeline_orders.
   schedule_order`) with every action costing what that (chunk, kind) measured this round and
-  every cross-rank dependency arriving one measured P2P transfer later
-  (:func:`lptrain.catalog.pipeline.simulate`): with equal stages and no P2P it is the textbook
-  ``(p - 1) / (m + p - 1)`` (``(p - 1) / (v m + p - 1)`` interleaved), and it is the one
-  analytic model of the zero-bubble schedules, whose bubble depends on F : I : W. Rows: 1F1B
-  and interleaved 1F1B at m in {2, 4, 8}; interleaved zero bubble, ZBV and DualPipeV at m = 8.
-  For each row the note splits the gap between the textbook bubble and the measured one into
-  stage imbalance (the analytic model at the measured loads without P2P, and at rank-level
-  loads as the previous bench judged it), P2P on the critical path, and what neither explains
-  (schedule overhead).
+  every P2P transfer (an output another rank consumes) occupying its sender for one measured
+  one-way transfer: gloo moves the bytes on the ranks' own cores, so each hop is idle time on
+  the sender, and interleaving pays one per chunk boundary (3 per direction at PP 2 x 2, to
+  1F1B's 1) (:func:`lptrain.catalog.pipeline.simulate`). With equal stages and no P2P it is
+  the textbook ``(p - 1) / (m + p - 1)`` (``(p - 1) / (v m + p - 1)`` interleaved), and it is
+  the one analytic model of the zero-bubble schedules, whose bubble depends on F : I : W.
+  Rows: 1F1B and interleaved 1F1B at m in {2, 4, 8}; interleaved zero bubble, ZBV and
+  DualPipeV at m = 8. For each row the note splits the measured bubble into the analytic one
+  at the measured loads, what the P2P hops add, and what neither explains (schedule overhead,
+  per action); the 1F1B rows also print the textbook figure and the previous bench's (rank-
+  level loads spread evenly over a rank's chunks, plus every transfer's time).
 * **uneven stages** (PP 4: four gloo ranks, 16 layers, 1F1B, m = 4, a vocabulary large enough
   that the final norm, output layer and loss cost about two layers): the step of
   ``pipeline_model_parallel_layout`` = 5 | 5 | 4 | 2 + loss against the even 4 | 4 | 4 | 4 +
@@ -158,10 +160,11 @@ def _gather_costs(mine: Any) -> Any:
     return wall, cpu
 
 
-def _analytic(costs: dict[tuple[int, str], float], schedule: str, pp: int, v: int, m: int, link: float,
+def _analytic(costs: dict[tuple[int, str], float], schedule: str, pp: int, v: int, m: int, p2p: float,
               cores: Any = None) -> Any:
     """:func:`simulate` of torch's order, an action costing its (chunk, kind) step total over
-    the number of such actions in the order."""
+    the number of such actions in the order, each P2P transfer occupying its sender for the
+    measured one-way time (gloo moves the bytes on the ranks' own cores)."""
     from lptrain.catalog.pipeline import simulate
     from lptrain.distributed.pipeline_orders import schedule_order
 
@@ -170,7 +173,7 @@ def _analytic(costs: dict[tuple[int, str], float], schedule: str, pp: int, v: in
     for acts in order.values():
         for chunk, kind, _mb in acts:
             counts[(chunk, kind)] += 1
-    return simulate(order, {k: costs[k] / n for k, n in counts.items()}, pp * v, link=link, cores=cores)
+    return simulate(order, {k: costs[k] / n for k, n in counts.items()}, pp * v, cores=cores, send=p2p)
 
 
 def _rank_level(costs: dict[tuple[int, str], float], pp: int, v: int, m: int) -> float:

@@ -206,15 +206,16 @@ class Simulation:
 
 
 def simulate(orders: Mapping[int, Sequence[Action]], cost: Mapping[tuple[int, str], float],
-             num_chunks: int, link: float = 0.0, cores: Optional[int] = None) -> Simulation:
+             num_chunks: int, link: float = 0.0, cores: Optional[int] = None, send: float = 0.0) -> Simulation:
     """Run each rank's ``orders`` in sequence, every action starting when its rank is free
     and its input exists: a forward after the previous chunk's forward of that micro-batch, a
     backward (B or I) after the next chunk's (the last chunk's after its own forward), a W
-    after its I. ``cost[(chunk, kind)]`` is one action's seconds ("B" defaults to I + W); a
-    dependency between chunks on different ranks arrives ``link`` later (one P2P transfer).
-    ``cores``: the ranks share that many cores (processor sharing: ``k`` actions running at
-    once each progress at ``min(1, cores / k)``); None gives every rank its own (a GPU each).
-    The analytic bubble of any schedule at any stage loads."""
+    after its I. ``cost[(chunk, kind)]`` is one action's seconds ("B" defaults to I + W). A
+    P2P transfer (an output another rank consumes) arrives ``link`` later and occupies its
+    sender ``send`` seconds after the action (a CPU transport's copy: idle for the bubble,
+    busy for the rank). ``cores``: the ranks share that many cores (processor sharing: ``k``
+    actions running at once each progress at ``min(1, cores / k)``); None gives every rank its
+    own (a GPU each). The analytic bubble of any schedule at any stage loads."""
     rank_of = {a[0]: r for r, acts in orders.items() for a in acts}
     done: dict[tuple[int, str, int], float] = {}
     pos = {r: 0 for r in orders}
@@ -225,6 +226,11 @@ def simulate(orders: Mapping[int, Sequence[Action]], cost: Mapping[tuple[int, st
         if kind == "B" and (chunk, "B") not in cost:
             return cost[(chunk, "I")] + cost[(chunk, "W")]
         return cost[(chunk, kind)]
+
+    def sends(r: int, chunk: int, kind: str) -> bool:
+        """Whether the action's output goes to another rank."""
+        to = chunk + 1 if kind == "F" else chunk - 1 if kind in ("B", "I") else -1
+        return 0 <= to < num_chunks and rank_of.get(to, r) != r
 
     def arrival(r: int) -> Optional[float]:
         """When rank ``r``'s next action has its input (None: not produced yet)."""
@@ -241,7 +247,7 @@ def simulate(orders: Mapping[int, Sequence[Action]], cost: Mapping[tuple[int, st
             return 0.0
         if dep not in done:
             return None
-        return done[dep] + (link if rank_of.get(dep[0]) != r else 0.0)
+        return done[dep] + (link + send if rank_of.get(dep[0]) != r else 0.0)
 
     now = 0.0
     while True:
@@ -252,7 +258,7 @@ def simulate(orders: Mapping[int, Sequence[Action]], cost: Mapping[tuple[int, st
             at = arrival(r)
             if at is not None and at <= now:
                 chunk, kind, _mb = orders[r][pos[r]]
-                running[r] = [seconds(chunk, kind)]
+                running[r] = [seconds(chunk, kind), send if sends(r, chunk, kind) else 0.0]
             elif at is not None:
                 waits.append(at - now)
         if not running:
@@ -260,14 +266,22 @@ def simulate(orders: Mapping[int, Sequence[Action]], cost: Mapping[tuple[int, st
                 break
             now += min(waits)
             continue
-        rate = 1.0 if cores is None else min(1.0, cores / len(running))
-        dt = min([left[0] / rate for left in running.values()] + waits)
+        computing = [r for r in running if running[r][0] > 0]
+        rate = 1.0 if cores is None or not computing else min(1.0, cores / len(computing))
+        dt = min([(left[0] / rate if left[0] > 0 else left[1]) for left in running.values()] + waits)
         now += dt
+        eps = 1e-12 * max(1.0, now)
         for r in list(running):
-            running[r][0] -= dt * rate
-            busy[r] += dt * rate
-            if running[r][0] <= 1e-12 * max(1.0, now):
-                done[orders[r][pos[r]]] = now
+            left = running[r]
+            if left[0] > 0:  # computing
+                left[0] -= dt * rate
+                busy[r] += dt * rate
+                if left[0] <= eps:
+                    left[0] = 0.0
+                    done[orders[r][pos[r]]] = now  # (the output exists; its transfer follows)
+            else:  # sending
+                left[1] -= dt
+            if left[0] <= eps and left[1] <= eps:
                 pos[r] += 1
                 del running[r]
     if any(pos[r] < len(orders[r]) for r in orders):

@@ -112,6 +112,16 @@ def test_simulated_bubble_is_the_analytic_one_for_equal_stages(schedule: str, vp
     assert sim.bubble == pytest.approx(bubble_fraction(pp, m, vpp))
 
 
+def test_p2p_transfers_occupy_their_sender() -> None:
+    """A transfer that occupies its sender (``send``) is idle time on every hop: interleaving
+    crosses ranks at every chunk boundary, so at PP 2 it pays 3 hops to 1F1B's 1 per direction
+    -- the per-chunk P2P count that makes interleaved 1F1B's bubble on a CPU transport."""
+    one = simulate(schedule_order("1f1b", 2, 1, 8), _equal_costs(2, 1), 2, send=0.1)
+    inter = simulate(schedule_order("interleaved_1f1b", 2, 2, 8), _equal_costs(4, 2), 4, send=0.1)
+    assert one.bubble > bubble_fraction(2, 8) and inter.bubble > bubble_fraction(2, 8, 2)
+    assert inter.step - 25.5 > 2 * (one.step - 27.0)  # (25.5, 27: the steps without transfers)
+
+
 def test_zero_bubble_schedules_fill_the_bubble_with_w() -> None:
     """With F = I = W the zero-bubble orders idle less than 1F1B's (p - 1) / (m + p - 1); a
     slower last stage (the loss) is what a split that unloads it wins back."""
