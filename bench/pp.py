@@ -119,10 +119,31 @@ class _Timeline:
             stage.backward_maybe_with_nosync, lambda s, *a: (s.stage_index, "B" if queue() is None else "I"))
         stage.backward_weight_one_chunk = timed(  # type: ignore[method-assign]
             stage.backward_weight_one_chunk, lambda s, *a: (s.stage_index, "W"))
+        # the time blocked on P2P (diagnosis only: not compute, not in the costs)
+        import torch.distributed.pipelining.schedules as schedules
+
+        self.waits = 0.0
+        unpatched_wait, unpatched_batch = schedules._wait_batch_p2p, schedules._batch_p2p
+
+        def waited(fn: Any) -> Any:
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                t0 = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    line.waits += time.perf_counter() - t0
+            return wrapper
+
+        schedules._wait_batch_p2p = waited(unpatched_wait)
+        schedules._batch_p2p = waited(unpatched_batch)
 
     def take(self) -> tuple[dict[tuple[int, str], float], dict[tuple[int, str], float]]:
         out = (dict(self.wall), dict(self.cpu))
         self.wall, self.cpu = defaultdict(float), defaultdict(float)
+        return out
+
+    def take_waits(self) -> float:
+        out, self.waits = self.waits, 0.0
         return out
 
 
@@ -206,23 +227,25 @@ def _rounds(rank: int, world: int, args: argparse.Namespace, engines: dict[str, 
             if name.startswith("step "):
                 t0 = time.perf_counter()
                 engine.train_step(batches, step)
-                record[name] = (timeline.take(), time.perf_counter() - t0)
+                record[name] = (timeline.take(), time.perf_counter() - t0, timeline.take_waits())
                 continue
             engine.ddp.begin_step(engine.optimizer.stage)
+            timeline.take_waits()
             t0 = time.perf_counter()
             engine.pipeline.forward_backward(batches)
             total = time.perf_counter() - t0
             engine.ddp.finish_grad_sync()
             engine.ddp.end_step(engine.optimizer.stage)  # (no update: the schedule is timed)
-            record[name] = (timeline.take(), total)
+            record[name] = (timeline.take(), total, timeline.take_waits())
         if step <= 3:
             continue  # two warm-up rounds (lazy state, first receive buffers): not recorded
         for name in sorted(record):
-            costs, total = record[name]
-            every = torch.tensor([sum(costs[0].values()), total], dtype=torch.float64)
+            costs, total, waits = record[name]
+            every = torch.tensor([sum(costs[0].values()), total, waits], dtype=torch.float64)
             parts = [torch.empty_like(every) for _ in range(world)]
             dist.all_gather(parts, every)
-            series[name].append((_gather_costs(costs), [(float(p[0]), float(p[1])) for p in parts]))
+            series[name].append((_gather_costs(costs), [(float(p[0]), float(p[1])) for p in parts],
+                                 statistics.fmean(float(p[2] / p[1]) for p in parts)))
         tight = all(f.spread <= args.spread for f in judged(series))
         over = time.perf_counter() - started >= args.cap
         stop = torch.tensor([1 if len(series[next(iter(series))]) >= args.min_rounds and (tight or over) else 0])
@@ -237,8 +260,9 @@ def _bubble_rows(series: dict[str, list[Any]], p2p: float) -> dict[str, dict[str
     out: dict[str, dict[str, list[float]]] = {}
     for name, (_ov, schedule, m, v) in _variants().items():
         rows: dict[str, list[float]] = defaultdict(list)
-        for (costs, _cpu), ranks in series.get(name, []):
+        for (costs, _cpu), ranks, waits in series.get(name, []):
             rows["measured"].append(statistics.fmean(1.0 - busy / total for busy, total in ranks))
+            rows["waits"].append(waits)
             rows["analytic"].append(_analytic(costs, schedule, 2, v, m, p2p).bubble)
             rows["no_p2p"].append(_analytic(costs, schedule, 2, v, m, 0.0).bubble)
             rows["rank_level"].append(_rank_level(costs, 2, v, m) + 2 * m * (2 * v - 1) * p2p
@@ -268,8 +292,8 @@ def _pp4_gains(series: dict[str, list[Any]], p2p: float, cores: int) -> dict[str
     """Per round: measured uneven / even step, analytic gains with a core per rank and on
     ``cores`` shared cores (even step / uneven step, from each layout's measured loads)."""
     out: dict[str, list[float]] = defaultdict(list)
-    for ((_we, ce), re_), ((_wu, cu), ru) in zip(series.get("step even", []), series.get("step uneven", []),
-                                                  strict=False):
+    for ((_we, ce), re_, _w), ((_wu, cu), ru, _v) in zip(series.get("step even", []),
+                                                         series.get("step uneven", []), strict=False):
         out["measured"].append(max(t for _b, t in ru) / max(t for _b, t in re_))
         for key, c in (("gain_dedicated", None), ("gain_shared", cores)):
             even = _analytic(_pipeline_costs(ce), "1f1b", 4, 1, 4, p2p, c).step
@@ -340,10 +364,10 @@ def main() -> None:
             f"(loads {_med(r['no_p2p']):.3f}, P2P {_med(r['analytic']) - _med(r['no_p2p']):+.3f}) "
             f"{over:+.3f} unexplained (schedule overhead: {over * _med(r['step']) * 1e3:.1f} ms of a "
             f"{_med(r['step']) * 1e3:.0f} ms step, {over * _med(r['step']) * 1e6 / actions:.0f} us per action of "
-            f"{actions:.0f} a rank)"
+            f"{actions:.0f} a rank; of the measured idle time {_med(r['waits']):.3f} was spent in P2P calls)"
             + (f"; textbook {textbook:.3f}, the previous bench's rank-level analytic + P2P "
                f"{_med(r['rank_level']):.3f}" if textbook is not None else ""))
-    pp2 = [max(t for _b, t in ranks) for _c, ranks in two["series"]["step PP=2"]]
+    pp2 = [max(t for _b, t in ranks) for _c, ranks, _w in two["series"]["step PP=2"]]
     pp1 = _pp1_step(len(pp2))
     figures.append(Figure("step: PP=2 (2 ranks) / PP=1 (1 rank)",
                           [a / b for a, b in zip(pp2, pp1, strict=False)], None, minmin=min(pp2) / min(pp1)))
@@ -355,7 +379,7 @@ def main() -> None:
     figures.append(Figure("PP=4 step: uneven (5|5|4|2+loss) / even (4|4|4|4+loss)", gains["measured"],
                           0.95 if dedicated >= GAIN_TARGET else None))
     per_rank = {name: [_med([sum(t for (c, _k), t in _pipeline_costs(cpu).items() if c == r) * 1e3
-                             for (_wall, cpu), _ranks in four["series"][f"step {name}"]]) for r in range(4)]
+                             for (_wall, cpu), _ranks, _w in four["series"][f"step {name}"]]) for r in range(4)]
                 for name in PP4_LAYOUTS}
     lines.append(
         f"PP 4 ({four['cores']} cores for 4 ranks): analytic gain of the uneven split at the measured loads "
