@@ -1,23 +1,35 @@
-"""Pipeline parallelism on this machine: two gloo ranks (one pipeline stage each), one thread each.
+"""Pipeline parallelism on this machine: where a pipeline step's time goes, against the analytic
+model of the schedule that runs.
 
-* **bubble fraction** (target <= 1.10): the measured idle fraction of the schedule --
-  ``1 - compute / schedule time`` on each rank, averaged, compute being the stage's chunk
-  forwards, loss and backwards, timed inside the step -- against the analytic bubble plus the
-  P2P time of the step. The analytic bubble is ``(p - 1) / (m + p - 1)`` for 1F1B and
-  ``(p - 1) / (v m + p - 1)`` interleaved over ``v`` chunks per rank (Narayanan et al. 2021)
-  for equal stages; here the last stage also runs the final norm, the output layer and the
-  loss, so the judged figure evaluates the same model at the stages' measured loads
-  (:func:`loaded_bubble`: the step is the slowest stage's ``m`` micro-batches plus the
-  others' fill and drain, ``1 / v`` of theirs each), which is the equal-stage formula when
-  the loads are equal (printed too). The P2P time is ``2 m (v p - 1)`` hidden-state
-  transfers (each micro-batch's activation forward and its gradient back across each of the
-  ``v p - 1`` chunk boundaries), one measured as half a ping-pong of the same tensor. Printed
-  as ``measured / (analytic + P2P)`` at p = 2 and m in {2, 4, 8}: within 10% of that sum
-  passes. The rounds repeat until every bubble figure's median is known within ``--spread``
-  or ``--cap`` seconds pass.
-* **step time** (info, no target): a whole training step at PP 2 (2 ranks) against PP 1 on one
-  rank, on the same model and global batch of 8 micro-batches; what pipelining two stages
-  over two cores gives here (its bubble and P2P included).
+* **bubble** (PP 2: two gloo ranks, one thread each; target <= 1.10): the measured idle fraction
+  of the schedule -- ``1 - compute / schedule time`` on each rank, averaged, compute being the
+  rank's forwards, loss, backwards (and, split, I and W steps), timed inside the step --
+  against the analytic bubble of the same schedule at the measured loads. The analytic figure
+  runs torch's own order of the schedule (:func:`lptrain.distributed.pipeline_orders.
+  schedule_order`) with every action costing what that (chunk, kind) measured this round and
+  every P2P transfer (an output another rank consumes) occupying its sender for one measured
+  one-way transfer: gloo moves the bytes on the ranks' own cores, so each hop is idle time on
+  the sender, and interleaving pays one per chunk boundary (3 per direction at PP 2 x 2, to
+  1F1B's 1) (:func:`lptrain.catalog.pipeline.simulate`). With equal stages and no P2P it is
+  the textbook ``(p - 1) / (m + p - 1)`` (``(p - 1) / (v m + p - 1)`` interleaved), and it is
+  the one analytic model of the zero-bubble schedules, whose bubble depends on F : I : W.
+  Rows: 1F1B and interleaved 1F1B at m in {2, 4, 8}; interleaved zero bubble, ZBV and
+  DualPipeV at m = 8. For each row the note splits the measured bubble into the analytic one
+  at the measured loads, what the P2P hops add, and what neither explains (schedule overhead,
+  per action); the 1F1B rows also print the textbook figure and the previous bench's (rank-
+  level loads spread evenly over a rank's chunks, plus every transfer's time).
+* **uneven stages** (PP 4: four gloo ranks, 16 layers, 1F1B, m = 4, a vocabulary large enough
+  that the final norm, output layer and loss cost about two layers): the step of
+  ``pipeline_model_parallel_layout`` = 5 | 5 | 4 | 2 + loss against the even 4 | 4 | 4 | 4 +
+  loss, target <= 0.95 where the analytic gain at the measured loads is >= 5%. Two analytic
+  gains are printed: with a core per rank (a GPU per stage: the gain the target is gated on)
+  and with the ranks sharing this machine's cores (processor sharing: 4 ranks on 2 cores are
+  bound by the total work, which no split changes -- what to expect of the measured ratio
+  here).
+* **step time** (info): a PP 2 step against PP 1 on one rank, same model and batch.
+
+The rounds repeat until every judged median is known within ``--spread`` or ``--cap`` seconds
+pass (per world). Figures measured on a loaded machine are provisional.
 
     .venv/bin/python bench/pp.py [--cap 120] [--save-baseline]
 """
@@ -25,8 +37,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
+from collections import defaultdict
 from typing import Any
 
 from harness import Figure, add_args, report
@@ -38,153 +52,274 @@ COMMON = ["data.builtin_max_mb=2", "logging.progress=false", "checkpoint.save=nu
 MICRO = (2, 4, 8)
 PP2 = ["model.pipeline_model_parallel_size=2"]
 VPP2 = [*PP2, "model.virtual_pipeline_model_parallel_size=2"]
+# PP 4: 16 narrow layers, a 4096-token vocabulary (the head and loss cost about two layers)
+PP4_COMMON = ["data.builtin_max_mb=2", "logging.progress=false", "checkpoint.save=null",
+              "model.num_layers=16", "model.hidden_size=128", "model.ffn_hidden_size=512",
+              "model.num_attention_heads=4", "model.seq_length=256", "model.vocab_size=4096",
+              "train.micro_batch_size=2", "train.global_batch_size=8", "model.pipeline_model_parallel_size=4"]
+PP4_LAYOUTS = {"even": [], "uneven": ["model.pipeline_model_parallel_layout=Ettttt|ttttt|tttt|ttL"]}
 PINGS = 20
+GAIN_TARGET = 0.05
 
 
-def _variants() -> dict[str, tuple[list[str], int, int]]:
-    """name -> (overrides, micro-batches m, chunks per rank v)."""
+def _variants() -> dict[str, tuple[list[str], str, int, int]]:
+    """name -> (overrides, schedule, micro-batches m, chunks per rank v)."""
     out = {}
     for m in MICRO:
-        out[f"1f1b m={m}"] = ([*PP2, f"train.global_batch_size={2 * m}"], m, 1)
-        out[f"interleaved m={m}"] = ([*VPP2, f"train.global_batch_size={2 * m}"], m, 2)
+        out[f"1f1b m={m}"] = ([*PP2, f"train.global_batch_size={2 * m}"], "1f1b", m, 1)
+        out[f"interleaved m={m}"] = ([*VPP2, f"train.global_batch_size={2 * m}"], "interleaved_1f1b", m, 2)
+    for name, schedule in (("interleaved ZB", "interleaved_zero_bubble"), ("ZBV", "zbv_zero_bubble"),
+                           ("DualPipeV", "dualpipev")):
+        out[f"{name} m=8"] = ([*VPP2, f"model.pipeline_schedule={schedule}", "train.global_batch_size=16"],
+                              schedule, 8, 2)
     return out
 
 
-def _engine(overrides: list[str]) -> tuple[Any, Any, int]:
+def _engine(overrides: list[str], common: list[str] = COMMON) -> tuple[Any, Any, int]:
     from lptrain.config import World, derive
     from lptrain.config.compose import load
     from lptrain.train.engine import TrainEngine
 
-    cfg = derive(load("tiny_cpu.yaml", [*COMMON, *overrides]).cfg, World.detect())
+    cfg = derive(load("tiny_cpu.yaml", [*common, *overrides]).cfg, World.detect())
     engine = TrainEngine(cfg)
     it, n = train_batches(cfg, engine.dp_rank, engine.dp_size)
     return engine, it, n
 
 
-class _Busy:
-    """Seconds this rank computes inside the schedule: chunk forwards, the loss, backwards."""
+class _Timeline:
+    """Seconds this rank computes inside the schedule, per (chunk, kind): chunk forwards (the
+    loss counted in the last chunk's F), whole backwards (B), and a split one's I and W -- as
+    wall time (what the schedule waits for) and as this thread's CPU time (the work itself:
+    what an action costs on a core of its own, where four ranks share two)."""
 
     def __init__(self) -> None:
         from lptrain.distributed.pipeline import EngineStage, PipelineRunner
         from lptrain.model.pipeline import PipelineChunk
+        from lptrain.precision.deferred_wgrad import queue
 
-        self.seconds = 0.0
-        busy = self
+        self.wall: dict[tuple[int, str], float] = defaultdict(float)
+        self.cpu: dict[tuple[int, str], float] = defaultdict(float)
+        line = self
 
-        def timed(fn: Any) -> Any:
+        def timed(fn: Any, key: Any) -> Any:
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                t0, c0 = time.perf_counter(), time.thread_time()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    k = key(*args)
+                    line.wall[k] += time.perf_counter() - t0
+                    line.cpu[k] += time.thread_time() - c0
+            return wrapper
+
+        PipelineChunk.forward = timed(PipelineChunk.forward, lambda c, *a: (c.chunk, "F"))  # type: ignore[method-assign]
+        PipelineRunner._loss = timed(PipelineRunner._loss, lambda r, *a: (r.layout.chunks - 1, "F"))  # type: ignore[method-assign]
+        stage = EngineStage.stage_class()
+        stage.backward_maybe_with_nosync = timed(  # type: ignore[method-assign]
+            stage.backward_maybe_with_nosync, lambda s, *a: (s.stage_index, "B" if queue() is None else "I"))
+        stage.backward_weight_one_chunk = timed(  # type: ignore[method-assign]
+            stage.backward_weight_one_chunk, lambda s, *a: (s.stage_index, "W"))
+        # the time blocked on P2P (diagnosis only: not compute, not in the costs)
+        import torch.distributed.pipelining.schedules as schedules
+
+        self.waits = 0.0
+        unpatched_wait, unpatched_batch = schedules._wait_batch_p2p, schedules._batch_p2p
+
+        def waited(fn: Any) -> Any:
             def wrapper(*args: Any, **kwargs: Any) -> Any:
                 t0 = time.perf_counter()
                 try:
                     return fn(*args, **kwargs)
                 finally:
-                    busy.seconds += time.perf_counter() - t0
+                    line.waits += time.perf_counter() - t0
             return wrapper
 
-        PipelineChunk.forward = timed(PipelineChunk.forward)  # type: ignore[method-assign]
-        PipelineRunner._loss = timed(PipelineRunner._loss)  # type: ignore[method-assign]
-        stage = EngineStage.stage_class()
-        stage.backward_maybe_with_nosync = timed(stage.backward_maybe_with_nosync)  # type: ignore[method-assign]
+        schedules._wait_batch_p2p = waited(unpatched_wait)
+        schedules._batch_p2p = waited(unpatched_batch)
+
+    def take(self) -> tuple[dict[tuple[int, str], float], dict[tuple[int, str], float]]:
+        out = (dict(self.wall), dict(self.cpu))
+        self.wall, self.cpu = defaultdict(float), defaultdict(float)
+        return out
+
+    def take_waits(self) -> float:
+        out, self.waits = self.waits, 0.0
+        return out
 
 
-def _p2p_seconds(rank: int, nbytes: int) -> float:
-    """One-way time of an ``nbytes`` tensor between the two ranks (half a ping-pong)."""
+def _p2p_seconds(rank: int, world: int, nbytes: int) -> float:
+    """One-way time of an ``nbytes`` tensor between pipeline neighbours (half a ping-pong)."""
     import torch
     import torch.distributed as dist
 
     x = torch.zeros(nbytes // 4)
-    peer = 1 - rank
     dist.barrier()
     t0 = time.perf_counter()
     for _ in range(PINGS):
-        if rank == 0:
-            dist.send(x, peer)
-            dist.recv(x, peer)
-        else:
-            dist.recv(x, peer)
-            dist.send(x, peer)
-    return (time.perf_counter() - t0) / PINGS / 2
+        if rank % 2 == 0 and rank + 1 < world:
+            dist.send(x, rank + 1)
+            dist.recv(x, rank + 1)
+        elif rank % 2 == 1:
+            dist.recv(x, rank - 1)
+            dist.send(x, rank - 1)
+    t = torch.tensor([(time.perf_counter() - t0) / PINGS / 2], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t) / world
 
 
-def loaded_bubble(compute: list[float], m: int, v: int) -> float:
-    """The analytic bubble (mean over the ranks) of a pipeline whose ranks compute
-    ``compute[r]`` seconds per step: the step is the slowest rank's compute plus the fill and
-    drain of the others (``1 / (v m)`` of each one's compute: one chunk's forward and backward
-    of one micro-batch). With equal loads this is ``(p - 1) / (v m + p - 1)``."""
+def _gather_costs(mine: Any) -> Any:
+    """Every rank's per-(chunk, kind) totals, wall and CPU (each chunk is one rank's)."""
+    import torch.distributed as dist
+
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    wall: dict[tuple[int, str], float] = {}
+    cpu: dict[tuple[int, str], float] = {}
+    for w, c in every:
+        wall.update(w)
+        cpu.update(c)
+    return wall, cpu
+
+
+def _analytic(costs: dict[tuple[int, str], float], schedule: str, pp: int, v: int, m: int, p2p: float,
+              cores: Any = None) -> Any:
+    """:func:`simulate` of torch's order, an action costing its (chunk, kind) step total over
+    the number of such actions in the order, each P2P transfer occupying its sender for the
+    measured one-way time (gloo moves the bytes on the ranks' own cores)."""
+    from lptrain.catalog.pipeline import simulate
+    from lptrain.distributed.pipeline_orders import schedule_order
+
+    order = schedule_order(schedule, pp, v, m)
+    counts: dict[tuple[int, str], int] = defaultdict(int)
+    for acts in order.values():
+        for chunk, kind, _mb in acts:
+            counts[(chunk, kind)] += 1
+    return simulate(order, {k: costs[k] / n for k, n in counts.items()}, pp * v, cores=cores, send=p2p)
+
+
+def _rank_level(costs: dict[tuple[int, str], float], pp: int, v: int, m: int) -> float:
+    """The previous bench's analytic bubble: rank-level loads, spread evenly over a rank's
+    chunks (the slowest rank's ``m`` micro-batches plus the others' fill and drain; loop
+    layout: chunk ``c`` on rank ``c % pp``)."""
+    compute = [sum(t for (c, _k), t in costs.items() if c % pp == r) for r in range(pp)]
     slowest = max(compute)
     step = slowest + (sum(compute) - slowest) / (v * m)
     return 1.0 - (sum(compute) / len(compute)) / step
 
 
-def _bubble_samples(series: dict[str, list[float]], p2p: float) -> dict[str, list[float]]:
-    """Per round, each variant's measured idle fraction over its analytic bubble (at the
-    measured stage loads) + P2P."""
-    out = {}
-    for name, (_ov, m, v) in _variants().items():
-        transfers = 2 * m * (v * 2 - 1)
-        out[name] = [i / (a + transfers * p2p / s) for i, a, s in
-                     zip(series[f"{name} idle"], series[f"{name} analytic"], series[f"{name} step"], strict=True)]
-    return out
-
-
-def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
+def _rounds(rank: int, world: int, args: argparse.Namespace, engines: dict[str, Any], judged: Any,
+            timeline: _Timeline) -> dict[str, list[Any]]:
+    """Rounds of one step per variant until the judged medians are tight or the cap passes;
+    per variant and round: (this world's per-(chunk, kind) costs, per-rank busy and schedule
+    seconds, the step's max over ranks)."""
     import torch
     import torch.distributed as dist
-    from harness import Figure
 
-    engines = {name: _engine(ov) for name, (ov, _m, _v) in _variants().items()}
-    engines["PP=2 step"] = _engine([*PP2, f"train.global_batch_size={2 * max(MICRO)}"])
-    busy = _Busy()
-    hidden = 2 * 256 * 256 * 4  # micro-batch x seq x hidden, fp32
-    p2p = _p2p_seconds(rank, hidden)
-    series: dict[str, list[float]] = {}
+    series: dict[str, list[Any]] = defaultdict(list)
     started, step = time.perf_counter(), 1
     while True:
         step += 1
-        mine: dict[str, tuple[float, float]] = {}  # name -> (compute seconds, schedule seconds)
+        record: dict[str, Any] = {}
         for name, (engine, it, n) in engines.items():
             batches = [engine._to_device(next(it)) for _ in range(n)]
             dist.barrier()
-            if name == "PP=2 step":
+            timeline.take()
+            if name.startswith("step "):
                 t0 = time.perf_counter()
                 engine.train_step(batches, step)
-                mine[name] = (0.0, time.perf_counter() - t0)
+                record[name] = (timeline.take(), time.perf_counter() - t0, timeline.take_waits())
                 continue
             engine.ddp.begin_step(engine.optimizer.stage)
-            busy.seconds = 0.0
+            timeline.take_waits()
             t0 = time.perf_counter()
             engine.pipeline.forward_backward(batches)
             total = time.perf_counter() - t0
             engine.ddp.finish_grad_sync()
             engine.ddp.end_step(engine.optimizer.stage)  # (no update: the schedule is timed)
-            mine[name] = (busy.seconds, total)
+            record[name] = (timeline.take(), total, timeline.take_waits())
         if step <= 3:
             continue  # two warm-up rounds (lazy state, first receive buffers): not recorded
-        keys = sorted(mine)
-        local = torch.tensor([mine[k] for k in keys], dtype=torch.float64)
-        every = [torch.empty_like(local) for _ in range(world)]
-        dist.all_gather(every, local)
-        both = torch.stack(every)  # rank x variant x (compute, schedule)
-        for j, k in enumerate(keys):
-            if k == "PP=2 step":
-                series.setdefault(k, []).append(float(both[:, j, 1].max()))
-                continue
-            _ov, m, v = _variants()[k]
-            series.setdefault(f"{k} idle", []).append(float((1.0 - both[:, j, 0] / both[:, j, 1]).mean()))
-            series.setdefault(f"{k} step", []).append(float(both[:, j, 1].max()))
-            series.setdefault(f"{k} analytic", []).append(loaded_bubble(both[:, j, 0].tolist(), m, v))
-            series.setdefault(f"{k} load", []).append(float(both[:, j, 0].max() / both[:, j, 0].min()))
-        rounds_done = len(series["PP=2 step"])
-        tight = all(Figure(n, v).spread <= args.spread for n, v in _bubble_samples(series, p2p).items())
+        for name in sorted(record):
+            costs, total, waits = record[name]
+            every = torch.tensor([sum(costs[0].values()), total, waits], dtype=torch.float64)
+            parts = [torch.empty_like(every) for _ in range(world)]
+            dist.all_gather(parts, every)
+            series[name].append((_gather_costs(costs), [(float(p[0]), float(p[1])) for p in parts],
+                                 statistics.fmean(float(p[2] / p[1]) for p in parts)))
+        tight = all(f.spread <= args.spread for f in judged(series))
         over = time.perf_counter() - started >= args.cap
-        stop = torch.tensor([1 if rounds_done >= args.min_rounds and (tight or over) else 0])
+        stop = torch.tensor([1 if len(series[next(iter(series))]) >= args.min_rounds and (tight or over) else 0])
         dist.broadcast(stop, 0)
         if stop.item():
-            break
-    return {"series": series, "p2p": p2p}
+            return dict(series)
 
 
-def _pp1_step(args: argparse.Namespace, rounds_n: int) -> list[float]:
-    """Step times of the same model and batch on one process (PP 1)."""
+def _bubble_rows(series: dict[str, list[Any]], p2p: float) -> dict[str, dict[str, list[float]]]:
+    """Per PP 2 variant and round: measured bubble, analytic (+ P2P), analytic without P2P,
+    the previous bench's rank-level figure, the step."""
+    out: dict[str, dict[str, list[float]]] = {}
+    for name, (_ov, schedule, m, v) in _variants().items():
+        rows: dict[str, list[float]] = defaultdict(list)
+        for (costs, _cpu), ranks, waits in series.get(name, []):
+            rows["measured"].append(statistics.fmean(1.0 - busy / total for busy, total in ranks))
+            rows["waits"].append(waits)
+            rows["analytic"].append(_analytic(costs, schedule, 2, v, m, p2p).bubble)
+            rows["no_p2p"].append(_analytic(costs, schedule, 2, v, m, 0.0).bubble)
+            rows["rank_level"].append(_rank_level(costs, 2, v, m) + 2 * m * (2 * v - 1) * p2p
+                                      / max(t for _b, t in ranks))
+            rows["step"].append(max(t for _b, t in ranks))
+        out[name] = rows
+    return out
+
+
+def _pp2_judged(p2p: float) -> Any:
+    def judged(series: dict[str, list[Any]]) -> list[Figure]:
+        rows = _bubble_rows(series, p2p)
+        return [Figure(n, [a / b for a, b in zip(r["measured"], r["analytic"], strict=True)])
+                for n, r in rows.items() if r["measured"]]
+    return judged
+
+
+def _pp2(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
+    engines = {name: _engine(ov) for name, (ov, _s, _m, _v) in _variants().items()}
+    engines["step PP=2"] = _engine([*PP2, f"train.global_batch_size={2 * max(MICRO)}"])
+    timeline = _Timeline()
+    p2p = _p2p_seconds(rank, world, 2 * 256 * 256 * 4)
+    return {"series": _rounds(rank, world, args, engines, _pp2_judged(p2p), timeline), "p2p": p2p}
+
+
+def _pp4_gains(series: dict[str, list[Any]], p2p: float, cores: int) -> dict[str, list[float]]:
+    """Per round: measured uneven / even step, analytic gains with a core per rank and on
+    ``cores`` shared cores (even step / uneven step, from each layout's measured loads)."""
+    out: dict[str, list[float]] = defaultdict(list)
+    for ((_we, ce), re_, _w), ((_wu, cu), ru, _v) in zip(series.get("step even", []),
+                                                         series.get("step uneven", []), strict=False):
+        out["measured"].append(max(t for _b, t in ru) / max(t for _b, t in re_))
+        for key, c in (("gain_dedicated", None), ("gain_shared", cores)):
+            even = _analytic(_pipeline_costs(ce), "1f1b", 4, 1, 4, p2p, c).step
+            uneven = _analytic(_pipeline_costs(cu), "1f1b", 4, 1, 4, p2p, c).step
+            out[key].append(even / uneven - 1.0)
+    return out
+
+
+def _pipeline_costs(costs: dict[tuple[int, str], float]) -> dict[tuple[int, str], float]:
+    return {k: v for k, v in costs.items() if k[1] in ("F", "B")}
+
+
+def _pp4(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
+    engines = {f"step {name}": _engine(ov, PP4_COMMON) for name, ov in PP4_LAYOUTS.items()}
+    timeline = _Timeline()
+    p2p = _p2p_seconds(rank, world, 2 * 256 * 128 * 4)
+    cores = len(os.sched_getaffinity(0))
+
+    def judged(series: dict[str, list[Any]]) -> list[Figure]:
+        return [Figure("pp4", [r for r in _pp4_gains(series, p2p, cores)["measured"]])]
+
+    return {"series": _rounds(rank, world, args, engines, judged, timeline), "p2p": p2p, "cores": cores}
+
+
+def _pp1_step(rounds_n: int) -> list[float]:
+    """Step times of the PP 2 step's model and batch on one process (PP 1)."""
     import torch
 
     torch.set_num_threads(1)
@@ -199,36 +334,65 @@ def _pp1_step(args: argparse.Namespace, rounds_n: int) -> list[float]:
     return out
 
 
+def _med(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
 def main() -> None:
     from rich.console import Console
 
     from lptrain.catalog.pipeline import bubble_fraction
+    from lptrain.distributed.pipeline_orders import schedule_order
     from lptrain.testing.dist import run_distributed
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_args(ap, cap_s=120.0)
     args = ap.parse_args()
-    res = run_distributed(_rank, 2, args=(args,), timeout_s=900)[0]
-    series, p2p = res["series"], res["p2p"]
-    figures, lines = [], [f"one-way P2P of a {2 * 256 * 256 * 4:,}-byte hidden state: {p2p * 1e3:.2f} ms"]
-    for name, samples in _bubble_samples(series, p2p).items():
-        _ov, m, v = _variants()[name]
-        steps = series[f"{name} step"]
-        figures.append(Figure(f"{name}: bubble / (analytic + P2P)", samples, 1.10))
-        lines.append(f"{name}: measured bubble {statistics.median(series[f'{name} idle']):.3f}, analytic "
-                     f"{statistics.median(series[f'{name} analytic']):.3f} at the stages' loads "
-                     f"(slowest / fastest {statistics.median(series[f'{name} load']):.3f}; equal stages "
-                     f"{bubble_fraction(2, m, v):.3f}), P2P "
-                     f"{statistics.median(2 * m * (v * 2 - 1) * p2p / s for s in steps):.3f} of the step, "
-                     f"schedule {statistics.median(steps) * 1e3:.1f} ms")
-    pp2 = series["PP=2 step"]
-    pp1 = _pp1_step(args, len(pp2))
+    load_before = os.getloadavg()[0]
+    two = run_distributed(_pp2, 2, args=(args,), timeout_s=900)[0]
+    p2p = two["p2p"]
+    figures, lines = [], [f"PP 2: one-way P2P of a {2 * 256 * 256 * 4:,}-byte hidden state: {p2p * 1e3:.2f} ms"]
+    for name, r in _bubble_rows(two["series"], p2p).items():
+        _ov, schedule, m, v = _variants()[name]
+        figures.append(Figure(f"{name}: bubble / (analytic + P2P)",
+                              [a / b for a, b in zip(r["measured"], r["analytic"], strict=True)], 1.10))
+        textbook = bubble_fraction(2, m, v) if schedule in ("1f1b", "interleaved_1f1b") else None
+        over = _med(r["measured"]) - _med(r["analytic"])
+        actions = sum(len(a) for a in schedule_order(schedule, 2, v, m).values()) / 2
+        lines.append(
+            f"{name}: measured {_med(r['measured']):.3f} = analytic {_med(r['analytic']):.3f} "
+            f"(loads {_med(r['no_p2p']):.3f}, P2P {_med(r['analytic']) - _med(r['no_p2p']):+.3f}) "
+            f"{over:+.3f} unexplained (schedule overhead: {over * _med(r['step']) * 1e3:.1f} ms of a "
+            f"{_med(r['step']) * 1e3:.0f} ms step, {over * _med(r['step']) * 1e6 / actions:.0f} us per action of "
+            f"{actions:.0f} a rank; of the measured idle time {_med(r['waits']):.3f} was spent in P2P calls)"
+            + (f"; textbook {textbook:.3f}, the previous bench's rank-level analytic + P2P "
+               f"{_med(r['rank_level']):.3f}" if textbook is not None else ""))
+    pp2 = [max(t for _b, t in ranks) for _c, ranks, _w in two["series"]["step PP=2"]]
+    pp1 = _pp1_step(len(pp2))
     figures.append(Figure("step: PP=2 (2 ranks) / PP=1 (1 rank)",
                           [a / b for a, b in zip(pp2, pp1, strict=False)], None, minmin=min(pp2) / min(pp1)))
-    lines.append(f"step of 8 micro-batches: PP=2 {statistics.median(pp2) * 1e3:.1f} ms, "
-                 f"PP=1 {statistics.median(pp1) * 1e3:.1f} ms")
-    report(Console(width=140), "pp", "Pipeline parallelism: bubble vs analytic, PP=2 vs PP=1 (2 gloo ranks)",
-           figures, args, "\n".join(lines))
+    lines.append(f"step of 8 micro-batches: PP=2 {_med(pp2) * 1e3:.1f} ms, PP=1 {_med(pp1) * 1e3:.1f} ms")
+
+    four = run_distributed(_pp4, 4, args=(args,), timeout_s=900)[0]
+    gains = _pp4_gains(four["series"], four["p2p"], four["cores"])
+    dedicated, shared = _med(gains["gain_dedicated"]), _med(gains["gain_shared"])
+    figures.append(Figure("PP=4 step: uneven (5|5|4|2+loss) / even (4|4|4|4+loss)", gains["measured"],
+                          0.95 if dedicated >= GAIN_TARGET else None))
+    per_rank = {name: [_med([sum(t for (c, _k), t in _pipeline_costs(cpu).items() if c == r) * 1e3
+                             for (_wall, cpu), _ranks, _w in four["series"][f"step {name}"]]) for r in range(4)]
+                for name in PP4_LAYOUTS}
+    lines.append(
+        f"PP 4 ({four['cores']} cores for 4 ranks): analytic gain of the uneven split at the measured loads "
+        f"{dedicated:+.1%} with a core per rank (the target applies where >= {GAIN_TARGET:.0%}), {shared:+.1%} "
+        f"with the ranks sharing this machine's cores (bound by the total work, which no split changes); "
+        f"per-rank compute per step (CPU ms): even " + " | ".join(f"{x:.0f}" for x in per_rank["even"])
+        + ", uneven " + " | ".join(f"{x:.0f}" for x in per_rank["uneven"]))
+    load = max(load_before, os.getloadavg()[0])
+    if load > len(os.sched_getaffinity(0)):
+        lines.append(f"load average {load:.1f} on {len(os.sched_getaffinity(0))} cores: ranks shared their cores "
+                     "with other work, so the figures above are provisional (rerun on a quiet machine)")
+    report(Console(width=160), "pp", "Pipeline parallelism: bubble vs analytic (PP 2), uneven stages (PP 4), "
+           "PP 2 vs PP 1", figures, args, "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import copy
 
+from lptrain.catalog.pipeline import V_SCHEDULES
+from lptrain.catalog.pipeline_split import layout_vpp
 from lptrain.config.schema import LPTrainConfig
 from lptrain.config.world import World
 
@@ -77,6 +79,14 @@ def derive(cfg: LPTrainConfig, world: World) -> LPTrainConfig:
     # train.on_anomaly=null follows the older train.on_nonfinite (stop, or skip the batch).
     if out.train.on_anomaly is None:
         out.train.on_anomaly = "skip_batch" if out.train.on_nonfinite == "skip" else "stop"
+    # A layout string sets the virtual size (its chunks over the pipeline size), as in
+    # Megatron-LM; the V schedules run exactly two chunks per rank.
+    if model.pipeline_model_parallel_layout is not None and model.virtual_pipeline_model_parallel_size is None:
+        vpp = layout_vpp(model.pipeline_model_parallel_layout, max(1, model.pipeline_model_parallel_size))
+        if vpp is not None and vpp > 1:
+            model.virtual_pipeline_model_parallel_size = vpp
+    if model.pipeline_schedule in V_SCHEDULES and model.virtual_pipeline_model_parallel_size is None:
+        model.virtual_pipeline_model_parallel_size = 2
     # The pipeline schedule follows the virtual chunks (Megatron picks the interleaved
     # schedule exactly when virtual_pipeline_model_parallel_size is set).
     if model.pipeline_schedule is None:

@@ -179,6 +179,7 @@ def all_rules() -> list[Rule]:
         muon,
         optim_state,
         pp,
+        pp_split,
         precision,
         ranges,
         scaled_gemm,
@@ -186,7 +187,7 @@ def all_rules() -> list[Rule]:
     )
 
     return [*precision.RULES, *scaled_gemm.RULES, *ddp.RULES, *muon.RULES, *optim_state.RULES, *moe.RULES, *ep.RULES,
-            *tp.RULES, *pp.RULES, *cp.RULES, *model.RULES,
+            *tp.RULES, *pp.RULES, *pp_split.RULES, *cp.RULES, *model.RULES,
             *choices.RULES, *ranges.RULES, *data.RULES, *loop.RULES, *inert.RULES]
 
 

@@ -155,14 +155,38 @@ class ModelConfig:
         "tensor x data x this many ranks; pipeline ranks are outermost)."
     )
     virtual_pipeline_model_parallel_size: Optional[int] = opt(
-        None, "Model chunks per pipeline rank for the interleaved schedule (null = 1: each rank "
-        "runs one contiguous stage); num_layers must divide into pipeline x virtual chunks."
+        None, "Model chunks per pipeline rank (null = 1: each rank runs one contiguous stage; "
+        "derived from pipeline_model_parallel_layout when that is set); without an uneven split, "
+        "num_layers must divide into pipeline x virtual chunks."
     )
     pipeline_schedule: Optional[str] = choice(
         None, (None, *PIPELINE_SCHEDULES), "Pipeline schedule (torch.distributed.pipelining): {choices}.",
         {None: "derived: interleaved_1f1b with virtual chunks, else 1f1b",
          "1f1b": "one forward, one backward (Schedule1F1B)",
-         "interleaved_1f1b": "virtual chunks per rank (ScheduleInterleaved1F1B)"},
+         "interleaved_1f1b": "virtual chunks per rank (ScheduleInterleaved1F1B)",
+         "interleaved_zero_bubble": "1F1B with each backward split into its input- and weight-gradient "
+                                    "parts, the weight parts filling the bubble (ScheduleInterleavedZeroBubble)",
+         "zbv_zero_bubble": "zero bubble over two chunks per rank in a V (ScheduleZBVZeroBubble)",
+         "dualpipev": "DeepSeek's DualPipe in a V, two chunks per rank (ScheduleDualPipeV)"},
+    )
+    decoder_first_pipeline_num_layers: Optional[int] = opt(
+        None, "Transformer layers on the first pipeline stage (null = an even split); the stages "
+        "between the first and the last split the rest evenly (Megatron-LM's uneven pipeline)."
+    )
+    decoder_last_pipeline_num_layers: Optional[int] = opt(
+        None, "Transformer layers on the last pipeline stage (null = an even split)."
+    )
+    account_for_embedding_in_pipeline_split: bool = opt(
+        False, "Count the token embedding as one layer when splitting the layers over the stages "
+        "(the first chunk holds one transformer layer fewer)."
+    )
+    account_for_loss_in_pipeline_split: bool = opt(
+        False, "Count the final norm, output layer and loss as one layer when splitting the layers "
+        "over the stages (the last chunk holds one transformer layer fewer)."
+    )
+    pipeline_model_parallel_layout: Optional[str] = opt(
+        None, "Every chunk's layers spelled out, Megatron-LM's grammar: E embedding, t transformer "
+        "layer, L loss, | between chunks (model order), (...)*n and x*n repeat, e.g. 'Et|(tt|)*2,tL'."
     )
     context_parallel_size: int = opt(1, "Context-parallel size: each sequence split over this many "
                                      "ranks, 2 chunks each (the world: TP x CP x DP x PP ranks).")

@@ -20,6 +20,9 @@ micro-batch's hooks count ready params per bucket and dispatch each bucket's red
 asynchronously as soon as it is complete. Without it, lptrain's own fused-wgrad weights in
 unsharded buckets get no hook at all (``p.main_grad_unhooked``): there is nothing for it to
 do, and ``backward_phase`` does the rest of its work (``_collect_unhooked``) once per backward.
+A weight whose gradient a zero-bubble pipeline schedule defers to its W step
+(``p.wgrad_pending``: :mod:`lptrain.precision.deferred_wgrad`) is skipped by the hook autograd
+fires in the I step; the W step calls it (``p.main_grad_hook``) once the grad is in.
 """
 
 from __future__ import annotations
@@ -110,8 +113,9 @@ class DataParallel:
         self._hooks: list[Any] = []
         # (listed once: walking model.parameters() every step costs a module-tree walk)
         self._params = list(named.values())
-        for p in self._params:  # (the grad hook reads it without a default)
+        for p in self._params:  # (the grad hook reads them without a default)
             p.grad_added_to_main_grad = getattr(p, "grad_added_to_main_grad", False)
+            p.wgrad_pending = 0  # weight-gradient jobs of a zero-bubble W step still to run
         # fused-wgrad weights autograd gives no grad, whose readiness nothing waits for: no
         # hook (one Python call per weight per backward saved); see _collect_unhooked
         self._unhooked: list[nn.Parameter] = self._hook_free_params(model)
@@ -122,7 +126,10 @@ class DataParallel:
             if id(p) in unhooked:
                 p.main_grad_unhooked = True  # see fused_wgrad_placeholder
             else:
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._make_grad_hook(name)))
+                # (main_grad_hook: what a deferred W step calls once the weight's grad is in:
+                # lptrain.precision.deferred_wgrad)
+                p.main_grad_hook = self._make_grad_hook(name)
+                self._hooks.append(p.register_post_accumulate_grad_hook(p.main_grad_hook))
                 p.main_grad_hooked = True  # see fused_wgrad_placeholder
         if ddp_cfg.overlap_param_gather and not self.shards_params:
             for m in model.modules():
@@ -249,6 +256,8 @@ class DataParallel:
         reshape = tuple(param.main_grad.shape) != tuple(param.shape)
 
         def hook(p: torch.Tensor) -> None:
+            if p.wgrad_pending:  # its W step has yet to add the grad: it calls this then
+                return
             if shards_grads:
                 bucket.acquire_grads()
             grad = p.grad

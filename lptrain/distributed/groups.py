@@ -24,9 +24,10 @@ the engine, the model's parallelize step, the optimizers and the checkpoint code
   context x data parallel, the stage, as Megatron-LM's amax-reduction group);
 * ``pp``: the pipeline group, the ``PP`` stages of one model copy (the schedule's P2P runs
   over it; the gradient norm adds the stages' parts over it);
-* ``embedding``: under pipeline parallelism with tied embeddings, the first and the last
-  stage of one pipeline (the lookup table and the head's copy of it: their gradients are
-  summed over it, as Megatron-LM's embedding group);
+* ``embedding``: under pipeline parallelism with tied embeddings, the first stage of one
+  pipeline and the one computing the loss (the lookup table and the head's copy of it: their
+  gradients are summed over it, as Megatron-LM's embedding group; none when one stage holds
+  both, as rank 0 of a V schedule);
 * ``intra``: the ranks of one distributed-optimizer instance (``ddp.num_distributed_optimizer_
   instances`` splits ``dp_cp`` into that many consecutive blocks); buckets are reduce-scattered
   and params all-gathered inside it.
@@ -228,10 +229,11 @@ def _new_groups(rank: int, all_ranks: list[list[int]], own: bool = False) -> Gro
 def build_groups(num_instances: int = 1, ep: int = 1, tp: int = 1,
                  sequence_parallel: bool = False, pp: int = 1,
                  tied_embeddings: bool = False, cp: int = 1,
-                 hierarchical_cp: Optional[list[int]] = None) -> ParallelGroups:
+                 hierarchical_cp: Optional[list[int]] = None, loss_stage: int = -1) -> ParallelGroups:
     """Create (collectively, on every rank) the groups described in the module doc.
     ``hierarchical_cp`` (``[a2a size, p2p size]``) also creates the two levels of each
-    context-parallel group (``model.hierarchical_context_parallel_sizes``)."""
+    context-parallel group (``model.hierarchical_context_parallel_sizes``); ``loss_stage``:
+    the pipeline rank holding the head, the last by default."""
     if not (dist.is_available() and dist.is_initialized()):
         dims = _check_sizes(1, num_instances, ep, tp, pp, cp)
         return ParallelGroups(0, 1, SINGLE, SINGLE, SINGLE, SINGLE, dims=dims)
@@ -265,8 +267,8 @@ def build_groups(num_instances: int = 1, ep: int = 1, tp: int = 1,
             tp_dp = dp
         pipeline["pp"] = _new_groups(rank, dims.group_ranks("pp"))
         pipeline["world"] = Group(dist.group.WORLD, world, rank)
-        if tied_embeddings:  # the first and the last stage of each pipeline
-            pipeline["embedding"] = _new_groups(rank, [[g[0], g[-1]] for g in dims.group_ranks("pp")])
+        if tied_embeddings and loss_stage % pp != 0:  # the first stage and the loss's
+            pipeline["embedding"] = _new_groups(rank, [[g[0], g[loss_stage]] for g in dims.group_ranks("pp")])
     grad_group = extra.get("dp_cp", dp)
     if num_instances == 1:
         intra, inter = grad_group, SINGLE

@@ -1,11 +1,15 @@
 """Pipeline parallelism on ``torch.distributed.pipelining``: this rank's stages, the schedule,
 and the data-parallel engine's per-step order inside it.
 
-The schedule is torch's (``Schedule1F1B``, ``ScheduleInterleaved1F1B``: its stages, its
-order, its P2P); lptrain supplies the modules it runs (:class:`lptrain.model.pipeline.
-PipelineChunk`, one per model chunk this rank holds), static shapes (no forward is run to
-infer them), the loss function, and :class:`EngineStage`, a ``PipelineStage`` whose backward
-runs inside the data-parallel engine's phases.
+The schedule is torch's (``Schedule1F1B``, ``ScheduleInterleaved1F1B``, and the zero-bubble
+``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``: its stages,
+its order, its P2P; :mod:`lptrain.distributed.pipeline_orders`); lptrain supplies the modules
+it runs (:class:`lptrain.model.pipeline.PipelineChunk`, one per model chunk this rank holds, in
+the loop or V placement of :class:`lptrain.catalog.pipeline.PipelineLayout`), static shapes (no
+forward is run to infer them), the loss function, and :class:`EngineStage`, a
+``PipelineStage`` whose backward runs inside the data-parallel engine's phases -- and whose
+split backward (the zero-bubble schedules' I and W steps) defers the GEMMs' weight gradients
+rather than torch's graph split.
 
 **Why the result is the unpipelined run's, bit for bit** (at the same data- and
 tensor-parallel sizes):
@@ -17,7 +21,10 @@ tensor-parallel sizes):
   hooks; the grad reduction of a stage is dispatched only by the last micro-batch's backward
   of that stage (``no_sync`` for the others: Megatron's and torchtitan's rule), per bucket
   as without pipelining; the loss is ``loss / m`` per micro-batch as without pipelining
-  (the schedule's own ``scale_grads`` is off);
+  (the schedule's own ``scale_grads`` is off). Under a split backward the GEMM weights'
+  gradients are added in the W steps, which torch's zero-bubble orders run in micro-batch
+  order per chunk (checked: a W out of order is refused), and a weight is reported ready
+  only once its last W job has run (:mod:`lptrain.precision.deferred_wgrad`);
 * delayed scaling advances per micro-batch and per layer exactly as without pipelining
   (:mod:`lptrain.model.pipeline`), and stochastic rounding draws from per-quantizer
   generators that each layer advances in micro-batch order, seeded by the rank's position
@@ -42,8 +49,10 @@ import torch.distributed as dist
 from lptrain.config.schema import LPTrainConfig
 from lptrain.distributed.ddp import DataParallel
 from lptrain.distributed.groups import ParallelGroups
+from lptrain.distributed.pipeline_orders import forward_only, schedule_class
 from lptrain.model.gpt import AUX_KEYS, GPTModel
 from lptrain.model.pipeline import PipelineChunk, chunk_io, pipeline_layout
+from lptrain.precision.deferred_wgrad import deferring
 
 
 def _pipelining() -> Any:
@@ -56,14 +65,27 @@ class EngineStage:
     """Factory of ``PipelineStage`` subclasses whose backward runs in the engine's phases:
     outside ``ddp.no_sync()`` only for the stage's last micro-batch (when the schedule says
     ``last_backward``), inside ``ddp.backward_phase()`` (recompute forwards must not free
-    sharded params), after ``runner.before_backward()`` (the step's pending gathers)."""
+    sharded params), after ``runner.before_backward()`` (the step's pending gathers).
+
+    **Split backwards** (the zero-bubble schedules' I and W steps): torch would split a
+    backward by walking the autograd graph of the stage's parameters; lptrain's GEMMs form
+    their weight gradients inside their own backward (fused into ``main_grad``), so the I step
+    here is the whole autograd backward run inside :func:`lptrain.precision.deferred_wgrad.
+    deferring` -- the GEMMs compute the input gradients and queue their weight gradients, with
+    that micro-batch's quantized operands -- and the W step runs the queue. The I step of the
+    chunk's last micro-batch reports the gradients autograd formed (norms, embedding, head) as
+    ready, the W step of the last micro-batch the GEMM weights' (each only once its last job
+    has run); a W out of micro-batch order is refused (the sums would change order)."""
 
     _cls: Optional[type] = None
 
     @classmethod
-    def make(cls, runner: PipelineRunner, *args: Any, **kwargs: Any) -> Any:
+    def make(cls, runner: PipelineRunner, *args: Any, micro_batches: int, **kwargs: Any) -> Any:
         stage = cls.stage_class()(*args, **kwargs)
         stage.lptrain_runner = runner
+        stage.lptrain_micro_batches = micro_batches
+        stage.lptrain_wgrads = {}
+        stage.lptrain_last_w = -1
         return stage
 
     @classmethod
@@ -88,6 +110,37 @@ class EngineStage:
                     ctx = contextlib.nullcontext() if last_backward else ddp.no_sync()
                     with ctx, ddp.backward_phase():
                         return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+
+                def backward_one_chunk(self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True,
+                                       last_backward: bool = False) -> Any:
+                    if full_backward:
+                        return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=True,
+                                                          last_backward=last_backward)
+                    last = bwd_chunk_id == self.lptrain_micro_batches - 1
+                    with deferring() as wgrads:  # the I step (see EngineStage)
+                        super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=True,
+                                                   last_backward=last)
+                    self.lptrain_wgrads[bwd_chunk_id] = wgrads
+                    return None
+
+                def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
+                    if not self.has_backward:
+                        return
+                    if bwd_chunk_id <= self.lptrain_last_w:
+                        raise RuntimeError(f"stage {self.stage_index}: the W step of micro-batch {bwd_chunk_id} "
+                                           f"after that of {self.lptrain_last_w} (W steps must run in "
+                                           "micro-batch order: each main_grad sums them in that order)")
+                    self.lptrain_last_w = bwd_chunk_id
+                    wgrads = self.lptrain_wgrads.pop(bwd_chunk_id)
+                    ddp = self.lptrain_runner.ddp
+                    last = bwd_chunk_id == self.lptrain_micro_batches - 1
+                    with contextlib.nullcontext() if last else ddp.no_sync(), ddp.backward_phase():
+                        wgrads.run()
+
+                def clear_runtime_states(self) -> None:
+                    super().clear_runtime_states()
+                    self.lptrain_wgrads.clear()
+                    self.lptrain_last_w = -1
 
             cls._cls = _Stage
         return cls._cls
@@ -114,7 +167,6 @@ class PipelineRunner:
         self.first = self.chunks[0].first
         self.last = self.chunks[-1].last
         self.micro_batches = micro_batches
-        self.interleaved = self.layout.vpp > 1
         self._schedules: dict[tuple[int, bool], Any] = {}
         self._sums = torch.zeros(2, dtype=torch.float64, device=device)
         self._eval_total = torch.zeros((), dtype=torch.float64, device=device)
@@ -130,12 +182,12 @@ class PipelineRunner:
         return self.pp_rank
 
     def last_stage_rank(self, rank: int) -> int:
-        """The global rank holding the last stage of ``rank``'s pipeline."""
-        return self.groups.dims.group_of(rank, "pp")[-1]
+        """The global rank computing the loss in ``rank``'s pipeline (the last chunk's)."""
+        return self.groups.dims.group_of(rank, "pp")[self.layout.loss_rank]
 
     # ---- stages and schedules ----------------------------------------------------------------
 
-    def _stages(self) -> list[Any]:
+    def _stages(self, n: int) -> list[Any]:
         cfg = self.cfg.model
         model = self.model
         tp = max(1, cfg.tensor_model_parallel_size)
@@ -145,31 +197,44 @@ class PipelineRunner:
             inputs, outputs = chunk_io(cfg, self.layout, chunk.chunk, self.cfg.train.micro_batch_size,
                                        model.compute_dtype, vocab_rows)
             stages.append(EngineStage.make(self, chunk, chunk.chunk, self.layout.chunks, self.device,
-                                           input_args=inputs, output_args=outputs, group=self.groups.pp.pg))
+                                           input_args=inputs, output_args=outputs, group=self.groups.pp.pg,
+                                           micro_batches=n))
         return stages
 
     def schedule(self, n: int, train: bool) -> Any:
         """The schedule for ``n`` micro-batches (training: with the backward; kept, with its
-        stages' receive buffers, for the next steps). Evaluation runs the training schedule's
-        kind forward-only (built per evaluation: its buffers are freed after it). With fewer
+        stages' receive buffers, for the next steps): torch's class for
+        ``model.pipeline_schedule`` (:mod:`lptrain.distributed.pipeline_orders`). Evaluation
+        runs it forward-only (:meth:`_eval_schedule`; built per evaluation: its buffers are
+        freed after it). With fewer
         micro-batches than stages (which torch's Schedule1F1B refuses), 1F1B's warm-up holds
         them all, so Megatron's 1F1B runs every forward, then every backward, on each stage:
         GPipe's order, which torch's ScheduleGPipe runs (PP-FEW-MICRO-BATCHES warns)."""
         key = (n, train)
         if key in self._schedules:
             return self._schedules[key]
-        p = _pipelining()
-        stages = self._stages()
+        stages = self._stages(n)
         loss_fn = self._loss if train else self._eval_loss
-        if self.interleaved:
-            sched = p.ScheduleInterleaved1F1B(stages, n, loss_fn=loss_fn, scale_grads=False)
-        elif n >= self.layout.pp:
-            sched = p.Schedule1F1B(stages[0], n, loss_fn=loss_fn, scale_grads=False)
-        else:
-            sched = p.ScheduleGPipe(stages[0], n, loss_fn=loss_fn, scale_grads=False)
+        kind = self.cfg.model.pipeline_schedule if train else self._eval_schedule()
+        cls = schedule_class(kind, self.layout.pp, n)
+        if not train and self.layout.v_shape:
+            cls = forward_only(cls)
+        single = issubclass(cls, _pipelining().schedules.PipelineScheduleSingle)
+        sched = cls(stages[0] if single else stages, n, loss_fn=loss_fn, scale_grads=False)
         if train:
             self._schedules[key] = sched
         return sched
+
+    def _eval_schedule(self) -> str:
+        """Evaluation's forward-only order: the training schedule's without its backward; a V
+        placement's through ZBV's forwards (DualPipeV refuses fewer than ``2 PP`` micro-batches,
+        and forward only the two run the same forwards; :func:`forward_only`)."""
+        kind = self.cfg.model.pipeline_schedule
+        if self.layout.v_shape:
+            return "zbv_zero_bubble"
+        if kind == "interleaved_zero_bubble":
+            return "interleaved_1f1b" if self.layout.vpp > 1 else "1f1b"
+        return kind
 
     # ---- a training step ------------------------------------------------------------------
 

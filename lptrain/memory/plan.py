@@ -55,7 +55,6 @@ from lptrain.memory.accounting import Sharding, StoredParam, rank_memory
 from lptrain.memory.breakdown import PERSISTENT as PERSISTENT  # the categories listed above
 from lptrain.memory.context_parallel import context_parallel_note, cp_buffer_bytes
 from lptrain.memory.optimizer import optimizer_layout, optimizer_state_dtypes
-from lptrain.memory.stages import pipeline_buffer_bytes, sampled_stages, whole_params
 
 _WEIGHT_NAME = re.compile(r"weight\d*")
 _EXACT_NUMEL = 1 << 22  # quantize shapes up to 4M elements whole; larger ones by row slabs
@@ -386,6 +385,12 @@ def estimate_memory(cfg: LPTrainConfig, dp: int, target: str = "cpu") -> MemoryE
     embedding on the first, the head on the last) with its in-flight micro-batches
     (:meth:`lptrain.catalog.pipeline.PipelineLayout.in_flight`) and the schedule's receive
     buffers; the ranks of every stage are reported, the worst is the most loaded stage's."""
+    from lptrain.memory.pipeline_plan import (
+        pipeline_buffer_bytes,
+        sampled_stages,
+        stage_in_flight,
+        stage_params,
+    )
     from lptrain.model.pipeline import pipeline_layout
     from lptrain.precision.factory import recipe_from_config
 
@@ -399,17 +404,16 @@ def estimate_memory(cfg: LPTrainConfig, dp: int, target: str = "cpu") -> MemoryE
     # per stage: its layout report, full-recompute activations and micro-batches in flight
     reports: dict[int, str] = {}
     recompute: dict[int, int] = {}
-    in_flight: dict[int, float] = {}
+    in_flight = stage_in_flight(cfg, lay, micro) if lay.pp > 1 else {0: 1.0}
     for stage in sampled_stages(lay.pp):
         model = meta_model(cfg, pp_rank=stage)
-        in_flight[stage] = lay.in_flight(stage, micro) if lay.pp > 1 else 1.0
         stage_ranks, recompute[stage], reports[stage] = _stage_memory(
             cfg, dp, model, quantizers, act_bytes, in_flight[stage],
             pipeline_buffer_bytes(cfg, lay, stage, micro, act_bytes))
         for r in stage_ranks:
             r.rank = dims.rank_of(cp=r.rank % dims.cp, dp=r.rank // dims.cp, pp=stage)
         ranks += stage_ranks
-        params += whole_params(model, stage, lay.pp)
+        params += stage_params(model, stage, lay.pp)
     # every figure reported is the most loaded rank's, from its own stage (its layout, its
     # micro-batches in flight), never another stage's
     worst_stage = dims.coords(max(ranks, key=lambda r: (r.total, -r.rank)).rank)["pp"]
@@ -432,9 +436,12 @@ def estimate_memory(cfg: LPTrainConfig, dp: int, target: str = "cpu") -> MemoryE
             f"pipeline parallel {lay.pp}{f' x {lay.vpp} virtual chunks' if lay.vpp > 1 else ''} "
             f"({cfg.model.pipeline_schedule}, {micro} micro-batches per step): stage "
             f"{worst_stage} is the most loaded; it holds {micro_batches(in_flight[worst_stage])} "
-            f"of activations at most (stage 0: {in_flight[0]:g}), as Megatron-LM counts them, and "
-            "the schedule's receive buffers of every micro-batch; the layout is stage "
+            f"of activations at most (stage 0: {in_flight[0]:g}), as Megatron-LM counts them (the "
+            "zero-bubble schedules: read off their order, each held until its W step), and the "
+            "schedule's receive buffers of every micro-batch; the layout is stage "
             f"{worst_stage}'s")
+        if lay.uneven or lay.v_shape:  # the split each stage was planned from
+            notes.append("split: " + "; ".join(lay.describe().splitlines()))
     state = optimizer_state_dtypes(cfg) if cfg.optimizer.use_precision_aware_optimizer else {}
     if state:
         notes.append("precision-aware optimizer: " + ", ".join(f"{k} {v}" for k, v in state.items()))

@@ -2,7 +2,8 @@
 modules a ``torch.distributed.pipelining`` schedule runs.
 
 A pipeline rank builds one :class:`~lptrain.model.gpt.GPTModel` holding all of its layers
-(:func:`model_part`; the split is :class:`lptrain.catalog.pipeline.PipelineLayout`'s) under
+(:func:`model_part`; the split -- even or uneven, loop or V placement -- is
+:class:`lptrain.catalog.pipeline.PipelineLayout`'s) under
 their global names, so buffers, optimizers and checkpoints see one model per rank with the
 canonical parameter names. Each of its model chunks (one per virtual stage) is a
 :class:`PipelineChunk`: a thin module over that model running the same steps
@@ -22,7 +23,9 @@ amax-reduction group (tensor x data parallel ranks of the stage): the delayed-sc
 a layer is updated once per micro-batch, forward roles when the region exits and gradient
 roles after the chunk's backward -- for every layer at the same point of its own sequence of
 quantizations as in the unpipelined run, whatever order the schedule runs the micro-batches
-and chunks in (a layer's forwards, and its backwards, still come in micro-batch order).
+and chunks in (a layer's forwards, and its backwards, still come in micro-batch order). Under
+a split backward (the zero-bubble schedules) the gradient operand is quantized, and its role
+updated, in the I step; the W step only multiplies the operands that step kept.
 """
 
 from __future__ import annotations
@@ -33,16 +36,15 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from lptrain.catalog.pipeline import PipelineLayout
+from lptrain.catalog.pipeline import PipelineLayout, layout_for
 from lptrain.config.schema import ModelConfig
 from lptrain.model.gpt import AUX_KEYS, GPTModel, ModelPart, is_moe_layer
 
 
 def pipeline_layout(cfg: ModelConfig) -> PipelineLayout:
-    """The run's split of the layers over pipeline ranks and model chunks."""
-    vpp = cfg.virtual_pipeline_model_parallel_size
-    return PipelineLayout(cfg.num_layers, max(1, cfg.pipeline_model_parallel_size),
-                          max(1, vpp) if vpp is not None else 1)
+    """The run's split of the layers over pipeline ranks and model chunks (even, or as
+    Megatron-LM's uneven keys ask: :mod:`lptrain.catalog.pipeline_split`)."""
+    return layout_for(cfg)
 
 
 def model_part(cfg: ModelConfig, pp_rank: int) -> Optional[ModelPart]:

@@ -27,9 +27,9 @@ import torch
 from torch import nn
 
 from lptrain.precision import autocast as _ac
-from lptrain.precision import gemm as _gemm
 from lptrain.precision import linear_ops as _ops
 from lptrain.precision import operand_stats as _stats
+from lptrain.precision.wgrad import _HighPrecisionLinearFn
 
 InitMethod = Callable[[torch.Tensor], None]
 
@@ -41,52 +41,6 @@ def normal_init(std: float) -> InitMethod:
         nn.init.normal_(t, mean=0.0, std=std)
 
     return init
-
-
-class _HighPrecisionLinearFn(torch.autograd.Function):
-    """y = x W^T unquantized; wgrad optionally accumulated straight into ``weight.main_grad``.
-
-    fprop and dgrad run natively in bf16 on CUDA (``gemm.native_16bit_gemm``), else in
-    fp32; the weight gradient is always formed in fp32 (``gemm.wgrad_fp32``). When the
-    weight carries a ``main_grad`` buffer and fusion is on, it is added into it and
-    ``weight.grad_added_to_main_grad`` is set, so the data-parallel hook does not add it a
-    second time (the Megatron gradient-accumulation-fusion contract).
-    """
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, fuse_wgrad: bool) -> torch.Tensor:  # type: ignore[override]
-        ctx.save_for_backward(x, weight)
-        ctx.fuse_wgrad = fuse_wgrad
-        if _gemm.native_16bit_gemm(x, weight):
-            return x @ weight.t()
-        out = x.float() @ weight.float().t()
-        return out.to(x.dtype)
-
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
-        x, weight = ctx.saved_tensors
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        if _gemm.native_16bit_gemm(x, weight) and dy.dtype == x.dtype:
-            dx = (dy2 @ weight).reshape(*dy.shape[:-1], weight.shape[1])
-        else:
-            dx = (dy2.float() @ weight.float()).reshape(*dy.shape[:-1], weight.shape[1]).to(x.dtype)
-        dw = _gemm.wgrad_fp32(dy2, x.reshape(-1, x.shape[-1]))
-        return dx, accumulate_wgrad(weight, dw, ctx.fuse_wgrad), None
-
-
-def accumulate_wgrad(weight: torch.Tensor, dw: torch.Tensor, fuse: bool) -> Optional[torch.Tensor]:
-    """Return ``dw`` as the autograd grad, or add it into ``weight.main_grad`` (fusion).
-
-    With fusion, autograd still needs a gradient of the weight's shape; a zero tensor is
-    returned the way TE does (``grad_added_to_main_grad`` tells the DDP hook to skip it). A
-    fresh one each time, never a cached zero: without the DDP hook to drop it, ``p.grad``
-    would alias the cache, and autograd's in-place sum of a later grad would write into it.
-    """
-    main_grad = getattr(weight, "main_grad", None)
-    if fuse and main_grad is not None:
-        _ops.add_wgrad(weight, dw, main_grad)
-        return _ops.fused_wgrad_placeholder(weight)
-    return dw.to(weight.dtype)
 
 
 class _QuantizedModuleMixin:

@@ -34,8 +34,16 @@ from typing import Any, Optional
 import torch
 
 from lptrain.precision import autocast as _ac
+from lptrain.precision import deferred_wgrad as _deferred
 from lptrain.precision import operand_stats as _stats
 from lptrain.precision import scaled_gemm as _sg
+from lptrain.precision.wgrad import (  # noqa: F401 (add_wgrad, the probe: this module's API)
+    _hooks_fire_without_grad,
+    _weight_grads,
+    _WgradContext,
+    add_wgrad,
+    fused_wgrad_placeholder,
+)
 
 ROLES = ("input", "weight", "grad")
 
@@ -163,64 +171,6 @@ def col_operand_t(q: Any) -> torch.Tensor:
     return q.dequantize("columnwise").t()
 
 
-def add_wgrad(weight: torch.Tensor, dw: torch.Tensor, main_grad: Optional[torch.Tensor]) -> None:
-    """Accumulate ``dw`` into ``main_grad`` (fp32 add) and flag the weight (fusion contract)."""
-    assert main_grad is not None
-    # reshaped and cast only when needed: each is an op per linear per backward, and the
-    # add is the same either way
-    if dw.shape != main_grad.shape:
-        dw = dw.view_as(main_grad)
-    main_grad.add_(dw if dw.dtype == main_grad.dtype else dw.to(main_grad.dtype))
-    weight.grad_added_to_main_grad = True
-
-
-def fused_wgrad_placeholder(weight: torch.Tensor) -> Optional[torch.Tensor]:
-    """What a fused-wgrad backward hands autograd for ``weight`` once its grad is in
-    ``main_grad``.
-
-    Under a data-parallel engine (``weight.main_grad_hooked``: its post-accumulate hook adds
-    ``.grad`` into ``main_grad`` when there is one, resets the fusion flag and marks the grad
-    ready) this is ``None``, so autograd accumulates nothing into ``.grad``: the zero tensor,
-    its accumulation and the hook's drop of it, per weight per backward, are not paid (host
-    cost that caps small models). Autograd still runs the weight's AccumulateGrad and so the
-    hook, with ``.grad`` None; :func:`_hooks_fire_without_grad` checks that this torch does,
-    else the zero is returned as before. Without an engine, a fresh zero of the weight's
-    shape, the way TE does (never a cached one: ``p.grad`` would alias it, and autograd's
-    in-place sum of a later grad would write into the cache). A weight the engine keeps no
-    hook on (``weight.main_grad_unhooked``: no overlapped reduction needs its readiness)
-    gets ``None`` on any torch.
-    """
-    if getattr(weight, "main_grad_unhooked", False):  # the engine expects no grad at all
-        return None
-    if getattr(weight, "main_grad_hooked", False) and _hooks_fire_without_grad():
-        return None
-    return torch.zeros(tuple(weight.shape), dtype=weight.dtype, device=weight.device)
-
-
-class _NoWeightGrad(torch.autograd.Function):
-    """y = x * w whose backward gives ``w`` no grad (the probe of :func:`_hooks_fire_without_grad`)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return x * w
-
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
-        return dy, None
-
-
-@functools.cache
-def _hooks_fire_without_grad() -> bool:
-    """Whether autograd runs a leaf's post-accumulate-grad hooks when a backward hands it no
-    grad (None), as torch 2.13 does. Probed once on two 1-element tensors."""
-    w = torch.ones(1, requires_grad=True)
-    fired: list[Optional[torch.Tensor]] = []
-    w.register_post_accumulate_grad_hook(lambda p: fired.append(p.grad))
-    with torch.enable_grad():
-        _NoWeightGrad.apply(torch.ones(1, requires_grad=True), w).sum().backward()
-    return fired == [None]
-
-
 class _QuantizedGroupedFn(torch.autograd.Function):
     """y_i = x_i W_i^T for consecutive token splits x_i, each member quantized on its own.
 
@@ -284,6 +234,7 @@ class _QuantizedGroupedFn(torch.autograd.Function):
         ctx.in_features = x.shape[-1]
         ctx.x_dtype = x.dtype
         ctx.weights = weights if op.fuse_wgrad else None
+        ctx.all_weights = weights  # (a deferred W step hands them their grads)
         y = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)) if outs else x.new_zeros(0, op.out_features)
         return y.to(x.dtype)
 
@@ -295,16 +246,17 @@ class _QuantizedGroupedFn(torch.autograd.Function):
         n = len(ctx.m_splits)
         dys = (dy,) if n == 1 and ctx.m_splits[0] == dy.shape[0] else torch.split(dy, ctx.m_splits, dim=0)
         dxs: list[torch.Tensor] = []
-        dws: list[torch.Tensor] = []
+        # per member: the wgrad operands (dy, x), or the member's output width (no tokens)
+        pairs: list[Any] = []
         operands = _saved_operands(ctx, ctx.kinds)
+        deferred = _deferred.queue() if need_wgrad else None
         for i, dyi in enumerate(dys):
             mq = op.qstate.members[i]
             qx, qw = operands[i], operands[n + i]
-            n_out = dyi.shape[1]
             if dyi.shape[0] == 0:
                 if need_dgrad:
                     dxs.append(dy.new_zeros(0, ctx.in_features, dtype=torch.float32))
-                dws.append(torch.zeros(n_out, ctx.in_features, dtype=torch.float32, device=dy.device))
+                pairs.append(dyi.shape[1])
                 continue
             qdy = _quantize(mq.grad, dyi.detach(), need_dgrad, need_wgrad)
             dy_row = op.deq(qdy, "rowwise") if need_dgrad and not op.scaled else None
@@ -314,10 +266,19 @@ class _QuantizedGroupedFn(torch.autograd.Function):
             if op.record:
                 op.record_operand("grad", i, dyi, qdy, dy_row)
             if need_wgrad:
-                dws.append(_sg.wgrad(qdy, qx) if op.scaled else op.col_t(qdy) @ op.col_t(qx).t())
+                # (kept for a deferred W step: only the orientation its GEMM reads)
+                pairs.append((_only_columnwise(qdy) if deferred is not None else qdy, qx))
         del operands
         dx = (dxs[0] if len(dxs) == 1 else torch.cat(dxs, dim=0)).to(ctx.x_dtype) if need_dgrad else None
-        wgrads = _weight_grads(ctx, dws) if need_wgrad else [None] * len(ctx.wdtypes)
+        if not need_wgrad:
+            wgrads: list[Optional[torch.Tensor]] = [None] * len(ctx.wdtypes)
+        elif deferred is not None:  # the W step of a zero-bubble schedule computes them
+            grads_of = functools.partial(_weight_grads, _WgradContext.of(ctx), op, pairs, ctx.in_features,
+                                         dy.device)
+            deferred.defer(ctx.all_weights, grads_of)
+            wgrads = [None] * len(ctx.wdtypes)
+        else:
+            wgrads = _weight_grads(ctx, op, pairs, ctx.in_features, dy.device)
         # Delayed scaling: the first module of the autocast region updates grad-role scales
         # after its backward, i.e. after every module's backward (numerics.md 2.1).
         if op.bwd_slots is not None:
@@ -335,35 +296,6 @@ def _save_operands(ctx: Any, operands: list[Any]) -> list[bool]:
 
 def _saved_operands(ctx: Any, plain: list[bool]) -> list[Any]:
     return [_PlainOperand(t) if p else t for t, p in zip(ctx.saved_tensors, plain, strict=True)]
-
-
-def _weight_grads(ctx: Any, dws: list[torch.Tensor]) -> list[Optional[torch.Tensor]]:
-    """Per-weight autograd grads; with fusion, accumulate into ``main_grad`` and return
-    :func:`fused_wgrad_placeholder` (None under a data-parallel engine, else zeros)."""
-    op: _OpContext = ctx.op
-    out: list[Optional[torch.Tensor]] = []
-    if op.single:
-        dtype = ctx.wdtypes[0]
-        w = ctx.weights[0] if ctx.weights is not None else None
-        main_grad = getattr(w, "main_grad", None) if w is not None else None
-        if op.fuse_wgrad and main_grad is not None:
-            for i, dw in enumerate(dws):
-                main_grad[i].add_(dw.to(main_grad.dtype))
-            w.grad_added_to_main_grad = True
-            out.append(fused_wgrad_placeholder(w))
-        else:
-            out.append(torch.stack(dws).to(dtype))
-        return out
-    for i, dw in enumerate(dws):
-        dtype = ctx.wdtypes[i]
-        w = ctx.weights[i] if ctx.weights is not None else None
-        main_grad = getattr(w, "main_grad", None) if w is not None else None
-        if op.fuse_wgrad and main_grad is not None:
-            add_wgrad(w, dw, main_grad)
-            out.append(fused_wgrad_placeholder(w))
-        else:
-            out.append(dw.to(dtype))
-    return out
 
 
 @dataclass

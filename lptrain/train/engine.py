@@ -81,6 +81,7 @@ class TrainEngine(EngineCheckpointState):
     """Model + data-parallel engine + optimizer for one run (see the module doc)."""
 
     def __init__(self, cfg: LPTrainConfig) -> None:
+        from lptrain.catalog.pipeline import layout_for
         from lptrain.distributed.ddp import DataParallel
         from lptrain.distributed.groups import build_groups
         from lptrain.distributed.launch_env import init_process_group_from_env
@@ -91,16 +92,17 @@ class TrainEngine(EngineCheckpointState):
         self.cfg = cfg
         # (resolved again after joining: joining selects this rank's CUDA device)
         init_process_group_from_env(resolve_device(cfg), 60.0 * cfg.dist.distributed_timeout_minutes)
-        moe = cfg.model.moe
+        moe, pp = cfg.model.moe, max(1, cfg.model.pipeline_model_parallel_size)
         ep = moe.expert_model_parallel_size if moe.num_experts else 1
-        pp = max(1, cfg.model.pipeline_model_parallel_size)
         m = cfg.model
+        self.loss_stage = layout_for(m).loss_rank  # the pipeline rank computing the loss
         self.groups = build_groups(cfg.ddp.num_distributed_optimizer_instances, ep=ep,
                                    tp=m.tensor_model_parallel_size,
                                    sequence_parallel=m.sequence_parallel, pp=pp,
                                    tied_embeddings=m.tie_embeddings, cp=max(1, m.context_parallel_size),
                                    hierarchical_cp=(m.hierarchical_context_parallel_sizes
-                                                    if m.cp_comm_type == "a2a+p2p" else None))
+                                                    if m.cp_comm_type == "a2a+p2p" else None),
+                                   loss_stage=self.loss_stage)
         self.rank, self.world_size = self.groups.rank, self.groups.world_size
         self.dp_rank, self.dp_size = self.groups.dp.rank, self.groups.dp.size
         # (cp rank, cp size): which chunks of each sample this rank reads
@@ -349,10 +351,10 @@ class TrainEngine(EngineCheckpointState):
             dist.all_reduce(out, group=g.pg)  # (one row per rank, the others zero: exact)
         out = out.cpu()
         if self.pipeline is not None:
-            # the losses are the last stage's rows (pipeline ranks are outermost), the
-            # non-finite codes every rank's (kept for _nonfinite)
+            # the losses are the rows of the stage computing the loss (pipeline ranks are
+            # outermost), the non-finite codes every rank's (kept for _nonfinite)
             self._codes = [int(c) for c in out[:, 2].tolist()]
-            out = out.view(self.groups.pp.size, -1, 3)[-1].clone()
+            out = out.view(self.groups.pp.size, -1, 3)[self.loss_stage].clone()
             out[:, 2] = 0.0
         return replica_losses(out, self.groups.tp.size, self.groups.cp.size)
 
@@ -366,9 +368,9 @@ class TrainEngine(EngineCheckpointState):
         if not math.isfinite(float(losses[:, 1].mean())):
             r = int((~torch.isfinite(losses[:, 1])).nonzero()[0])
             where = f"rank {r}"
-            if self.pipeline is not None:  # the rows are the last stage's
-                last = self.groups.pp.size - 1
-                where = f"rank {r + last * self.groups.everyone.size} (pipeline stage {last}, the last)"
+            if self.pipeline is not None:  # the rows are the loss stage's
+                last = self.loss_stage
+                where = f"rank {r + last * self.groups.everyone.size} (pipeline stage {last}, the loss's)"
             return f"step {step}, {where}: loss is {float(losses[r, 1])}"
         return None
 

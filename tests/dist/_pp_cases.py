@@ -1,9 +1,10 @@
 """Rank side of the pipeline-parallel tests (module-level: pickled).
 
 One spawned world per size runs every case of that size (spawning and engine set-up cost
-seconds; a tiny step a fraction of one): every CPU recipe at PP 2 for :data:`STEPS` steps,
-interleaving, the delayed-scaling and stochastic-rounding regressions, train-eval-train, tied
-embeddings, and the checkpoint runs of the resumes across pipeline sizes (through
+seconds; a tiny step a fraction of one): every CPU recipe at PP 2 for :data:`STEPS` steps
+under 1F1B and each zero-bubble schedule (the V ones on uneven splits), interleaving, the
+delayed-scaling, stochastic-rounding and W-step readiness regressions, train-eval-train, tied
+embeddings, and the checkpoint runs of the resumes across pipeline sizes and splits (through
 :func:`lptrain.train.pretrain`, what each rank of ``lptrain pretrain --nproc-per-node`` runs).
 Each rank returns its own stage's fp32 masters; the tests join them into one model.
 """
@@ -45,6 +46,38 @@ TP2 = ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"]
 # One micro-batch per step at DP 2 (as the CPU recipes' own 8 / (4 x 2) at 4 ranks): fewer
 # than the stages, so the pipeline runs GPipe's order; every recipe, PP 2 x DP 2 against DP 2
 FEW = RECIPES
+# The zero-bubble schedules, each backward split into its I and W steps, at PP 2 against PP 1.
+# ZBV runs an uneven split of the 2 layers: chunk 0 the embedding alone, chunks 1 and 2 a layer
+# each, chunk 3 the loss alone (rank 0 runs the embedding and the loss, rank 1 both layers);
+# DualPipeV the same split asked as Megatron's embedding and loss counted as layers, with 4
+# micro-batches of 1 sequence (it needs 2 PP; against PP 1 runs of the same batching). Every
+# recipe under the interleaved zero bubble and ZBV, three under DualPipeV (the test-time
+# budget; the same GEMM deferral, a third order). A MoE model needs an MoE layer on every rank,
+# Muon a matrix: their ZBV runs split 4 layers evenly (against the 4-layer PP 1 run).
+ZERO_BUBBLE = {
+    "interleaved_zero_bubble": [*PP2, "model.pipeline_schedule=interleaved_zero_bubble"],
+    "zbv_zero_bubble": [*PP2, "model.pipeline_schedule=zbv_zero_bubble",
+                        "model.pipeline_model_parallel_layout=E|t|t|L"],
+}
+DUALPIPEV = [*PP2, "model.pipeline_schedule=dualpipev", "model.account_for_embedding_in_pipeline_split=true",
+             "model.account_for_loss_in_pipeline_split=true"]
+ONE_SEQ = ["train.micro_batch_size=1"]
+DUALPIPEV_RECIPES = ["fp8_delayed_cpu.yaml", "mxfp8_adamw_cpu.yaml", "nvfp4_adamw_cpu.yaml"]
+MOE = "moe_mxfp8_cpu.yaml"
+EVERY_STAGE_A_LAYER = (MOE, "mxfp8_muon_cpu.yaml")
+NUMERICS = "mxfp8_adamw_cpu.yaml"  # its zero-bubble runs also record the quantization statistics
+# 1F1B on an uneven split: both layers on the first stage, the loss alone on the second
+UNEVEN_1F1B = [*PP2, "model.pipeline_model_parallel_layout=Ett|L"]
+UNEVEN_1F1B_RECIPES = ["fp8_delayed_cpu.yaml"]
+# PP 2 x DP 2 and PP 2 x TP 2 with a zero-bubble schedule (against DP 2 / TP 2): overlapped,
+# sharded grad reductions ready only after the W steps (ZeRO-3, on the uneven V split), an
+# overlapped all-reduce (the readiness regression's run without the fault); sequence shards
+# between stages
+DP_ZB_CASES = {"zero3": ZERO_BUBBLE["zbv_zero_bubble"], "overlap": ZERO_BUBBLE["interleaved_zero_bubble"]}
+TP_ZB_CASES = {"tiny_cpu.yaml": ZERO_BUBBLE["zbv_zero_bubble"]}
+# overlapped all-reduce of unsharded buckets (against the DP 2 run without overlap: one
+# bucket either way, the same sums); the readiness regression runs it with the fault
+OVERLAP = ["ddp.overlap_grad_reduce=true"]
 TIED = ["model.tie_embeddings=true"]
 # NVFP4 on both layers (the recipe keeps the last one in BF16): stage 1 rounds stochastically
 NVFP4_ALL = ["precision.num_layers_at_end_in_bf16=0"]
@@ -56,12 +89,36 @@ def recipe_of(case: str) -> str:
     return case if case.endswith(".yaml") else "tiny_cpu.yaml"
 
 
-def run(recipe: str, extra: list[str], steps: int = STEPS, **kw: Any) -> dict[str, Any]:
-    """Losses, grad norms and this rank's fp32 masters after ``steps`` steps."""
-    from lptrain.testing.parity import train_steps
+def zero_bubble_case(recipe: str, schedule: str) -> list[str]:
+    """The overrides of ``schedule``'s PP 2 run of ``recipe`` (the MoE and Muon V runs at 4
+    layers, evenly split: rules PP-MOE-EVERY-STAGE, PP-MUON-EVERY-STAGE)."""
+    ov = ZERO_BUBBLE[schedule]
+    if recipe in EVERY_STAGE_A_LAYER and schedule != "interleaved_zero_bubble":
+        return [*ov[:2], *FOUR_LAYERS]
+    return ov
 
-    r = train_steps(recipe, [*SMALL, *extra], steps=steps, **kw)
-    return {"losses": r["losses"], "grad_norms": r["grad_norms"], "masters": r["masters"]}
+
+def run(recipe: str, extra: list[str], steps: int = STEPS, numerics: bool = False, **kw: Any) -> dict[str, Any]:
+    """Losses, grad norms and this rank's fp32 masters after ``steps`` steps (``numerics``:
+    and the quantization statistics of every step, :mod:`lptrain.train.numerics`)."""
+    from lptrain.testing.parity import train_steps
+    from lptrain.train.engine import TrainEngine
+
+    records: list[Any] = []
+    unpatched = TrainEngine.train_step
+
+    def armed(self: TrainEngine, batches: Any, step: int, **kwargs: Any) -> Any:
+        res = unpatched(self, batches, step, **{**kwargs, "numerics": True})
+        records.append(res.numerics)
+        return res
+
+    if numerics:
+        TrainEngine.train_step = armed  # type: ignore[method-assign]
+    try:
+        r = train_steps(recipe, [*SMALL, *extra], steps=steps, **kw)
+    finally:
+        TrainEngine.train_step = unpatched  # type: ignore[method-assign]
+    return {"losses": r["losses"], "grad_norms": r["grad_norms"], "masters": r["masters"], "numerics": records}
 
 
 def pretrain_run(out: Path, *extra: str) -> dict[str, Any]:
@@ -123,6 +180,31 @@ def streams_seeded_by_global_rank() -> Any:
         TrainEngine.stream_rank = unpatched  # type: ignore[method-assign]
 
 
+@contextlib.contextmanager
+def readiness_at_the_input_step() -> Any:
+    """The fault the zero-bubble readiness regression test injects: a GEMM weight whose
+    gradient is deferred to the W step is not marked pending (nor reported by its W step), so
+    the data-parallel hook autograd fires in the I step reports it ready there -- its bucket's
+    overlapped reduction starts before the W step adds the last micro-batch's gradient."""
+    from lptrain.precision.deferred_wgrad import DeferredWgrads
+
+    unpatched = DeferredWgrads.defer
+
+    def unmarked(self: DeferredWgrads, weights: Any, grads_of: Any) -> None:
+        def job() -> None:
+            for w, g in zip(weights, grads_of(), strict=True):
+                if w.requires_grad and g is not None:
+                    w.grad = g if w.grad is None else w.grad + g
+
+        self.jobs.append(job)
+
+    DeferredWgrads.defer = unmarked  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        DeferredWgrads.defer = unpatched  # type: ignore[method-assign]
+
+
 def nonfinite_note(rank: int) -> str:
     """The error of a run whose second stage's final-norm gradient turns NaN at step 2 (a hook
     on rank 1 only): every rank stops with the same line, naming the rank, stage and tensor."""
@@ -144,8 +226,9 @@ def nonfinite_note(rank: int) -> str:
 
 
 def world2(rank: int, world: int, root: str) -> dict[str, Any]:
-    """PP 2: every recipe, interleaving, the regressions, train-eval-train, tied embeddings,
-    the DP 2 and TP 2 baselines of the 4-rank world, and the checkpoint runs."""
+    """PP 2: every recipe, interleaving, the zero-bubble schedules and uneven splits, the
+    regressions, train-eval-train, tied embeddings, the DP 2 and TP 2 baselines of the 4-rank
+    world, and the checkpoint runs (a resume onto another split among them)."""
     from lptrain.testing.parity import first_difference, train_steps
 
     base = Path(root)
@@ -156,6 +239,10 @@ def world2(rank: int, world: int, root: str) -> dict[str, Any]:
         "tp2": {c: run(c, [*TP2, *ov]) for c, ov in TP_CASES.items()},
         "dp2_few": {r: run(r, []) for r in FEW},
         "tied": run("tiny_cpu.yaml", [*TIED, *PP2]),
+        "zero_bubble": {(r, s): run(r, zero_bubble_case(r, s), numerics=r == NUMERICS)
+                        for r in RECIPES for s in ZERO_BUBBLE},
+        "dualpipev": {r: run(r, [*ONE_SEQ, *DUALPIPEV], numerics=r == NUMERICS) for r in DUALPIPEV_RECIPES},
+        "uneven_1f1b": {r: run(r, UNEVEN_1F1B) for r in UNEVEN_1F1B_RECIPES},
     }
     with one_region_per_step():
         out["delayed_per_step"] = run("fp8_delayed_cpu.yaml", PP2)
@@ -166,6 +253,10 @@ def world2(rank: int, world: int, root: str) -> dict[str, Any]:
     plain = train_steps("fp8_delayed_cpu.yaml", [*SMALL, *PP2], steps=3)
     evald = train_steps("fp8_delayed_cpu.yaml", [*SMALL, *PP2], steps=3, eval_every=1, sync_after=[2])
     out["eval_bitwise"] = first_difference(plain, evald)
+    # and through ZBV's forwards on the uneven V split (torch's own V eval fails: forward_only)
+    evald_v = train_steps("fp8_delayed_cpu.yaml", [*SMALL, *ZERO_BUBBLE["zbv_zero_bubble"]], steps=3, eval_every=1,
+                          sync_after=[2])
+    out["eval_v"] = (evald_v["losses"], evald_v["grad_norms"])
     out["nonfinite"] = nonfinite_note(rank)
     # checkpoints at PP 2: straight, split (bitwise), a copy of the first half for the PP 1
     # and PP 2 x DP 2 resumes, and the resume of the parent's PP 1 save
@@ -182,6 +273,9 @@ def world2(rank: int, world: int, root: str) -> dict[str, Any]:
 
     out["replay"] = replay_step(base / "pp2_split", CKPT_STEPS).lines()
     out["nan_module"] = nan_on_the_last_stage(base / "pp2_nan")
+    # the PP 2 (1F1B, even split) half run resumed on the uneven V split under ZBV
+    copy_on_rank0(rank, base / "pp2_half", base / "from_pp2_uneven")
+    pretrain_run(base / "from_pp2_uneven", *ZERO_BUBBLE["zbv_zero_bubble"])
     return out
 
 
@@ -198,12 +292,17 @@ def nan_on_the_last_stage(out: Path) -> str:
 
 
 def world4(rank: int, world: int, root: str) -> dict[str, Any]:
-    """PP 2 x DP 2 and PP 2 x TP 2 against the DP 2 and TP 2 baselines, and the resumes across
-    DP at PP 2."""
+    """PP 2 x DP 2 and PP 2 x TP 2 against the DP 2 and TP 2 baselines (1F1B and zero-bubble
+    schedules), the zero-bubble readiness regression, and the resumes across DP at PP 2."""
     base = Path(root)
     out: dict[str, Any] = {"pp2dp2": {c: run(recipe_of(c), [*DP_SMALL, *ov, *PP2]) for c, ov in DP_CASES.items()},
                            "pp2tp2": {c: run(c, [*TP2, *ov, *PP2]) for c, ov in TP_CASES.items()},
-                           "pp2dp2_few": {r: run(r, PP2) for r in FEW}}
+                           "pp2dp2_few": {r: run(r, PP2) for r in FEW},
+                           "pp2dp2_zb": {c: run(recipe_of(c), [*DP_SMALL, *DP_CASES.get(c, OVERLAP), *ov])
+                                         for c, ov in DP_ZB_CASES.items()},
+                           "pp2tp2_zb": {c: run(c, [*TP2, *TP_CASES[c], *ov]) for c, ov in TP_ZB_CASES.items()}}
+    with readiness_at_the_input_step():
+        out["ready_at_i"] = run("tiny_cpu.yaml", [*DP_SMALL, *OVERLAP, *DP_ZB_CASES["overlap"]])
     half = f"train.exit_interval={CKPT_STEPS // 2}"
     pretrain_run(base / "pp2dp2_straight", *PP2)
     pretrain_run(base / "from_pp2", *PP2)  # the PP 2 half run, resumed at PP 2 x DP 2

@@ -43,15 +43,24 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _pp_cases import (
     CKPT_STEPS,
     DP_CASES,
+    DP_ZB_CASES,
+    DUALPIPEV_RECIPES,
+    EVERY_STAGE_A_LAYER,
     FEW,
     FOUR_LAYERS,
     INTERLEAVED,
+    NUMERICS,
     NVFP4_ALL,
+    ONE_SEQ,
     RECIPES,
     TIED,
     TP_CASES,
+    TP_ZB_CASES,
+    UNEVEN_1F1B_RECIPES,
+    ZERO_BUBBLE,
     metrics,
     pretrain_run,
+    recipe_of,
     run,
     world2,
     world4,
@@ -71,7 +80,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as every spawned rank: tiny GEMMs, and the ranks share the cores
     try:
-        pp1 = {r: run(r, []) for r in RECIPES}
+        pp1 = {r: run(r, [], numerics=r == NUMERICS) for r in RECIPES}
+        pp1_one_seq = {r: run(r, ONE_SEQ, numerics=r == NUMERICS) for r in DUALPIPEV_RECIPES}
         pp1_four = {r: run(r, FOUR_LAYERS) for r in INTERLEAVED}
         tied = run("tiny_cpu.yaml", TIED)
         sr = run("nvfp4_adamw_cpu.yaml", NVFP4_ALL)
@@ -87,7 +97,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         pretrain_run(root / "pp1_from_pp2dp2")
     finally:
         torch.set_num_threads(threads)
-    return {"root": root, "pp1": pp1, "pp1_four": pp1_four, "tied": tied, "sr": sr, "two": two, "four": four}
+    return {"root": root, "pp1": pp1, "pp1_four": pp1_four, "pp1_one_seq": pp1_one_seq, "tied": tied, "sr": sr,
+            "two": two, "four": four}
 
 
 def _joined(reports: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
@@ -159,6 +170,83 @@ def test_pp2_tp2_matches_tp2_bitwise(runs: dict[str, Any], recipe: str) -> None:
         _assert_bitwise([reports[tp], reports[2 + tp]], want, recipe)
 
 
+@pytest.mark.parametrize("schedule", sorted(ZERO_BUBBLE))
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_zero_bubble_schedules_match_pp1_bitwise(runs: dict[str, Any], recipe: str, schedule: str) -> None:
+    """torch's zero-bubble schedules at PP 2, every backward split into an I step (the input
+    gradients; the GEMMs queue their weight gradients with the micro-batch's quantized
+    operands) and a W step (the queue run, into ``main_grad``, in micro-batch order):
+    losses, grad norms and every fp32 master after 6 steps equal the one-rank run's, in every
+    CPU recipe -- delayed scaling, stochastic rounding and the MoE experts included. ZBV runs
+    the uneven V split ``E|t|t|L`` (rank 0 holds the embedding and the loss alone; MoE and Muon,
+    which need a layer on every rank, at 4 layers split evenly)."""
+    four = recipe in EVERY_STAGE_A_LAYER and schedule != "interleaved_zero_bubble"
+    want = runs["pp1_four" if four else "pp1"][recipe]
+    _assert_bitwise([r["zero_bubble"][(recipe, schedule)] for r in runs["two"]], want, f"{recipe} {schedule}")
+
+
+@pytest.mark.parametrize("recipe", DUALPIPEV_RECIPES)
+def test_dualpipev_matches_pp1_bitwise(runs: dict[str, Any], recipe: str) -> None:
+    """DualPipeV at PP 2 (4 micro-batches of one sequence: it needs 2 PP) on the split Megatron's
+    embedding and loss counted as layers give (0 | 1 | 1 | 0 layers in a V): the PP 1 run of the
+    same batching, bitwise."""
+    _assert_bitwise([r["dualpipev"][recipe] for r in runs["two"]], runs["pp1_one_seq"][recipe], recipe)
+
+
+def test_numerics_records_follow_the_split(runs: dict[str, Any]) -> None:
+    """The quantization statistics of every step (``logging.numerics_interval``) are the
+    one-rank run's under every zero-bubble schedule and split: each stage records its own
+    layers' operands (the grad operands in the I step) and the ranks' records merge by name."""
+    split = [r["zero_bubble"][(NUMERICS, s)] for s in ZERO_BUBBLE for r in runs["two"]]
+    for want, got in ((runs["pp1"][NUMERICS], split),
+                      (runs["pp1_one_seq"][NUMERICS], [r["dualpipev"][NUMERICS] for r in runs["two"]])):
+        records = want["numerics"]
+        assert len(records) == 6 and all(records) and any("grad" in str(k) for k in records[0])
+        for g in got:
+            assert g["numerics"] == records
+
+
+@pytest.mark.parametrize("recipe", UNEVEN_1F1B_RECIPES)
+def test_uneven_split_matches_pp1_bitwise_under_1f1b(runs: dict[str, Any], recipe: str) -> None:
+    """1F1B on ``pipeline_model_parallel_layout=Ett|L``: both layers on the first stage, the
+    final norm, head and loss alone on the second."""
+    _assert_bitwise([r["uneven_1f1b"][recipe] for r in runs["two"]], runs["pp1"][recipe], recipe)
+
+
+@pytest.mark.parametrize("case", sorted(DP_ZB_CASES))
+def test_zero_bubble_at_pp2_dp2_matches_dp2_bitwise(runs: dict[str, Any], case: str) -> None:
+    """Zero-bubble schedules at PP 2 x DP 2 against DP 2: ZeRO-3 with overlapped reduce-scatter
+    and prefetched gathers, overlapped all-reduce, MXFP8 param gather through the reused grad
+    buffer on the uneven V split -- a bucket's reduction starts only after the W steps of its
+    weights (each weight's pending W jobs hold its grad hook back)."""
+    want = runs["two"][0]["dp2"][case if case in DP_CASES else recipe_of(case)]
+    reports = [r["pp2dp2_zb"][case] for r in runs["four"]]
+    for dp in (0, 1):
+        _assert_bitwise([reports[dp], reports[2 + dp]], want, case)
+
+
+@pytest.mark.parametrize("recipe", sorted(TP_ZB_CASES))
+def test_zero_bubble_at_pp2_tp2_matches_tp2_bitwise(runs: dict[str, Any], recipe: str) -> None:
+    """ZBV on the uneven V split at PP 2 x TP 2 + SP against TP 2: the I step's sequence-parallel
+    collectives in order, the W step local (the layers keep their gathered inputs)."""
+    want = runs["two"][0]["tp2"][recipe]
+    reports = [r["pp2tp2_zb"][recipe] for r in runs["four"]]
+    for tp in (0, 1):
+        _assert_bitwise([reports[tp], reports[2 + tp]], want, recipe)
+
+
+def test_grad_ready_before_the_w_step_breaks_the_equality(runs: dict[str, Any]) -> None:
+    """Regression: with overlapped grad reduction, a GEMM weight reported ready by the hook
+    autograd fires in the I step (its W job not marked pending) has its bucket reduced before
+    the W step adds the last micro-batch's gradient: the run parts from DP 2 (the same run with
+    the readiness held to the W step is bitwise: the "overlap" case above)."""
+    want = runs["two"][0]["dp2"]["tiny_cpu.yaml"]
+    assert [r["pp2dp2_zb"]["overlap"]["losses"] for r in runs["four"]] == [want["losses"]] * 4  # (the fix)
+    for r in runs["four"]:
+        assert r["ready_at_i"]["losses"][0] == want["losses"][0]  # (the first step's forward)
+        assert r["ready_at_i"]["losses"] != want["losses"]
+
+
 def test_delayed_scaling_advanced_per_step_breaks_the_equality(runs: dict[str, Any]) -> None:
     """Regression: the unpipelined run advances each layer's delayed-scaling history once per
     micro-batch (one autocast region per forward, as Transformer Engine's autocast is entered
@@ -187,6 +275,16 @@ def test_train_eval_train_is_bitwise_under_pp(runs: dict[str, Any]) -> None:
     sync change nothing: losses, grad norms, reduced grads, raw param bytes, masters."""
     for r in runs["two"]:
         assert r["eval_bitwise"] is None, r["eval_bitwise"]
+
+
+def test_train_eval_train_is_bitwise_under_zbv(runs: dict[str, Any]) -> None:
+    """An evaluation after every step of ZBV on the uneven V split (ZBV's forwards alone:
+    torch's V schedules run their I steps' hand-over even forward-only, which fails) changes
+    no loss and no grad norm of the 6-step run without it."""
+    for r in runs["two"]:
+        losses, norms = r["eval_v"]
+        run6 = r["zero_bubble"][("fp8_delayed_cpu.yaml", "zbv_zero_bubble")]
+        assert losses == run6["losses"][:3] and norms == run6["grad_norms"][:3]
 
 
 def test_nonfinite_gradient_names_the_stage_rank_and_tensor(runs: dict[str, Any]) -> None:
@@ -254,6 +352,7 @@ def test_split_resume_is_bitwise_at_pp2(runs: dict[str, Any]) -> None:
 
 @pytest.mark.parametrize(("resumed", "straight"), [
     ("from_pp1", "pp2_straight"),  # saved at PP 1, resumed at PP 2
+    ("from_pp2_uneven", "pp2_straight"),  # saved at PP 2 (1F1B, even), resumed on ZBV's uneven V split
     ("pp1_from_pp2", "pp1_straight"),  # saved at PP 2, resumed at PP 1
     ("pp2_straight", "pp1_straight"),  # (and the two straight runs agree)
 ])
@@ -284,9 +383,12 @@ def test_hf_export_of_a_pp_run_equals_the_pp1_export(runs: dict[str, Any], tmp_p
     from lptrain.checkpoint import find_checkpoints
     from lptrain.interop.hf_export import export_hf
 
-    for name in ("pp1_straight", "pp2_straight"):
+    names = ("pp1_straight", "pp2_straight", "from_pp2_uneven")  # (the last: saved on the uneven V split)
+    for name in names:
         export_hf(find_checkpoints(runs["root"] / name / "ckpt").valid[0], tmp_path / name)
     files = sorted(p.name for p in (tmp_path / "pp1_straight").iterdir())
-    assert files == sorted(p.name for p in (tmp_path / "pp2_straight").iterdir()) and "model.safetensors" in files
-    for f in files:
-        assert (tmp_path / "pp1_straight" / f).read_bytes() == (tmp_path / "pp2_straight" / f).read_bytes(), f
+    assert "model.safetensors" in files
+    for name in names[1:]:
+        assert files == sorted(p.name for p in (tmp_path / name).iterdir()), name
+        for f in files:
+            assert (tmp_path / "pp1_straight" / f).read_bytes() == (tmp_path / name / f).read_bytes(), (name, f)

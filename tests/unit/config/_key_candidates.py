@@ -52,6 +52,19 @@ def _ep(v: Any, c: Any) -> list[Any]:
     return [x for x in (2, v // 2, v * 2) if x >= 1 and x != v]
 
 
+def _shifted_layout(c: Any) -> str:
+    """A layout string moving one layer from the first chunk to the last (else ``Et|tL``)."""
+    m = c.model
+    vpp = m.virtual_pipeline_model_parallel_size or 1
+    chunks = max(1, m.pipeline_model_parallel_size) * vpp
+    n = m.num_layers // chunks
+    if chunks < 2 or n < 2 or m.num_layers % chunks:
+        return "Et|tL"
+    sizes = [n - 1, *[n] * (chunks - 2), n + 1]
+    return "|".join(("E" if i == 0 else "") + "t" * k + ("L" if i == chunks - 1 else "")
+                    for i, k in enumerate(sizes))
+
+
 CANDIDATES: dict[str, Candidates] = {
     "run.name": _others("renamed"),
     "run.output_dir": _others("runs/elsewhere"),
@@ -78,7 +91,13 @@ CANDIDATES: dict[str, Candidates] = {
     "model.sequence_parallel": _flip,
     "model.pipeline_model_parallel_size": _others(2, 4),
     "model.virtual_pipeline_model_parallel_size": _others(2, None),
-    "model.pipeline_schedule": _others("interleaved_1f1b", "1f1b"),
+    "model.pipeline_schedule": _others("interleaved_1f1b", "1f1b", "interleaved_zero_bubble", "zbv_zero_bubble",
+                                       "dualpipev"),
+    "model.decoder_first_pipeline_num_layers": _others(2, 1, None),
+    "model.decoder_last_pipeline_num_layers": _others(2, 1, None),
+    "model.account_for_embedding_in_pipeline_split": _flip,
+    "model.account_for_loss_in_pipeline_split": _flip,
+    "model.pipeline_model_parallel_layout": lambda v, c: [None] if v is not None else [_shifted_layout(c)],
     "model.context_parallel_size": _others(2, 4),
     "model.cp_comm_type": _others("a2a", "allgather", "p2p"),
     "model.hierarchical_context_parallel_sizes": _others([2, 1], [1, 2], None),

@@ -56,6 +56,9 @@ HCP22 = "model.hierarchical_context_parallel_sizes=[2,2]"
 PAO = "optimizer.use_precision_aware_optimizer=true"
 BF16_GRADS = "optimizer.main_grads_dtype=bf16"
 FP16_MASTERS = "optimizer.main_params_dtype=fp16"
+FIRST1 = "model.decoder_first_pipeline_num_layers=1"
+ZB = "model.pipeline_schedule=interleaved_zero_bubble"
+ZBV = "model.pipeline_schedule=zbv_zero_bubble"
 
 # (rule, trigger overrides, expected keys (subset, in order), neighbour overrides, world[,
 # the neighbour's world when it differs])
@@ -228,6 +231,41 @@ CASES: list[tuple] = [
     ("PP-INTERLEAVED-MICRO-BATCHES", [PP2, VPP2, "model.num_layers=4", "train.micro_batch_size=1",
                                       "train.global_batch_size=3"], ("train.global_batch_size",),
      [PP2, VPP2, "model.num_layers=4", "train.micro_batch_size=1", "train.global_batch_size=4"], CPU),
+    ("PP-SPLIT-NEEDS-PP", [FIRST1], ("model.decoder_first_pipeline_num_layers",),
+     [PP2, "model.num_layers=3", FIRST1], CPU),
+    ("PP-UNEVEN-EXCLUSIVE", [PP2, "model.num_layers=3", FIRST1, "model.account_for_embedding_in_pipeline_split=true"],
+     ("model.decoder_first_pipeline_num_layers", "model.account_for_embedding_in_pipeline_split"),
+     [PP2, "model.num_layers=3", FIRST1], CPU),
+    ("PP-UNEVEN-POSITIVE", [PP2, "model.decoder_first_pipeline_num_layers=0"],
+     ("model.decoder_first_pipeline_num_layers",), [PP2, "model.num_layers=3", FIRST1], CPU),
+    ("PP-UNEVEN-VIRTUAL", [PP2, VPP2, "model.num_layers=6", "model.decoder_first_pipeline_num_layers=3"],
+     ("model.decoder_first_pipeline_num_layers",),
+     [PP2, VPP2, "model.num_layers=6", "model.decoder_first_pipeline_num_layers=2"], CPU),
+    ("PP-UNEVEN-MIDDLE", [PP2, "model.num_layers=3", FIRST1, "model.decoder_last_pipeline_num_layers=1"],
+     ("model.decoder_first_pipeline_num_layers",),
+     [PP2, "model.num_layers=2", FIRST1, "model.decoder_last_pipeline_num_layers=1"], CPU),
+    ("PP-UNEVEN-V-SHAPE", [PP2, "model.num_layers=4", FIRST1, ZBV], ("model.decoder_first_pipeline_num_layers",),
+     [PP2, "model.num_layers=4", ZBV], CPU),
+    ("PP-ACCOUNT-DIVIDES", [PP2, "model.account_for_embedding_in_pipeline_split=true"],
+     ("model.num_layers", "model.account_for_embedding_in_pipeline_split"),
+     [PP2, "model.num_layers=3", "model.account_for_embedding_in_pipeline_split=true"], CPU),
+    ("PP-LAYOUT-EXCLUSIVE", [PP2, "model.pipeline_model_parallel_layout=Et|tL",
+                             "model.account_for_loss_in_pipeline_split=true"],
+     ("model.pipeline_model_parallel_layout",), [PP2, "model.pipeline_model_parallel_layout=Et|tL"], CPU),
+    ("PP-LAYOUT-GRAMMAR", [PP2, "model.pipeline_model_parallel_layout=Et|tmL"],
+     ("model.pipeline_model_parallel_layout",), [PP2, "model.pipeline_model_parallel_layout=Et|tL"], CPU),
+    ("PP-LAYOUT-STAGES", [PP2, "model.pipeline_model_parallel_layout=Et|t|L"],
+     ("model.pipeline_model_parallel_layout",), [PP2, "model.pipeline_model_parallel_layout=(t)*0Et|tL"], CPU),
+    ("PP-LAYOUT-CONTENTS", [PP2, "model.pipeline_model_parallel_layout=tE|tL"],
+     ("model.pipeline_model_parallel_layout",), [PP2, "model.pipeline_model_parallel_layout=E,t*1|tL"], CPU),
+    ("PP-SCHEDULE-NEEDS-PP", [ZB], ("model.pipeline_schedule",), [PP2, ZB], CPU),
+    ("PP-SPLIT-BACKWARD-TE", [PP2, ZB, TE, E4M3], ("model.pipeline_schedule", "precision.backend"),
+     [PP2, TE, E4M3], SM90),
+    ("PP-DUALPIPEV-MICRO-BATCHES", [PP2, "model.num_layers=4", "model.pipeline_schedule=dualpipev"],
+     ("train.global_batch_size",),
+     [PP2, "model.num_layers=4", "model.pipeline_schedule=dualpipev", "train.micro_batch_size=2"], CPU),
+    ("PP-MUON-EVERY-STAGE", [PP2, MUON, "model.pipeline_model_parallel_layout=Ett|L"], ("optimizer.name",),
+     [PP2, MUON, "model.pipeline_model_parallel_layout=Et|tL"], CPU),
     ("PP-MOE-EVERY-STAGE", [MOE, PP2, "model.num_layers=4", "model.moe.moe_layer_freq=4"],
      ("model.moe.moe_layer_freq",), [MOE, PP2, "model.num_layers=4", "model.moe.moe_layer_freq=2"], CPU),
     ("LAUNCH-CP-DIVIDES-WORLD", [CP2, "train.micro_batch_size=2"], ("model.context_parallel_size",),

@@ -123,7 +123,7 @@ def test_405b_at_tp8_pp8_fits_80gb_at_512_gpus() -> None:
     composed = load("fp8_tensorwise_405b_tp8_pp8.yaml")
     cfg = derive(composed.cfg, World.detect(dp=8, target="sm90"))
     est = estimate_memory(cfg, 8, "sm90")
-    assert est.params == pytest.approx(412.2e9, rel=1e-3)
+    assert est.params == pytest.approx(405.85e9, rel=1e-3)  # (126 layers: 15 | 16 x 6 | 15 over 8 stages)
     assert est.worst.total < 80 * 2**30, est.worst.total / 2**30
     assert {r.rank // 64 for r in est.ranks} == set(range(8))  # every stage planned
     flat = load("fp8_tensorwise_405b_tp8_pp8.yaml", ["model.pipeline_model_parallel_size=1"])
