@@ -5,8 +5,8 @@ only when a run selects it.
 
 The packages are layered, and each imports only the layers to its right in :data:`LAYERS`:
 the front door (``cli``, ``launch``, ``testing``) -> ``train`` -> ``memory``, ``interop`` ->
-``optim`` -> ``distributed`` -> ``model`` -> ``precision`` -> ``config`` -> ``data``,
-``checkpoint`` -> ``catalog``, ``errors``. No cycles between packages, and no private name is
+``optim`` -> ``distributed`` -> ``model`` -> ``precision`` -> ``checkpoint`` -> ``config`` ->
+``data`` -> ``catalog``, ``errors``. No cycles between packages, and no private name is
 imported across packages (``tests/unit/test_import_layers.py`` holds all three).
 """
 
@@ -21,7 +21,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("distributed",),
     ("model",),
     ("precision",),
+    ("checkpoint",),
     ("config",),
-    ("data", "checkpoint"),
+    ("data",),
     ("catalog", "errors"),
 )

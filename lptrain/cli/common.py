@@ -113,8 +113,28 @@ def detect_world(dp: Optional[int], target: Optional[Target], te_version: Option
 
     if cuda_version is not None:
         cuda_version = check_version(cuda_version, key="--cuda-version")
+    if target is not None and target.value != "cpu" and te_version is None:
+        te_version = te_python_release()
     return World.detect(dp=dp, target=target.value if target else None, te_version=te_version,
                         cuda_version=cuda_version, ranks=ranks)
+
+
+def te_python_release() -> Optional[str]:
+    """Checking for a GPU on a machine without one: the release of TE's own Python that the
+    dry run's fake GPU step will run (``$LPTRAIN_TE_PYTHON``, else the newest folder ``make
+    install`` made), so the rules judge the TE that runs; None when there is none or a real
+    TE is installed (then that one's version is reported)."""
+    try:
+        from lptrain.testing import te_python
+    except ImportError:  # a wheel without the testing package
+        return None
+    if te_python.version() is not None:  # imported in this process already: that one runs
+        return te_python.version()
+    from lptrain.config.world import installed_te_version
+
+    if installed_te_version() is not None:
+        return None
+    return te_python.default_release()
 
 
 def is_terminal(stream: str) -> bool:

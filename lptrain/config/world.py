@@ -124,7 +124,7 @@ class World:
                 raise ValueError(f"unknown target {target!r}; choose from {', '.join(TARGETS)}")
             if target == "cpu":
                 return cls(target="cpu", te_version=te_version, cuda=False, **sizes)
-            return cls(target=target, te_version=te_version or _te_python_release() or ASSUMED_TE_VERSION,
+            return cls(target=target, te_version=te_version or ASSUMED_TE_VERSION,
                        cuda=True, cuda_version=cuda_version or ASSUMED_CUDA_VERSION, **sizes)
         env_target = _detect_gpu_target()
         installed = te_version or installed_te_version()
@@ -164,22 +164,6 @@ def check_version(text: str, key: str = "--te-version") -> str:
             "a Transformer Engine version such as 2.14 or 2.8.0")
         raise ConfigError(f"{key} {text!r} is not a version number", key=key, fix=f"give {what}")
     return value
-
-
-def _te_python_release() -> Optional[str]:
-    """Checking for a GPU on a machine without one: the release of TE's own Python that the
-    dry run's fake GPU step will run (``$LPTRAIN_TE_PYTHON``, else the newest folder ``make
-    install`` made), so the rules judge the TE that runs; None when there is none or a real
-    TE is installed (then that one's version is reported)."""
-    try:
-        from lptrain.testing import te_python
-    except ImportError:  # a wheel without the testing package
-        return None
-    if te_python.version() is not None:  # imported in this process already: that one runs
-        return te_python.version()
-    if installed_te_version() is not None:
-        return None
-    return te_python.default_release()
 
 
 def installed_te_version() -> Optional[str]:

@@ -8,7 +8,7 @@ dtypes always, and when TE holds the masters (:func:`lptrain.catalog.optimizer_s
 te_holds_masters`) ``master_weights=True``, ``master_weight_dtype``, ``use_decoupled_grad=True``
 and ``store_param_remainders``. The TE backend gets TE's class
 (:func:`lptrain.precision.te_adapter.te_fused_adam`), the emulated backend
-:class:`lptrain.optim.fused_adam.EmulatedFusedAdam`: the same arguments, state and state API.
+:class:`lptrain.precision.fused_adam.EmulatedFusedAdam`: the same arguments, state and state API.
 
 Who holds the master of a piece (a byte range of a param in this rank's shard):
 
@@ -41,7 +41,7 @@ import torch
 
 from lptrain.catalog.optimizer_state import SCALED
 from lptrain.config.schema import LPTrainConfig, OptimizerConfig
-from lptrain.optim.fused_adam import EmulatedFusedAdam
+from lptrain.precision.fused_adam import EmulatedFusedAdam
 from lptrain.precision.optimizer_states import (
     TORCH_DTYPES,
     load_stored_,

@@ -49,7 +49,7 @@ def virtual_gpu(target: str = "sm90", *, te: bool = False, te_version: Optional[
         if te:
             from lptrain.precision.te_adapter import te_importable
 
-            if te_python.version() is None and te_importable():
+            if te_python.version() is None and te_importable() and not te_python.serves_importable_te():
                 vc.te_backend = "installed"
             else:
                 stack.enter_context(te_python.installed(te_version))
@@ -204,6 +204,11 @@ def _rank_steps(rank: int, world: int, small: Any, target: str, steps: int, te_v
     from lptrain.data import build_train_valid_loaders
     from lptrain.train.engine import TrainEngine
 
+    import warnings
+
+    # TE's own Python calls torch's collectives by their older names, deprecated (a
+    # FutureWarning per call) in torch 2.13: a rank's stderr would bury the report in them.
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
     te = small.precision.backend == "te"
     with virtual_gpu(target, te=te, te_version=te_version, cuda_version=cuda_version) as vc:
         small = derive(small, World.detect())

@@ -34,7 +34,8 @@ PAO = ["ddp.use_distributed_optimizer=true", "optimizer.use_precision_aware_opti
 def _train(out: Path, *extra: str) -> dict[str, Any]:
     ov = ["logging.progress=false", "logging.plots=false", "train.eval_iters=1", "train.log_interval=null",
           f"train.train_iters={N}", "train.global_batch_size=4", "train.micro_batch_size=4",
-          "model.seq_length=64", "data.builtin_max_mb=1", f"checkpoint.save={out}/ckpt", *extra]
+          "model.seq_length=64", "data.builtin_max_mb=1", f"checkpoint.save={out}/ckpt",
+          f"optimizer.decay_iters={N + 1}", *extra]  # one schedule for the run and its longer resume
     return pretrain(compose("tiny_cpu.yaml", ov), out)
 
 

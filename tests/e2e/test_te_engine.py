@@ -1,6 +1,6 @@
 """The data-parallel engine on Transformer Engine's tensors, through TE's own Python (newest
 installed release, kernels emulated: lptrain.testing.te_python) on a virtual GPU (one rank;
-the two-rank byte gather is in tests/dist/test_te_standin_dist.py).
+the two-rank byte gather is in tests/dist/test_te_dist.py).
 
 Each test holds one defect the engine had with TE's classes (read against TE's source) and
 fails on the engine as it was, where TE tensors fell through to the plain-tensor path:

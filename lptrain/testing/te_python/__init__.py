@@ -140,6 +140,24 @@ def te_class(name: str) -> Optional[type]:
     return None
 
 
+def serves_importable_te() -> bool:
+    """Whether the ``transformer_engine`` that ``import`` would find is one of these folders
+    (not a real TE): this process's parent imported TE's Python from it, and a spawned rank
+    inherits the parent's ``sys.path`` but not the finder that emulates the extension."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("transformer_engine")
+    except (ImportError, ValueError):
+        return False
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    home = Path(list(spec.submodule_search_locations)[0]).resolve().parent
+    env = os.environ.get(ENV)
+    ours = {p.resolve() for p in installed_folders().values()} | ({Path(env).expanduser().resolve()} if env else set())
+    return home in ours
+
+
 def describe() -> str:
     """What serves the TE backend: ``TE 2.20.2, TE's own Python, kernels emulated``."""
     return f"TE {version()}, TE's own Python, kernels emulated"
@@ -165,4 +183,4 @@ def installed(version: Optional[str] = None) -> Iterator[Any]:
 
 __all__ = ["ENV", "HOW_TO_GET", "MATRIX", "ROOT", "TEPythonMissing", "default_release", "describe", "folder",
            "installed",
-           "installed_folders", "load", "te_class", "version"]
+           "installed_folders", "serves_importable_te", "load", "te_class", "version"]

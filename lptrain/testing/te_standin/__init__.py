@@ -172,7 +172,12 @@ def installed(version: str = LATEST) -> Iterator[dict[str, types.ModuleType]]:
     from lptrain.precision import te_adapter
 
     mods = make(version)
-    saved = {k: sys.modules.get(k) for k in mods}
+    # Hide every other TE module too (TE's own Python imported earlier in this process): a
+    # leftover ``transformer_engine.pytorch.optimizers`` would be found beside the stand-in.
+    others = [k for k in sys.modules if k.split(".")[0] == "transformer_engine" and k not in mods]
+    saved = {k: sys.modules.get(k) for k in [*mods, *others]}
+    for k in others:
+        del sys.modules[k]
     saved_refuse = T.Float8BlockwiseQTensor._refuses_inner_reshape
     T.Float8BlockwiseQTensor._refuses_inner_reshape = _v(version) < (2, 14)
     T.set_traceable(_v(version) >= TRACEABLE_FROM)

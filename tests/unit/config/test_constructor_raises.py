@@ -31,7 +31,7 @@ SCANNED = [
     "lptrain/train/engine.py", "lptrain/optim", "lptrain/distributed",
     "lptrain/precision/factory.py", "lptrain/precision/recipes.py", "lptrain/precision/delayed_scaling.py",
     "lptrain/precision/layers.py",
-    "lptrain/precision/te_adapter.py",
+    "lptrain/precision/te_adapter.py", "lptrain/precision/fused_adam.py",
 ]
 ROOT_NAMES = {"__init__", "__post_init__", "add_param_group"}
 # Called from a constructor in another module (build_factory -> runtime_backend ->
@@ -269,9 +269,9 @@ SITES: dict[str, ByRule | NotConfig] = {
                                                "precision.fp8_param_gather=true",
                                                "ddp.reuse_grad_buf_for_mxfp8_param_ag=true",
                                                "optimizer.main_params_dtype=fp16")),
-    "lptrain/optim/fused_adam.py::EmulatedFusedAdam.__init__::RuntimeError: FusedAdam only supports fp32/fp16 master w":
+    "lptrain/precision/fused_adam.py::EmulatedFusedAdam.__init__::RuntimeError: FusedAdam only supports fp32/fp16 master w":
         ByRule("OPT-CHOICES", (*PAO, "optimizer.main_params_dtype=bf16"), build=_fused_adam),
-    "lptrain/optim/fused_adam.py::EmulatedFusedAdam.__init__::RuntimeError: FusedAdam only supports fp32/fp16/bf16/fp8":
+    "lptrain/precision/fused_adam.py::EmulatedFusedAdam.__init__::RuntimeError: FusedAdam only supports fp32/fp16/bf16/fp8":
         ByRule("OPT-CHOICES", (*PAO, "optimizer.exp_avg_dtype=fp64")),
     "lptrain/optim/distributed.py::ShardedMasterOptimizer.__init__::RuntimeError: Muon params must be whole on a rank (unsh":
         NotConfig("the layout never shards Muon buffers (plan_layout keeps them whole)"),

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from lptrain.optim.fused_adam import EmulatedFusedAdam
+from lptrain.precision.fused_adam import EmulatedFusedAdam
 from lptrain.precision import optimizer_states as S
 
 F32 = np.float32

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from lptrain.config import World, check, compose, derive
-from lptrain.optim.fused_adam import EmulatedFusedAdam
+from lptrain.precision.fused_adam import EmulatedFusedAdam
 from lptrain.optim.precision_aware import StatePrecision, fused_adam, state_precision
 
 BASE = ["data.builtin_max_mb=1", "logging.progress=false", "model.seq_length=32",

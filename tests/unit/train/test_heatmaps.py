@@ -8,6 +8,7 @@ Issue 52 item 11: all-zero data got a colour bar from -0.1 to 0.1 (negative frac
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import matplotlib.figure
@@ -41,7 +42,8 @@ def drawn(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, matplotlib.figure.
 
     def record(fig: matplotlib.figure.Figure, path: object, *a: object, **k: object) -> None:
         Path(str(path)).write_bytes(b"")
-        out.append((Path(str(path)).name, fig))
+        # save_png draws into ".<name>.tmp<pid>" beside the file and renames it
+        out.append((re.sub(r"^\.(.*)\.tmp\d+$", r"\1", Path(str(path)).name), fig))
 
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", record)
     return out
