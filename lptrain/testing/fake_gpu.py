@@ -200,11 +200,11 @@ def _rank_steps(rank: int, world: int, small: Any, target: str, steps: int, te_v
                 cuda_version: Optional[str]) -> dict[str, Any]:
     """This rank's steps on its virtual GPU (module level: the ranks are spawned): losses, the
     evaluation, host syncs and collectives of the last step, peak device bytes."""
+    import warnings
+
     from lptrain.config import World, derive
     from lptrain.data import build_train_valid_loaders
     from lptrain.train.engine import TrainEngine
-
-    import warnings
 
     # TE's own Python calls torch's collectives by their older names, deprecated (a
     # FutureWarning per call) in torch 2.13: a rank's stderr would bury the report in them.

@@ -152,7 +152,7 @@ def serves_importable_te() -> bool:
         return False
     if spec is None or not spec.submodule_search_locations:
         return False
-    home = Path(list(spec.submodule_search_locations)[0]).resolve().parent
+    home = Path(next(iter(spec.submodule_search_locations))).resolve().parent
     env = os.environ.get(ENV)
     ours = {p.resolve() for p in installed_folders().values()} | ({Path(env).expanduser().resolve()} if env else set())
     return home in ours
@@ -181,6 +181,19 @@ def installed(version: Optional[str] = None) -> Iterator[Any]:
         te_adapter.forget_te_classes()
 
 
-__all__ = ["ENV", "HOW_TO_GET", "MATRIX", "ROOT", "TEPythonMissing", "default_release", "describe", "folder",
-           "installed",
-           "installed_folders", "serves_importable_te", "load", "te_class", "version"]
+__all__ = [
+    "ENV",
+    "HOW_TO_GET",
+    "MATRIX",
+    "ROOT",
+    "TEPythonMissing",
+    "default_release",
+    "describe",
+    "folder",
+    "installed",
+    "installed_folders",
+    "load",
+    "serves_importable_te",
+    "te_class",
+    "version",
+]

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from lptrain.precision.fused_adam import EmulatedFusedAdam
 from lptrain.precision import optimizer_states as S
+from lptrain.precision.fused_adam import EmulatedFusedAdam
 
 F32 = np.float32
 

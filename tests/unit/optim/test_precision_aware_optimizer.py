@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from lptrain.config import World, check, compose, derive
-from lptrain.precision.fused_adam import EmulatedFusedAdam
 from lptrain.optim.precision_aware import StatePrecision, fused_adam, state_precision
+from lptrain.precision.fused_adam import EmulatedFusedAdam
 
 BASE = ["data.builtin_max_mb=1", "logging.progress=false", "model.seq_length=32",
         "train.micro_batch_size=2", "train.global_batch_size=2"]
