@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from lptrain.catalog.pipeline_split import SplitKeys, chunk_sizes
+from lptrain.catalog.pipeline_split import SplitError, SplitKeys, chunk_sizes
 
 SCHEDULES: tuple[str, ...] = ("1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble",
                               "dualpipev")
@@ -59,6 +59,11 @@ class PipelineLayout:
         """The layout Megatron's keys ask for (raises :class:`~lptrain.catalog.pipeline_split.
         SplitError` for a split the rules refuse)."""
         lay = PipelineLayout(keys.num_layers, keys.pp, keys.vpp, v_shape=keys.v_shape)
+        if lay.chunks > max(0, keys.num_layers) + 2:  # not even one layer (or the embedding / loss) each
+            raise SplitError("PP-LAYERS-DIVIDE", ("model.num_layers", "model.pipeline_model_parallel_size",
+                                                  "model.virtual_pipeline_model_parallel_size"),
+                             f"{lay.chunks} model chunks (pipeline x virtual size) for {keys.num_layers} layers",
+                             "lower model.pipeline_model_parallel_size / model.virtual_pipeline_model_parallel_size")
         sizes = chunk_sizes(keys, [lay.chunk_rank(c) for c in range(lay.chunks)])
         return PipelineLayout(keys.num_layers, keys.pp, keys.vpp, tuple(sizes), keys.v_shape)
 

@@ -68,6 +68,9 @@ class SplitKeys:
         return self.embedding or self.loss
 
 
+MAX_LAYOUT_REPEAT = 100_000  # more layers or chunks than any model has
+
+
 class SplitError(ValueError):
     """A split Megatron-LM refuses: ``rule`` (its id in the catalog), the keys at fault, the
     message and the fix (the rule's text is built from these)."""
@@ -85,6 +88,9 @@ def parse_layout(text: str) -> list[str]:
     ``["Et", "tt", "tt", "tL"]``): commas dropped, ``(...)*n`` then ``x*n`` unrolled, split at
     ``|``. Raises :class:`SplitError` on a character outside ``E``, ``t``, ``L``."""
     s = text.replace(",", "").replace(" ", "")
+    if any(int(n) > MAX_LAYOUT_REPEAT for n in re.findall(r"\*(\d+)", s)):  # "E*99999999999" unrolled
+        raise SplitError("PP-LAYOUT-GRAMMAR", (LAYOUT,), f"pipeline_model_parallel_layout={text!r}: a repeat "
+                         f"count over {MAX_LAYOUT_REPEAT}", "spell the layout with a repeat count a model can have")
     s = re.sub(r"\(([^)]+)\)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), s)
     s = re.sub(r"(.)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), s)
     chunks = s.split("|")

@@ -78,4 +78,10 @@ class RunOutputs:
             return False
         self.wandb.summary.update({k: v for k, v in summary.items() if v is not None})
         self.wandb.finish()
+        import wandb
+
+        # the W&B service process outlives finish() and keeps polling (a tenth of a core each,
+        # for as long as the Python process lives: a notebook, a test worker, a sweep driver)
+        wandb.teardown()
+        self.wandb = None
         return True

@@ -106,3 +106,16 @@ def test_fuzz_recipes(content: bytes, env: dict[str, Path]) -> None:
     path.write_bytes(content)
     check(["validate-config", "--recipe", str(path)], env)
     check(_dry_run([], env, ["--recipe", str(path)]), env)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["model.virtual_pipeline_model_parallel_size=16777216", "model.pipeline_model_parallel_size=2"],
+    ["model.pipeline_model_parallel_size=2147483648"],
+    ["model.pipeline_model_parallel_size=2", "model.pipeline_model_parallel_layout=E|(t)*9999999999"],
+])
+def test_huge_pipeline_sizes_are_refused_without_listing_them(overrides: list[str], env: dict[str, Path]) -> None:
+    """Regression (found by test_fuzz_overrides): the pipeline layout listed one entry per model
+    chunk, or unrolled a layout's repeat count, before any rule judged the sizes: 2**24 chunks
+    took minutes and gigabytes. Refused at once now (exit 1)."""
+    r = runner.invoke(app, ["validate-config", *overrides], env={"LPTRAIN_CACHE_DIR": str(env["root"] / "cache")})
+    assert r.exit_code == 1 and "PP-" in r.output, r.output
