@@ -17,7 +17,8 @@ cuBLASLt 12.9+; MX (1x32, E8M0) and NVFP4 (1x16, E4M3 plus a per-tensor fp32 sca
 scales from 10.0, with CUDA 12.8+, their scales in cuBLAS's swizzled 128x4 layout. On the CPU
 torch runs TensorWise and RowWise FP8 only. The grouped kernels (``scaled_grouped_mm``, CUDA
 compute capability 9.x or 10.x only, bf16 output only): row-wise E4M3 (a CUTLASS sm90 kernel,
-so 9.0), MXFP8 on 10.x (a torch built with FBGEMM GenAI), NVFP4 on 10.x (FBGEMM GenAI too).
+so 9.0), MXFP8 and NVFP4 on 10.0 (a torch built with MSLK, FBGEMM GenAI before; torch's own
+tests run them on 10.0 only).
 
 Torch-free: ``validate-config`` reads it without importing torch.
 """
@@ -56,6 +57,10 @@ class ScaledKernel:
     grouped_sm: tuple[tuple[int, int], ...] = ()
     grouped_format: Optional[str] = None
     grouped_gemms: tuple[str, ...] = ()
+    # the torch build flag(s) the grouped kernel needs ("A|B": either), and the multiples
+    # (each expert's rows, K) its packing needs
+    grouped_build: str = ""
+    grouped_align: tuple[int, int] = (1, 16)
     note: str = ""
 
     def runs_on(self, sm: int, cuda_version: Optional[str]) -> bool:
@@ -99,14 +104,14 @@ KERNELS: tuple[ScaledKernel, ...] = (
     ScaledKernel(recipe="mxfp8", fprop=("BlockWise1x32", "BlockWise1x32"),
                  dgrad=("BlockWise1x32", "BlockWise1x32"), wgrad=("BlockWise1x32", "BlockWise1x32"),
                  cpu=False, min_sm=100, min_cuda="12.8", swizzled_scales=True,
-                 grouped_sm=((100, 109),),
-                 note="E8M0 scales per 32; torch's grouped kernel (FBGEMM GenAI builds) takes "
-                      "each expert's scales blocked separately, not modelled yet: one scaled "
-                      "GEMM per expert"),
+                 grouped_sm=((100, 100),), grouped_format="e4m3", grouped_gemms=("fprop", "dgrad"),
+                 grouped_build="USE_MSLK|USE_FBGEMM_GENAI", grouped_align=(32, 128),
+                 note="E8M0 scales per 32; the grouped kernel needs a torch built with MSLK "
+                      "(FBGEMM GenAI before): elsewhere one scaled GEMM per expert"),
     ScaledKernel(recipe="nvfp4", fprop=("BlockWise1x16", "BlockWise1x16"),
                  dgrad=("BlockWise1x16", "BlockWise1x16"), wgrad=("BlockWise1x16", "BlockWise1x16"),
                  cpu=False, min_sm=100, min_cuda="12.8", swizzled_scales=True,
-                 grouped_sm=((100, 109),),
+                 grouped_sm=((100, 100),),
                  note="E4M3 scales per 16 plus the per-tensor fp32 scale (TensorWise); the "
                       "grouped kernel as MXFP8's (not used: one scaled GEMM per expert); needs "
                       "torch.nn.functional.scaled_mm (torch._scaled_mm has no second-level scale)"),

@@ -198,6 +198,7 @@ class _QuantizedGroupedFn(torch.autograd.Function):
         saved_w: list[Any] = []
         scaled_x: dict[int, Any] = {}  # member -> its quantized input, for the scaled GEMMs
         qws: list[Any] = []
+        trim_w: list[Any] = []  # quantized weights kept for dgrad column-wise only
         for i, (xi, wi) in enumerate(zip(xs, members, strict=False)):
             mq = op.qstate.members[i]
             if _is_quantized(wi):
@@ -226,11 +227,17 @@ class _QuantizedGroupedFn(torch.autograd.Function):
             if op.record:  # the statistics reuse the GEMM's dequantized operands
                 op.record_operand("input", i, xi, qx, x_row)
                 op.record_operand("weight", i, None if _is_quantized(wi) else wi, qw, w_row)
-            saved_x.append(_only_columnwise(qx) if need_wgrad else None)
+            saved_x.append(qx if need_wgrad else None)
             whole = _is_quantized(wi) or op.keep_weights is not None
-            saved_w.append((qw if whole else _only_columnwise(qw)) if need_dgrad else None)
+            saved_w.append(qw if need_dgrad else None)
+            if need_dgrad and not whole:
+                trim_w.append(qw)
         if scaled_x:
             outs = _scaled_member_gemms("fprop", scaled_x, outs, qws, x.dtype)
+        # only now (the scaled GEMMs above read the row-wise bytes): drop what backward never reads
+        for q in [*saved_x, *trim_w]:
+            if q is not None:
+                _only_columnwise(q)
         ctx.op = op
         ctx.m_splits = list(m_splits)
         # through save_for_backward, so activation checkpointing can drop and recompute them
@@ -275,10 +282,13 @@ class _QuantizedGroupedFn(torch.autograd.Function):
             if op.record:
                 op.record_operand("grad", i, dyi, qdy, dy_row)
             if need_wgrad:
-                # (kept for a deferred W step: only the orientation its GEMM reads)
-                pairs.append((_only_columnwise(qdy) if deferred is not None else qdy, qx))
+                pairs.append((qdy, qx))
         if scaled_dy:
             dxs = _scaled_member_gemms("dgrad", scaled_dy, dxs, operands[n:], ctx.x_dtype)
+        if deferred is not None:  # kept for a deferred W step: only the orientation it reads
+            for p in pairs:
+                if not isinstance(p, int):
+                    _only_columnwise(p[0])
         del operands
         dx = (dxs[0] if len(dxs) == 1 else torch.cat(dxs, dim=0)).to(ctx.x_dtype) if need_dgrad else None
         if not need_wgrad:

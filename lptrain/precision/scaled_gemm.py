@@ -38,6 +38,7 @@ repeated over its rows: A's as a ``[M]`` fp32 vector, B's as ``[G, N]``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -189,29 +190,42 @@ def grouped(gemm: str, qas: Sequence[Optional[Any]], qbs: Sequence[Any],
     b_ops = [q.gemm_operand(ob) for q in qbs]
     if not _grouped_kernel_here(gemm, a_ops, b_ops):
         return None
-    mat_a, scale_a, mat_b, scale_b, offs = pack_rowwise(a_ops, b_ops)
-    st = F.ScalingType
-    return fn(mat_a, mat_b, scale_a, st.RowWise, scale_b, st.RowWise, offs=offs,
-              output_dtype=torch.bfloat16, use_fast_accum=gemm == "fprop")
+    pack, recipe, swizzle = _GROUPED_PACKING[b_ops[0].scaling]
+    mat_a, scale_a, mat_b, scale_b, offs = pack(a_ops, b_ops)
+    st, sw = F.ScalingType, F.SwizzleType
+    return fn(mat_a, mat_b, scale_a, getattr(st, recipe), scale_b, getattr(st, recipe),
+              swizzle_a=getattr(sw, swizzle), swizzle_b=getattr(sw, swizzle), offs=offs,
+              output_dtype=torch.bfloat16,
+              use_fast_accum=gemm == "fprop" and b_ops[0].scaling == TENSORWISE)
+
+
+@functools.cache
+def torch_built_with(flag: str) -> bool:
+    """Whether this torch was built with ``flag`` (``USE_MSLK``: the MXFP8 grouped kernel)."""
+    return flag in torch.__config__.show()
 
 
 def _grouped_kernel_here(gemm: str, a_ops: Sequence[Optional[ScaledOperand]],
                          b_ops: Sequence[ScaledOperand]) -> bool:
     """Whether torch's grouped kernel takes these operands on their GPU: one scaling pair
-    with a grouped kernel for ``gemm`` there (the catalog), its element format, at least one
-    expert with tokens, K and N multiples of 16, fewer than 1024 experts."""
+    with a grouped kernel for ``gemm`` there (the catalog) that this torch was built with, its
+    element format, at least one expert with tokens, each expert's rows and K multiples of
+    the kernel's alignment, N of 16, fewer than 1024 experts."""
     present = [a for a in a_ops if a is not None and a.rows > 0]
     ops = [*present, *b_ops]
-    pairs = {(a.scaling, b.scaling) for a in present for b in b_ops[:1]}
-    if not present or len(pairs) != 1 or len({o.scaling for o in ops}) != 1 or len(b_ops) >= 1024:
+    if not present or len({o.scaling for o in ops}) != 1 or len(b_ops) >= 1024:
         return False
-    k = grouped_kernel(*pairs.pop())
-    if k is None or not k.grouped_runs(gemm, _sm(b_ops[0].data)):
+    k = grouped_kernel(b_ops[0].scaling, b_ops[0].scaling)
+    if k is None or not k.grouped_runs(gemm, _sm(b_ops[0].data)) or b_ops[0].scaling not in _GROUPED_PACKING:
+        return False
+    if k.grouped_build and not any(torch_built_with(f) for f in k.grouped_build.split("|")):
         return False
     fmt = _FP8_DTYPES.get(k.grouped_format or "")
-    if fmt is not None and any(o.data.dtype != fmt for o in ops):
+    if fmt is None or any(o.data.dtype != fmt for o in ops):
         return False
-    return k.grouped_format is not None and present[0].k % 16 == 0 and b_ops[0].rows % 16 == 0
+    rows_align, k_align = k.grouped_align
+    return (all(a.rows % rows_align == 0 for a in present) and present[0].k % k_align == 0
+            and b_ops[0].rows % 16 == 0)
 
 
 def group_offsets(rows: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -224,16 +238,43 @@ def group_offsets(rows: Sequence[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(ends, dtype=torch.int32).to(device, non_blocking=True)
 
 
+def _rows(a_ops: Sequence[Optional[ScaledOperand]]) -> list[int]:
+    return [0 if a is None else a.rows for a in a_ops]
+
+
 def pack_rowwise(a_ops: Sequence[Optional[ScaledOperand]], b_ops: Sequence[ScaledOperand]
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(mat_a ``[M, K]`` row-major, scale_a ``[M]``, mat_b ``[G, K, N]`` column-major, scale_b
     ``[G, N]``, offs ``[G]``) for the row-wise grouped kernel, from per-tensor operands: each
     expert's fp32 decode scale repeated over its rows (A) and its output columns (B)."""
     n = b_ops[0].rows
-    rows = [0 if a is None else a.rows for a in a_ops]
     present = [a for a in a_ops if a is not None and a.rows > 0]
     mat_a = torch.cat([a.data for a in present]) if len(present) > 1 else present[0].data.contiguous()
     scale_a = torch.cat([a.scale.reshape(1).float().expand(a.rows) for a in present])
     mat_b = torch.stack([b.data for b in b_ops]).transpose(1, 2)
     scale_b = torch.stack([b.scale.reshape(1).float().expand(n) for b in b_ops])
-    return mat_a, scale_a, mat_b, scale_b, group_offsets(rows, mat_a.device)
+    return mat_a, scale_a, mat_b, scale_b, group_offsets(_rows(a_ops), mat_a.device)
+
+
+def pack_mx(a_ops: Sequence[Optional[ScaledOperand]], b_ops: Sequence[ScaledOperand]
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(mat_a, scale_a, mat_b, scale_b, offs) for the MXFP8 grouped kernel: the codes as for
+    the row-wise one; A's scales each expert's own grid in cuBLAS's 128x4 tiles (its rows
+    padded to 128), concatenated and viewed ``[-, K/32]``; B's ``[G, tiles]``, one tiled grid
+    per expert."""
+    present = [a for a in a_ops if a is not None and a.rows > 0]
+    mat_a = torch.cat([a.data for a in present]) if len(present) > 1 else present[0].data.contiguous()
+    kb, e8m0 = present[0].k // 32, present[0].scale.dtype
+
+    def tiles(op: ScaledOperand) -> torch.Tensor:  # (bytes: cat / stack of E8M0 go by uint8)
+        return swizzle_scales(op.scale).view(torch.uint8).reshape(-1)
+
+    scale_a = torch.cat([tiles(a) for a in present]).view(e8m0).view(-1, kb)
+    mat_b = torch.stack([b.data for b in b_ops]).transpose(1, 2)
+    scale_b = torch.stack([tiles(b) for b in b_ops]).view(e8m0)
+    return mat_a, scale_a, mat_b, scale_b, group_offsets(_rows(a_ops), mat_a.device)
+
+
+# per scaling type of the experts' operands: the packing, the kernel's scaling type, swizzle
+_GROUPED_PACKING = {TENSORWISE: (pack_rowwise, "RowWise", "NO_SWIZZLE"),
+                    MX_1X32: (pack_mx, "BlockWise1x32", "SWIZZLE_32_4_4")}
