@@ -33,7 +33,10 @@ dgrad run as one ``torch.nn.functional.scaled_grouped_mm`` ("2d-3d"): A the expe
 stacked ``[M, K]`` row-major, B the experts' matrices ``[G, K, N]`` column-major, ``offs``
 the int32 end row of each expert (an expert without tokens repeats the previous end), bf16
 out. The row-wise E4M3 kernel (per-tensor FP8 on sm90) takes each expert's per-tensor scale
-repeated over its rows: A's as a ``[M]`` fp32 vector, B's as ``[G, N]``.
+repeated over its rows: A's as a ``[M]`` fp32 vector, B's as ``[G, N]``. The MXFP8 kernel
+(sm100, a torch built with MSLK) takes each expert's E8M0 grid in the 128x4 tiles, A's
+concatenated expert after expert, B's one row per expert. Operands whose rows are dropped for
+backward (``linear_ops._only_columnwise``) are dropped only after these GEMMs read them.
 """
 
 from __future__ import annotations
@@ -166,7 +169,6 @@ def dgrad(qdy: Any, qw: Any, out_dtype: torch.dtype) -> torch.Tensor:
 def wgrad(qdy: Any, qx: Any) -> torch.Tensor:
     """dW = dy^T x in fp32 (both column-wise: reduction over the tokens)."""
     return scaled_mm(qdy.gemm_operand("columnwise"), qx.gemm_operand("columnwise"), torch.float32)
-
 
 
 # ---- the experts' GEMMs as one grouped GEMM -------------------------------------------------
