@@ -15,8 +15,10 @@ multiplies only a row-major A by a column-major B (both operands K-major, "TN"),
 takes every layout; the DeepSeek-style 1x128 / 128x128 block scales run on 9.0 only, with
 cuBLASLt 12.9+; MX (1x32, E8M0) and NVFP4 (1x16, E4M3 plus a per-tensor fp32 scale) block
 scales from 10.0, with CUDA 12.8+, their scales in cuBLAS's swizzled 128x4 layout. On the CPU
-torch runs TensorWise and RowWise FP8 only. The grouped kernels: row-wise E4M3 on 9.0, MXFP8
-on 10.0+ (a torch built with FBGEMM GenAI), bf16 output only.
+torch runs TensorWise and RowWise FP8 only. The grouped kernels (``scaled_grouped_mm``, CUDA
+compute capability 9.x or 10.x only, bf16 output only): row-wise E4M3 (a CUTLASS sm90 kernel,
+so 9.0), MXFP8 and NVFP4 on 10.0 (a torch built with MSLK, FBGEMM GenAI before; torch's own
+tests run them on 10.0 only).
 
 Torch-free: ``validate-config`` reads it without importing torch.
 """
@@ -46,10 +48,19 @@ class ScaledKernel:
     max_sm: Optional[int] = None  # newest (x10); None: every later one
     min_cuda: str  # the CUDA / cuBLASLt version the kernel needs
     swizzled_scales: bool = False  # scales in cuBLAS's 128x4 tiled layout (SWIZZLE_32_4_4)
-    # compute capabilities (x10, inclusive ranges) with a grouped kernel for the experts'
-    # GEMMs, and the element format it needs for both operands (None: any the recipe makes)
+    # compute capabilities (x10, inclusive ranges) where torch has a grouped kernel for the
+    # experts' GEMMs, the element format it needs for both operands (None: any the recipe
+    # makes), and the expert GEMMs lptrain runs on it (``scaled_gemm.grouped``: one
+    # ``scaled_grouped_mm`` for all experts); every other expert GEMM runs one scaled GEMM
+    # per expert. wgrad never: the grouped kernels write bf16 only, and the weight gradient
+    # goes to ``main_grad`` in fp32.
     grouped_sm: tuple[tuple[int, int], ...] = ()
     grouped_format: Optional[str] = None
+    grouped_gemms: tuple[str, ...] = ()
+    # the torch build flag(s) the grouped kernel needs ("A|B": either), and the multiples
+    # (each expert's rows, K) its packing needs
+    grouped_build: str = ""
+    grouped_align: tuple[int, int] = (1, 16)
     note: str = ""
 
     def runs_on(self, sm: int, cuda_version: Optional[str]) -> bool:
@@ -58,7 +69,13 @@ class ScaledKernel:
         return refusal(self, sm, cuda_version) is None
 
     def grouped_on(self, sm: int) -> bool:
+        """Whether torch has this recipe's grouped kernel on compute capability ``sm``."""
         return any(lo <= sm <= hi for lo, hi in self.grouped_sm)
+
+    def grouped_runs(self, gemm: str, sm: int) -> bool:
+        """Whether lptrain runs the experts' ``gemm`` (fprop / dgrad / wgrad) as one grouped
+        scaled GEMM on compute capability ``sm``."""
+        return gemm in self.grouped_gemms and self.grouped_on(sm)
 
     @property
     def where(self) -> str:
@@ -72,12 +89,13 @@ _TW = ("TensorWise", "TensorWise")
 KERNELS: tuple[ScaledKernel, ...] = (
     ScaledKernel(recipe="delayed", fprop=_TW, dgrad=_TW, wgrad=_TW, cpu=True, min_sm=89,
                  min_cuda="12.1", grouped_sm=((90, 90),), grouped_format="e4m3",
+                 grouped_gemms=("fprop", "dgrad"),
                  note="one fp32 scale per operand; the grouped kernel is row-wise E4M3 (each "
                       "expert's scale repeated over its rows), so E5M2 gradients (hybrid) run "
-                      "one scaled GEMM per expert"),
+                      "dgrad one scaled GEMM per expert"),
     ScaledKernel(recipe="tensorwise", fprop=_TW, dgrad=_TW, wgrad=_TW, cpu=True, min_sm=89,
                  min_cuda="12.1", grouped_sm=((90, 90),), grouped_format="e4m3",
-                 note="as delayed"),
+                 grouped_gemms=("fprop", "dgrad"), note="as delayed"),
     ScaledKernel(recipe="blockwise", fprop=("BlockWise1x128", "BlockWise128x128"),
                  dgrad=("BlockWise1x128", "BlockWise128x128"),
                  wgrad=("BlockWise1x128", "BlockWise1x128"), cpu=False, min_sm=90, max_sm=90,
@@ -86,12 +104,16 @@ KERNELS: tuple[ScaledKernel, ...] = (
     ScaledKernel(recipe="mxfp8", fprop=("BlockWise1x32", "BlockWise1x32"),
                  dgrad=("BlockWise1x32", "BlockWise1x32"), wgrad=("BlockWise1x32", "BlockWise1x32"),
                  cpu=False, min_sm=100, min_cuda="12.8", swizzled_scales=True,
-                 grouped_sm=((100, 120),),
-                 note="E8M0 scales per 32; the grouped kernel needs a torch built with FBGEMM GenAI"),
+                 grouped_sm=((100, 100),), grouped_format="e4m3", grouped_gemms=("fprop", "dgrad"),
+                 grouped_build="USE_MSLK|USE_FBGEMM_GENAI", grouped_align=(32, 128),
+                 note="E8M0 scales per 32; the grouped kernel needs a torch built with MSLK "
+                      "(FBGEMM GenAI before): elsewhere one scaled GEMM per expert"),
     ScaledKernel(recipe="nvfp4", fprop=("BlockWise1x16", "BlockWise1x16"),
                  dgrad=("BlockWise1x16", "BlockWise1x16"), wgrad=("BlockWise1x16", "BlockWise1x16"),
                  cpu=False, min_sm=100, min_cuda="12.8", swizzled_scales=True,
-                 note="E4M3 scales per 16 plus the per-tensor fp32 scale (TensorWise); needs "
+                 grouped_sm=((100, 100),),
+                 note="E4M3 scales per 16 plus the per-tensor fp32 scale (TensorWise); the "
+                      "grouped kernel as MXFP8's (not used: one scaled GEMM per expert); needs "
                       "torch.nn.functional.scaled_mm (torch._scaled_mm has no second-level scale)"),
 )
 
@@ -116,6 +138,12 @@ def refusal(k: ScaledKernel, sm: int, cuda_version: Optional[str]) -> Optional[s
     if cuda_version is not None and parse_version(cuda_version) < parse_version(k.min_cuda):
         return f"the {k.fprop[0]} kernel needs CUDA (cuBLASLt) >= {k.min_cuda}, not {cuda_version}"
     return None
+
+
+def grouped_kernel(scaling_a: str, scaling_b: str) -> Optional[ScaledKernel]:
+    """The kernel whose fprop scaling types are ``(scaling_a, scaling_b)`` (the grouped GEMMs'
+    operands: input or gradient x weight); None for a pair no recipe uses."""
+    return next((k for k in KERNELS if k.fprop == (scaling_a, scaling_b)), None)
 
 
 def recipes_with_kernel(sm: int, cuda_version: Optional[str]) -> tuple[str, ...]:

@@ -193,9 +193,12 @@ class _QuantizedGroupedFn(torch.autograd.Function):
         # one member (every plain linear): no split / cat, whose copies and dispatcher calls
         # a small model's GEMMs would pay for nothing
         xs = (x,) if n == 1 and m_splits[0] == x.shape[0] else torch.split(x, list(m_splits), dim=0)
-        outs: list[torch.Tensor] = []
+        outs: list[Optional[torch.Tensor]] = []
         saved_x: list[Any] = []
         saved_w: list[Any] = []
+        scaled_x: dict[int, Any] = {}  # member -> its quantized input, for the scaled GEMMs
+        qws: list[Any] = []
+        trim_w: list[Any] = []  # quantized weights kept for dgrad column-wise only
         for i, (xi, wi) in enumerate(zip(xs, members, strict=False)):
             mq = op.qstate.members[i]
             if _is_quantized(wi):
@@ -206,15 +209,17 @@ class _QuantizedGroupedFn(torch.autograd.Function):
                 qw = _quantize(mq.weight, wi.detach(), True, need_dgrad)
                 if op.keep_weights is not None:  # kept whole for the recompute's fprop
                     op.keep_weights.append(qw)
+            qws.append(qw)
             if xi.shape[0] == 0:
                 outs.append(x.new_zeros(0, wi.shape[0], dtype=torch.float32))
                 saved_x.append(None)
                 saved_w.append(qw if need_dgrad else None)
                 continue
             qx = _quantize(mq.input, xi.detach(), True, need_wgrad)
-            if op.scaled:  # torch's scaled GEMM on the stored operands (scaled_gemm.py)
+            if op.scaled:  # torch's scaled GEMM on the stored operands: after the loop
                 x_row = w_row = None
-                outs.append(_sg.fprop(qx, qw, x.dtype))
+                scaled_x[i] = qx
+                outs.append(None)
             else:
                 w_row = op.deq(qw, "rowwise")
                 x_row = op.deq(qx, "rowwise")
@@ -222,9 +227,17 @@ class _QuantizedGroupedFn(torch.autograd.Function):
             if op.record:  # the statistics reuse the GEMM's dequantized operands
                 op.record_operand("input", i, xi, qx, x_row)
                 op.record_operand("weight", i, None if _is_quantized(wi) else wi, qw, w_row)
-            saved_x.append(_only_columnwise(qx) if need_wgrad else None)
+            saved_x.append(qx if need_wgrad else None)
             whole = _is_quantized(wi) or op.keep_weights is not None
-            saved_w.append((qw if whole else _only_columnwise(qw)) if need_dgrad else None)
+            saved_w.append(qw if need_dgrad else None)
+            if need_dgrad and not whole:
+                trim_w.append(qw)
+        if scaled_x:
+            outs = _scaled_member_gemms("fprop", scaled_x, outs, qws, x.dtype)
+        # only now (the scaled GEMMs above read the row-wise bytes): drop what backward never reads
+        for q in [*saved_x, *trim_w]:
+            if q is not None:
+                _only_columnwise(q)
         ctx.op = op
         ctx.m_splits = list(m_splits)
         # through save_for_backward, so activation checkpointing can drop and recompute them
@@ -245,11 +258,12 @@ class _QuantizedGroupedFn(torch.autograd.Function):
         need_wgrad = any(ctx.needs_input_grad[3:])
         n = len(ctx.m_splits)
         dys = (dy,) if n == 1 and ctx.m_splits[0] == dy.shape[0] else torch.split(dy, ctx.m_splits, dim=0)
-        dxs: list[torch.Tensor] = []
+        dxs: list[Optional[torch.Tensor]] = []
         # per member: the wgrad operands (dy, x), or the member's output width (no tokens)
         pairs: list[Any] = []
         operands = _saved_operands(ctx, ctx.kinds)
         deferred = _deferred.queue() if need_wgrad else None
+        scaled_dy: dict[int, Any] = {}  # member -> its quantized gradient, for the scaled dgrad
         for i, dyi in enumerate(dys):
             mq = op.qstate.members[i]
             qx, qw = operands[i], operands[n + i]
@@ -260,14 +274,21 @@ class _QuantizedGroupedFn(torch.autograd.Function):
                 continue
             qdy = _quantize(mq.grad, dyi.detach(), need_dgrad, need_wgrad)
             dy_row = op.deq(qdy, "rowwise") if need_dgrad and not op.scaled else None
-            if need_dgrad:
-                dxs.append(_sg.dgrad(qdy, qw, ctx.x_dtype) if op.scaled
-                           else dy_row @ op.deq(qw, "columnwise"))
+            if need_dgrad and op.scaled:  # torch's scaled GEMM: after the loop
+                scaled_dy[i] = qdy
+                dxs.append(None)
+            elif need_dgrad:
+                dxs.append(dy_row @ op.deq(qw, "columnwise"))
             if op.record:
                 op.record_operand("grad", i, dyi, qdy, dy_row)
             if need_wgrad:
-                # (kept for a deferred W step: only the orientation its GEMM reads)
-                pairs.append((_only_columnwise(qdy) if deferred is not None else qdy, qx))
+                pairs.append((qdy, qx))
+        if scaled_dy:
+            dxs = _scaled_member_gemms("dgrad", scaled_dy, dxs, operands[n:], ctx.x_dtype)
+        if deferred is not None:  # kept for a deferred W step: only the orientation it reads
+            for p in pairs:
+                if not isinstance(p, int):
+                    _only_columnwise(p[0])
         del operands
         dx = (dxs[0] if len(dxs) == 1 else torch.cat(dxs, dim=0)).to(ctx.x_dtype) if need_dgrad else None
         if not need_wgrad:
@@ -284,6 +305,20 @@ class _QuantizedGroupedFn(torch.autograd.Function):
         if op.bwd_slots is not None:
             _ac.finish_backward(op.bwd_slots, op.group)
         return (dx, None, None, *wgrads)
+
+
+def _scaled_member_gemms(gemm: str, qas: dict[int, Any], outs: list[Optional[torch.Tensor]],
+                         qws: Sequence[Any], out_dtype: torch.dtype) -> list[Optional[torch.Tensor]]:
+    """The members' ``gemm`` (``fprop`` / ``dgrad``) on torch's scaled GEMMs: one grouped GEMM
+    for all members where torch has that kernel here (``scaled_gemm.grouped``), else one per
+    member with tokens (``qas``: member -> quantized input / gradient; ``outs``: None where a
+    member's GEMM is still to run, its empty result otherwise)."""
+    if len(qws) > 1:
+        y = _sg.grouped(gemm, [qas.get(i) for i in range(len(qws))], qws, out_dtype)
+        if y is not None:
+            return [y]
+    one = _sg.fprop if gemm == "fprop" else _sg.dgrad
+    return [one(qas[i], qws[i], out_dtype) if o is None else o for i, o in enumerate(outs)]
 
 
 def _save_operands(ctx: Any, operands: list[Any]) -> list[bool]:

@@ -34,6 +34,8 @@ class VirtualCuda(PlacementHandlers, Patches):
         self.violations: list[str] = []
         self.nccl_groups: set[Any] = set()
         self.scaled_gemms: list[Any] = []  # every scaled GEMM run (scaled_mm.ScaledGemmCall)
+        # every grouped scaled GEMM run (scaled_grouped_mm.GroupedGemmCall)
+        self.grouped_gemms: list[Any] = []
         self._undo: list[Callable[[], None]] = []
         self._modes: list[Any] = []
         self._checks_paused = 0

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from . import scaled_grouped_mm as _grouped
 from . import scaled_mm as _scaled
 from .labels import DEVICE, TO_HOST, aten, is_device, label, label_all
 
@@ -39,6 +40,8 @@ CUDA_ONLY: dict[Any, Any] = {aten.mm.dtype: _mm_out_dtype} if "dtype" in aten.mm
 CUDA_ONLY[aten._scaled_mm.default] = _scaled.scaled_mm_v1
 if hasattr(aten, "_scaled_mm_v2"):
     CUDA_ONLY[aten._scaled_mm_v2.default] = _scaled.scaled_mm_v2
+if hasattr(aten, "_scaled_grouped_mm_v2"):
+    CUDA_ONLY[aten._scaled_grouped_mm_v2.default] = _grouped.scaled_grouped_mm_v2
 
 # Ops whose output size depends on device values: CUDA must sync to allocate the output.
 SYNC_OPS = {

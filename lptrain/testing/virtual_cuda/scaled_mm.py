@@ -126,6 +126,20 @@ def _values(mat: torch.Tensor) -> torch.Tensor:
     return mat.float()
 
 
+def block_product(av: torch.Tensor, bv: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor,
+                  block: int) -> torch.Tensor:
+    """The kernel's math: ``av [M, K] @ bv [N, K]^T`` in fp32 per K-block of ``block``, each
+    block's product times its row scales ``sa [M, blocks]`` and column scales ``sb [N, blocks]``
+    (a 1-wide grid: one scale for every block), summed in fp32."""
+    m, k = av.shape
+    out = torch.zeros(m, bv.shape[0], dtype=torch.float32)
+    for j, k0 in enumerate(range(0, k, block)):
+        part = av[:, k0 : k0 + block] @ bv[:, k0 : k0 + block].t()
+        ja, jb = min(j, sa.shape[1] - 1), min(j, sb.shape[1] - 1)
+        out += part * (sa[:, ja : ja + 1] * sb[:, jb].reshape(1, -1))
+    return out
+
+
 def scaled_mm_v2(mat_a: torch.Tensor, mat_b: torch.Tensor, scale_a: list, recipe_a: list,
                  swizzle_a: list, scale_b: list, recipe_b: list, swizzle_b: list,
                  bias: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None,
@@ -160,13 +174,8 @@ def scaled_mm_v2(mat_a: torch.Tensor, mat_b: torch.Tensor, scale_a: list, recipe
     _check(not (use_fast_accum and name == "nvfp4"), "use_fast_accum is not supported with Float4")
     sa = _block_scale(ra[0], list(scale_a), wa, m, k)
     sb = _block_scale(rb[0], list(scale_b), wb, n, k)
-    av, bv = _values(mat_a), _values(mat_b.t())  # [M, K], [N, K]
     block = k if name == "tensorwise" else {"blockwise": 128, "mxfp8": 32, "nvfp4": 16}[name]
-    out = torch.zeros(m, n, dtype=torch.float32)
-    for j, k0 in enumerate(range(0, k, block)):
-        part = av[:, k0 : k0 + block] @ bv[:, k0 : k0 + block].t()
-        ja, jb = min(j, sa.shape[1] - 1), min(j, sb.shape[1] - 1)
-        out += part * (sa[:, ja : ja + 1] * sb[:, jb].reshape(1, -1))
+    out = block_product(_values(mat_a), _values(mat_b.t()), sa, sb, block)
     vd.scaled_gemms.append(ScaledGemmCall(name, ra[0], rb[0], a_k_major, b_k_major,
                                           out_dtype or torch.bfloat16, k))
     if bias is not None:

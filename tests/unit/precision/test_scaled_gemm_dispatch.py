@@ -92,8 +92,9 @@ def test_hopper_takes_k_major_operands_only(monkeypatch: pytest.MonkeyPatch) -> 
 
 def test_linear_and_grouped_experts_run_every_gemm_on_the_kernel() -> None:
     """The quantized linear and the grouped expert op under autocast(gemm=scaled_mm): fprop,
-    dgrad and wgrad of every member reach F.scaled_mm with the stored operands (no
-    dequantize: the spy on dequantize sees none), bf16 activations in and out."""
+    dgrad and wgrad of every member reach torch's scaled GEMMs with the stored operands (no
+    dequantize: the spy on dequantize sees none), bf16 activations in and out; on sm90 the
+    experts' fprop and dgrad as one F.scaled_grouped_mm each (test_scaled_grouped_gemm.py)."""
     from lptrain.precision.tensors.base import QuantizedTensor
 
     r = _recipe("tensorwise", "e4m3")
@@ -110,10 +111,12 @@ def test_linear_and_grouped_experts_run_every_gemm_on_the_kernel() -> None:
                 y = experts(lin(x), [32, 32])
             y.float().sum().backward()
             calls = list(vd.scaled_gemms)
+            grouped = list(vd.grouped_gemms)
     finally:
         QuantizedTensor.dequantize = real  # type: ignore[method-assign]
     assert deq == []
-    assert len(calls) == 3 * 3  # (linear + 2 experts) x (fprop, dgrad, wgrad)
+    assert len(calls) == 3 + 2  # the linear's fprop, dgrad, wgrad; each expert's wgrad
+    assert len(grouped) == 2  # the experts' fprop and dgrad
     assert y.dtype == x.grad.dtype == torch.bfloat16
     assert {c.kernel for c in calls} == {"tensorwise"}
 
