@@ -100,14 +100,14 @@ def test_a_wrong_grouped_gemm_is_caught(fault: str, discrete: dict[str, torch.Te
     the other (column-wise / row-wise) copy of an MXFP8 operand."""
     read = K.member_values
 
-    def wrong(g: Any, i: int, rowwise: bool) -> torch.Tensor:
+    def wrong(g: Any, i: int, rowwise: bool, lay: Any = None) -> torch.Tensor:
         if fault == "member":
             j = (i + 1) % int(g.num_tensors)
             if K.member_shapes(g)[j] == K.member_shapes(g)[i]:
                 i = j
-            return read(g, i, rowwise)
-        return read(g, i, not rowwise) if g.quantizer is not None and g.columnwise_data is not None \
-            and g.rowwise_data is not None else read(g, i, rowwise)
+            return read(g, i, rowwise, lay)
+        both = g.quantizer is not None and g.columnwise_data is not None and g.rowwise_data is not None
+        return read(g, i, not rowwise if both else rowwise, lay)
 
     monkeypatch.setattr(K, "member_values", wrong)
     single = _single()

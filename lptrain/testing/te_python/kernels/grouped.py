@@ -108,13 +108,18 @@ def _offsets(sizes: list[int]) -> list[int]:
     return out
 
 
-def _data_start(g: Any, i: int, shapes: list[tuple[int, int]]) -> int:
-    """Where member ``i``'s elements start in the flat buffer: ``tensor_offsets[i]`` when the
-    grouped tensor carries them (the C++ reads them first), else the sum of the members before."""
+Layout = tuple[list[tuple[int, int]], list[int]]
+
+
+def layout(g: Any) -> Layout:
+    """Each member's 2-D shape and where its elements start in the flat buffer:
+    ``tensor_offsets`` when the grouped tensor carries them (the C++ reads them first), else
+    the sum of the members before (read once per call: the dims live on the device)."""
+    shapes = member_shapes(g)
     offsets = getattr(g, "tensor_offsets", None)
     if offsets is not None:
-        return int(offsets[i])
-    return sum(a * b for a, b in shapes[:i])
+        return shapes, [int(v) for v in offsets.tolist()[:len(shapes)]]
+    return shapes, _offsets([a * b for a, b in shapes])[:-1]
 
 
 def _mxfp8_scale_sizes(shapes: list[tuple[int, int]], columnwise: bool) -> list[int]:
@@ -137,9 +142,10 @@ class _MXFP8Member:
     """One member of an MXFP8 grouped tensor, read the way :func:`.layouts.dequantize` reads
     TE's ``MXFP8TensorStorage`` (the class name selects the layout)."""
 
-    def __init__(self, g: Any, i: int, shape: tuple[int, int], shapes: list[tuple[int, int]]) -> None:
-        m, k = shape
-        lo = _data_start(g, i, shapes)
+    def __init__(self, g: Any, i: int, lay: Layout) -> None:
+        shapes, starts = lay
+        m, k = shapes[i]
+        lo = starts[i]
         self._fp8_dtype = g.quantizer.dtype
         self._with_gemm_swizzled_scales = bool(g._with_gemm_swizzled_scales)
         self._rowwise_data = self._rowwise_scale_inv = None
@@ -157,27 +163,26 @@ class _MXFP8Member:
 _MXFP8Member.__name__ = "MXFP8Member"
 
 
-def member_values(g: Any, i: int, rowwise: bool) -> torch.Tensor:
+def member_values(g: Any, i: int, rowwise: bool, lay: Optional[Layout] = None) -> torch.Tensor:
     """Member ``i`` of grouped tensor ``g`` as fp32 ``[m, k]``: a plain member's values, or a
-    quantized member dequantized from its row-wise or column-wise copy."""
-    shapes = member_shapes(g)
+    quantized member dequantized from its row-wise or column-wise copy (``lay``: its
+    :func:`layout`, computed if not given)."""
+    shapes, starts = lay = lay or layout(g)
     m, k = shapes[i]
     if _kind(g) is None:
-        lo = _data_start(g, i, shapes)
-        return g.rowwise_data.reshape(-1)[lo:lo + m * k].view(m, k).float()
+        return g.rowwise_data.reshape(-1)[starts[i]:starts[i] + m * k].view(m, k).float()
     if m == 0:
         return torch.zeros(0, k, device=(g.rowwise_data if g.rowwise_data is not None else g.columnwise_data).device)
-    return L.dequantize(_MXFP8Member(g, i, (m, k), shapes), orientation="rowwise" if rowwise else "columnwise")
+    return L.dequantize(_MXFP8Member(g, i, lay), orientation="rowwise" if rowwise else "columnwise")
 
 
-def _member_target(g: Any, i: int) -> torch.Tensor:
+def _member_target(g: Any, i: int, lay: Layout) -> torch.Tensor:
     """Member ``i`` of a plain grouped tensor as a writable ``[m, k]`` view of its buffer."""
     if _kind(g) is not None:
         raise L.not_emulated("a grouped GEMM writing a quantized output")
-    shapes = member_shapes(g)
+    shapes, starts = lay
     m, k = shapes[i]
-    lo = _data_start(g, i, shapes)
-    return g.rowwise_data.reshape(-1)[lo:lo + m * k].view(m, k)
+    return g.rowwise_data.reshape(-1)[starts[i]:starts[i] + m * k].view(m, k)
 
 
 # ---- group_quantize ------------------------------------------------------------------------------
@@ -331,13 +336,14 @@ def te_general_grouped_gemm_for_grouped_tensor(A: Any, transa: bool, B: Any, tra
     _check_gemm(A, B, D, alpha, beta)
     n = int(A.num_tensors)
     alphas, betas = _per_member(alpha, n), _per_member(beta, n)
+    la, lb, ld = layout(A), layout(B), layout(D)
     with torch.no_grad():
         for i in range(n):
-            target = _member_target(D, i)
+            target = _member_target(D, i, ld)
             if target.numel() == 0:
                 continue
-            a = member_values(A, i, rowwise=transa)
-            b = member_values(B, i, rowwise=not transb)
+            a = member_values(A, i, transa, la)
+            b = member_values(B, i, not transb, lb)
             op_a = a.t() if transa else a
             op_b = b.t() if transb else b
             if op_b.shape[1] != op_a.shape[0]:
@@ -358,4 +364,4 @@ def functions() -> dict[str, Any]:
             "get_grouped_gemm_setup_workspace_size": get_grouped_gemm_setup_workspace_size}
 
 
-__all__ = ["functions", "member_shapes", "member_values"]
+__all__ = ["functions", "layout", "member_shapes", "member_values"]
