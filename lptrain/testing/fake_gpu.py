@@ -3,9 +3,8 @@ target, and what the tests of the GPU path use.
 
 :func:`virtual_gpu` is the world: one virtual CUDA device of the target's compute capability
 (:mod:`lptrain.testing.virtual_cuda`, which enforces CUDA's device rules), and, for
-``precision.backend=te`` where Transformer Engine is not installed, the stand-in TE
-(:mod:`lptrain.testing.te_standin`, which computes through the emulation and behaves like TE
-where lptrain depends on it). :func:`fake_gpu_steps` shrinks a config to tiny shapes
+``precision.backend=te`` where Transformer Engine is not installed, TE's own Python with its
+kernels emulated (:mod:`lptrain.testing.te_python`). :func:`fake_gpu_steps` shrinks a config to tiny shapes
 (keeping its precision, optimizer, data-parallel and MoE settings, and tensor and pipeline
 parallelism at 2 where the recipe has them, on 2 or 4 gloo ranks with a virtual GPU each) and
 runs training steps, an evaluation and the collection of the checkpoint state on it,
@@ -54,25 +53,6 @@ def virtual_gpu(target: str = "sm90", *, te: bool = False, te_version: Optional[
             else:
                 stack.enter_context(te_python.installed(te_version))
                 vc.te_backend = te_python.describe()
-        yield vc
-
-
-@contextlib.contextmanager
-def standin_gpu(target: str = "sm100", te_version: str = "2.19",
-                cuda_version: Optional[str] = None) -> Iterator[Any]:
-    """A virtual GPU with the hand-written stand-in TE (:mod:`lptrain.testing.te_standin`)
-    instead of TE's own Python: only for the single grouped weight (TE 2.19+'s
-    ``GroupedTensor`` parameter and its grouped-tensor GEMMs), whose kernels
-    :mod:`lptrain.testing.te_python` does not emulate yet. Swaps ``transformer_engine`` in
-    ``sys.modules`` for the block (TE's own modules are put back after it)."""
-    from lptrain.config.world import ASSUMED_CUDA_VERSION
-    from lptrain.testing import te_standin
-    from lptrain.testing.virtual_cuda import VirtualCuda
-
-    capability, name = GPUS[target]
-    with VirtualCuda(capability=capability, name=name, cuda_version=cuda_version or ASSUMED_CUDA_VERSION) as vc, \
-            te_standin.installed(te_version):
-        vc.te_backend = f"stand-in {te_version}"
         yield vc
 
 

@@ -66,6 +66,47 @@ def probe(unfixed: bool) -> dict[str, Any]:
     return out
 
 
+def grouped_masters() -> dict[str, bool]:
+    """Issue 48 round 2 finding 2 on a release whose ``make_grouped_weights`` drops the
+    members' kept init values (2.18): the single grouped weight's fp32 masters start from the
+    members' init values with lptrain's carry-over, and from the MXFP8-rounded bytes with TE's
+    ``make_grouped_weights`` alone (the adapter as it was)."""
+    from lptrain.precision import param_storage, te_adapter, te_storage
+    from lptrain.testing.fake_gpu import virtual_gpu
+
+    out: dict[str, bool] = {}
+    for carry in (True, False):
+        values: list[torch.Tensor] = []
+        g = torch.Generator().manual_seed(7)
+
+        def init(w: torch.Tensor, g: torch.Generator = g, values: list[torch.Tensor] = values) -> None:
+            v = torch.randn(tuple(w.shape), generator=g).to(w.dtype)
+            values.append(v.clone())
+            with torch.no_grad():
+                w.copy_(v)
+
+        with virtual_gpu("sm100", te=True):
+            import transformer_engine.common.recipe as ter
+
+            cls = te_adapter._te_grouped_linear_cls()
+            own = cls.__dict__.get("make_grouped_weights")
+            if not carry:
+                cls.make_grouped_weights = cls.__mro__[1].make_grouped_weights
+            try:
+                with te_adapter.te_model_init(ter.MXFP8BlockScaling(fp8_format=ter.Format.E4M3)):
+                    m = te_adapter.te_grouped_linear(4, 64, 128, single_grouped_weight=True,
+                                                     params_dtype=torch.bfloat16, init_method=init)
+            finally:
+                if own is not None:
+                    cls.make_grouped_weights = own
+            value = param_storage.high_precision_value(m.weight).cpu()
+            rounded = torch.stack([x.dequantize().float() for x in te_storage.grouped_members(m.weight)]).cpu()
+        key = "carried" if carry else "uncarried"
+        out[f"{key}_is_init"] = bool(torch.equal(value, torch.stack(values).float()))
+        out[f"{key}_is_rounded"] = bool(torch.equal(value, rounded))
+    return out
+
+
 def engine_steps() -> dict[str, Any]:
     """Two training steps, an evaluation and the checkpoint state on the virtual GPU for the
     recipes this release has (blockwise with its byte param gather: reshapes refused up to
@@ -102,6 +143,8 @@ def main() -> None:
             result["probe_unfixed"] = probe(unfixed=True)
         if "engine" in args.only:
             result["engine"] = engine_steps()
+        if "grouped" in args.only:
+            result["grouped"] = grouped_masters()
     except Exception:  # the caller shows it
         result["exception"] = traceback.format_exc()
     print("RESULT " + json.dumps(result))

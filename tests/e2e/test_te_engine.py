@@ -18,7 +18,6 @@ fails on the engine as it was, where TE tensors fell through to the plain-tensor
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,7 +27,7 @@ import torch
 from lptrain.config import World, derive
 from lptrain.config.compose import load
 from lptrain.testing import te_python
-from lptrain.testing.fake_gpu import standin_gpu, virtual_gpu
+from lptrain.testing.fake_gpu import virtual_gpu
 
 BASE = ["data.builtin_max_mb=1", "logging.progress=false", "run.device=cuda", "precision.backend=te",
         "train.global_batch_size=4", "train.micro_batch_size=2", "model.seq_length=64",
@@ -69,10 +68,6 @@ def _batches(engine: object, cache: Path) -> Iterator[list[dict[str, torch.Tenso
 
 
 def _te_classes() -> tuple[type, ...]:
-    if getattr(sys.modules.get("transformer_engine"), "_lptrain_version", None) is not None:  # stand-in
-        from lptrain.testing.te_standin import tensors as TE
-
-        return (TE.QuantizedTensor, TE.GroupedTensor)
     return tuple(c for c in (te_python.te_class("QuantizedTensor"), te_python.te_class("GroupedTensor")) if c)
 
 
@@ -115,8 +110,7 @@ def test_masters_start_from_te_init_values_and_the_cpu_copies_are_released(
 def test_te_params_take_the_quantized_buffer_paths(target: str, recipe: list[str], staging: torch.dtype,
                                                    cache: Path) -> None:
     """(Blockwise reshapes refused up to TE 2.13: tests/e2e/test_te_python_releases.py.)"""
-    grouped = "model.moe.single_grouped_weight=true" in recipe
-    with standin_gpu(target) if grouped else virtual_gpu(target, te=True):
+    with virtual_gpu(target, te=True):
         engine = _engine([*recipe, *NO_BF16_EDGES], cache)
         te = _te_params(engine)
         quantized = [b for b in engine.ddp.buffers if b.key.quantized]  # type: ignore[attr-defined]
@@ -155,15 +149,20 @@ def test_te_param_gather_on_equals_off(recipe: list[str], cache: Path) -> None:
 
 
 def test_member_weight_of_a_single_grouped_te_weight(cache: Path) -> None:
-    with standin_gpu("sm100"):
+    with virtual_gpu("sm100", te=True):
         engine = _engine([*MXFP8, *MOE], cache)
         module = next(m for m in engine.model.modules() if getattr(m, "single_grouped_weight", False))  # type: ignore[attr-defined]
         with pytest.raises(RuntimeError, match="forbids shape-manipulation"):
             module.weight[0]
         members = [module.member_weight(i) for i in range(module.num_gemms)]
         assert [tuple(m.shape) for m in members] == [tuple(module.weight.shape[1:])] * module.num_gemms
-        stacked = torch.stack([m.dequantize().float() for m in members])  # (TE's kernels: on the GPU)
-        assert torch.equal(stacked, module.weight.dequantize().float())
+        # each member views its slice of the grouped weight's bytes (TE's GroupedTensor has no
+        # dequantize of its own: the members are how its values are read)
+        flat = module.weight.rowwise_data.reshape(-1)
+        n = members[0]._rowwise_data.numel()
+        for i, m in enumerate(members):
+            assert m._rowwise_data.data_ptr() == flat[i * n:].data_ptr(), i
+            assert torch.equal(m._rowwise_data.reshape(-1), flat[i * n:(i + 1) * n]), i
 
 
 def _resume(overrides: list[str], target: str, cache: Path, drop: str) -> dict[str, list[float]]:

@@ -7,7 +7,8 @@ tests/e2e/_te_release_checks.py on a subset of ``make install``'s matrix:
 * 2.8.0, the oldest lptrain supports: ``*TensorBase`` storage classes, ``fp8_autocast``;
 * 2.12.0: storage without ``.shape``, ``Float8BlockwiseQTensor`` refusing inner-dimension
   reshapes (the blockwise byte param gather must never reshape);
-* 2.18.0: the last release whose storage has no ``.shape``.
+* 2.18.0: the last release whose storage has no ``.shape``, and whose
+  ``make_grouped_weights`` drops the members' kept init values (lptrain carries them over).
 
 Issue 48 finding 1: TE's modules set ``internal=True`` on their quantizers in forward, and
 the statistics probe's copy kept it, so the copy returned a storage object: no ``.shape``
@@ -33,7 +34,7 @@ SCRIPT = Path(__file__).with_name("_te_release_checks.py")
 # one subprocess per release imports torch and TE's Python (about 5 s quiet, much more on a
 # loaded machine) and runs its checks
 pytestmark = pytest.mark.timeout(900)
-RELEASES = {"2.8.0": "probe", "2.12.0": "probe,engine", "2.18.0": "probe"}
+RELEASES = {"2.8.0": "probe", "2.12.0": "probe,engine", "2.18.0": "probe,grouped"}
 
 
 def _run(release: str, only: str) -> dict[str, Any]:
@@ -77,3 +78,15 @@ def test_engine_steps_on_the_release(release: tuple[str, dict]) -> None:
         pytest.skip(f"TE {name}: probe checks only")
     for recipe, losses in result["engine"].items():
         assert len(losses) == 2 and all(x == x for x in losses), (recipe, losses)
+
+
+def test_grouped_masters_start_from_the_members_init_values(release: tuple[str, dict]) -> None:
+    """Round 2 finding 2 where TE drops the kept values (2.19+ moves them:
+    tests/unit/precision/test_te_findings.py): lptrain's carry-over gives the init values;
+    TE's ``make_grouped_weights`` alone gives the MXFP8-rounded bytes."""
+    name, result = release
+    if "grouped" not in result:
+        pytest.skip(f"TE {name}: no grouped-weight check")
+    g = result["grouped"]
+    assert g["carried_is_init"] and not g["carried_is_rounded"], g
+    assert g["uncarried_is_rounded"] and not g["uncarried_is_init"], g

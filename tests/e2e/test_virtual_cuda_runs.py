@@ -52,23 +52,31 @@ TE_RECIPES = [r for r in RECIPES if not r.startswith(("tiny", "bf16"))]
 
 
 @pytest.mark.parametrize("recipe", TE_RECIPES)
-def test_recipe_on_the_te_backend_through_the_stand_in(recipe: str, cache: Path, tmp_path: Path) -> None:
+def test_recipe_on_the_te_backend_through_the_stand_in(recipe: str, cache: Path, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """The same run on ``precision.backend=te``: TE's module, tensor and checkpoint API (TE's
-    own Python, its kernels emulated) under the same device rules."""
-    from lptrain.testing.fake_gpu import standin_gpu, virtual_gpu
+    own Python, its kernels emulated) under the same device rules. The single grouped expert
+    weight runs TE's native grouped-tensor path (its grouped GEMM is called)."""
+    import sys
+
+    from lptrain.testing.fake_gpu import virtual_gpu
     from lptrain.train import pretrain
 
     target = "sm100" if ("mxfp8" in recipe or "nvfp4" in recipe) else "sm90"
     overrides = [*SHORT, f"data.cache_dir={cache}", "precision.backend=te",
                  f"checkpoint.save={tmp_path / 'ckpt'}", "checkpoint.save_interval=2"]
     cfg = load(recipe, overrides).cfg
-    # TE's native grouped-tensor kernels (a single grouped expert weight) are not emulated
-    # under TE's own Python yet: that recipe runs on the stand-in TE
-    grouped = cfg.model.moe.num_experts > 0 and cfg.model.moe.single_grouped_weight
-    with standin_gpu(target) if grouped else virtual_gpu(target, te=True) as vc:
+    grouped = bool(cfg.model.moe.num_experts and cfg.model.moe.single_grouped_weight)
+    calls: list[bool] = []
+    with virtual_gpu(target, te=True) as vc:
+        tex = sys.modules["transformer_engine_torch"]
+        if grouped:
+            gemm = tex.te_general_grouped_gemm_for_grouped_tensor
+            monkeypatch.setattr(tex, "te_general_grouped_gemm_for_grouped_tensor",
+                                lambda *a, **k: calls.append(True) or gemm(*a, **k))
         summary = pretrain(cfg, tmp_path / "run")
-    own = vc.te_backend.endswith("TE's own Python, kernels emulated")
-    assert (own is not grouped) and vc.violations == [], vc.te_backend
+    assert vc.te_backend.endswith("TE's own Python, kernels emulated") and vc.violations == [], vc.te_backend
+    assert bool(calls) is grouped
     assert summary["status"] == "completed" and math.isfinite(summary["final_loss"])
     assert (tmp_path / "ckpt" / "iter_0000002" / "COMPLETE.json").is_file()
 

@@ -1,7 +1,8 @@
 """Regression tests for what a read of Transformer Engine's source found in lptrain's TE path
-(each crashed or silently differed on a real TE while the stand-in hid it). The single grouped
-weight's tests run on the stand-in TE (``standin_gpu``: TE's grouped-tensor kernels are not
-emulated under TE's own Python yet); the others on TE's own Python (newest release).
+(each crashed or silently differed on a real TE while the stand-in hid it), on TE's own Python
+(newest release; the single grouped weight on its native grouped-tensor path, whose kernels
+lptrain.testing.te_python.kernels.grouped emulates). Finding 2 on TE 2.18 (which drops the
+members' init values) runs in that release's subprocess: tests/e2e/test_te_python_releases.py.
 
 Finding 3 (the single grouped weight's minimum TE) is in tests/unit/config/test_te_versions.py,
 finding 6 (recompute early stop) in tests/unit/model/test_recompute.py, finding 7 (no
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 from lptrain.precision import param_storage, te_adapter, te_storage
-from lptrain.testing.fake_gpu import standin_gpu, virtual_gpu
+from lptrain.testing.fake_gpu import virtual_gpu
 
 N, OUT, IN = 4, 128, 64
 
@@ -35,7 +36,7 @@ def _recorded_init(values: list[torch.Tensor]) -> Callable[[torch.Tensor], None]
     return init
 
 
-def _grouped_mxfp8(version: str, init: Callable[[torch.Tensor], None]) -> torch.nn.Module:
+def _grouped_mxfp8(init: Callable[[torch.Tensor], None]) -> torch.nn.Module:
     import transformer_engine.common.recipe as ter
 
     with te_adapter.te_model_init(ter.MXFP8BlockScaling(fp8_format=ter.Format.E4M3)):
@@ -51,8 +52,8 @@ def test_a_grouped_weight_takes_the_gathered_values_through_tes_grouped_api() ->
     storage API (``quantize(list)``): every member then holds the MXFP8 of its slice, bytes
     and scales equal to quantizing that slice alone. The old path called ``quantize_``,
     which TE's ``GroupedTensor`` does not have."""
-    with standin_gpu("sm100", "2.19"):
-        m = _grouped_mxfp8("2.19", _recorded_init([]))
+    with virtual_gpu("sm100", te=True):
+        m = _grouped_mxfp8(_recorded_init([]))
         p = m.weight
         staged = torch.randn(N * OUT * IN, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
         param_storage.load_from_staging(p, staged.to("cuda"))
@@ -69,28 +70,26 @@ def test_a_grouped_weight_takes_the_gathered_values_through_tes_grouped_api() ->
 # ---- finding 2: make_grouped_weights drops the members' init values -----------------------------
 
 
-@pytest.mark.parametrize("version", ["2.18", "2.19"])
-def test_grouped_masters_start_from_the_members_init_values(version: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_grouped_masters_start_from_the_members_init_values(monkeypatch: pytest.MonkeyPatch) -> None:
     """The fp32 masters of a single grouped weight start from the members' high-precision
-    init values, stacked -- not from the MXFP8-rounded bytes. TE up to 2.18 drops the
-    members' kept values when it packs them (2.19 moves them); lptrain's
-    ``make_grouped_weights`` carries them over where TE does not."""
+    init values, stacked -- not from the MXFP8-rounded bytes. TE 2.19+ moves the members'
+    kept values when it packs them (2.18 drops them, and lptrain's ``make_grouped_weights``
+    carries them over: tests/e2e/test_te_python_releases.py runs that release)."""
     def masters(carry: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         values: list[torch.Tensor] = []
-        with standin_gpu("sm100", version):
+        with virtual_gpu("sm100", te=True):
             if not carry:  # the adapter as it was: TE's make_grouped_weights alone
                 cls = te_adapter._te_grouped_linear_cls()
                 monkeypatch.setattr(cls, "make_grouped_weights", cls.__mro__[1].make_grouped_weights)
-            m = _grouped_mxfp8(version, _recorded_init(values))
+            m = _grouped_mxfp8(_recorded_init(values))
             value = param_storage.high_precision_value(m.weight).cpu()
             rounded = torch.stack([x.dequantize().float() for x in te_storage.grouped_members(m.weight)]).cpu()
             monkeypatch.undo()
         return value, torch.stack(values).float(), rounded
 
-    value, init, rounded = masters(carry=True)
-    assert torch.equal(value, init) and not torch.equal(init, rounded)
-    value, init, rounded = masters(carry=False)
-    assert torch.equal(value, init if version == "2.19" else rounded)
+    for carry in (True, False):
+        value, init, rounded = masters(carry)
+        assert torch.equal(value, init) and not torch.equal(init, rounded), carry
 
 
 # ---- finding 4: TE 2.19's grouped-tensor path ------------------------------------------------
@@ -99,19 +98,20 @@ def test_grouped_masters_start_from_the_members_init_values(version: str, monkey
 def test_te_pads_single_grouped_mxfp8_experts_to_128_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """TE 2.19's grouped MXFP8 quantization needs each expert's rows to be a multiple of 128;
     lptrain pads single grouped MXFP8 experts to that on TE (the recipe's 32 elsewhere), and
-    the stand-in raises where TE's kernel would with the old padding."""
+    emulated grouped quantize refuses the old padding (TE's kernel checks only the total, and
+    its grouped GEMM then reads the members' swizzled scales from the wrong tiles)."""
     from lptrain.config import load
     from lptrain.precision.factory import build_factory
 
     cfg = load("moe_mxfp8.yaml", []).cfg
-    with standin_gpu("sm100", "2.19"):
+    with virtual_gpu("sm100", te=True):
         factory = build_factory(cfg.precision, num_layers=2, run_cfg=cfg)
         assert factory.backend == "te"
         assert factory.grouped_alignment_for(single_grouped_weight=True) == 128
         assert factory.grouped_alignment_for(single_grouped_weight=False) == 32
         import transformer_engine.common.recipe as ter
 
-        m = _grouped_mxfp8("2.19", _recorded_init([]))
+        m = _grouped_mxfp8(_recorded_init([]))
         x = torch.randn(4 * 128, IN, device="cuda", dtype=torch.bfloat16)
         with te_adapter.te_autocast(ter.MXFP8BlockScaling(fp8_format=ter.Format.E4M3)):
             m(x, [128, 256, 0, 128])
@@ -120,13 +120,13 @@ def test_te_pads_single_grouped_mxfp8_experts_to_128_rows(monkeypatch: pytest.Mo
 
 
 def test_the_grouped_tensor_path_refuses_an_old_cublaslt() -> None:
-    """On CUDA 12.9 (cuBLASLt 12.9) TE 2.19 refuses a single grouped weight at its first GEMM
+    """On CUDA 12.9 (cuBLASLt 12.9) TE 2.19+ refuses a single grouped weight at its first GEMM
     (the rule MOE-SGW-TE-GROUPED-PATH says so before a run); on 13.3 it runs."""
     for cuda, ok in (("12.9", False), ("13.3", True)):
-        with standin_gpu("sm100", "2.19", cuda_version=cuda):
+        with virtual_gpu("sm100", te=True, cuda_version=cuda):
             import transformer_engine.common.recipe as ter
 
-            m = _grouped_mxfp8("2.19", _recorded_init([]))
+            m = _grouped_mxfp8(_recorded_init([]))
             x = torch.randn(256, IN, device="cuda", dtype=torch.bfloat16)
             with te_adapter.te_autocast(ter.MXFP8BlockScaling(fp8_format=ter.Format.E4M3)):
                 if ok:

@@ -9,9 +9,9 @@ from typing import Any
 
 def functions(tex: types.ModuleType, version: tuple[int, ...]) -> dict[str, Callable[..., Any]]:
     """Name -> emulated function for TE ``version``'s extension module ``tex``."""
-    from . import cast, device, gemm, misc, recipe
+    from . import cast, device, gemm, grouped, misc, recipe
 
     out: dict[str, Callable[..., Any]] = dict(device.functions(tex, version))
-    for mod in (cast, gemm, misc, recipe):
+    for mod in (cast, gemm, grouped, misc, recipe):
         out.update(mod.functions())
     return out
