@@ -97,10 +97,11 @@ class EngineStage:
             class _Stage(base):  # type: ignore[misc, valid-type]
                 def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
                     # the engine's per-micro-batch callback (a NaN injection, forensic hooks)
-                    before = self.lptrain_runner.before_micro_batch
-                    if before is not None:
-                        before(fwd_chunk_id)
-                    return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+                    run = self.lptrain_runner
+                    if run.before_micro_batch is not None:
+                        run.before_micro_batch(fwd_chunk_id)
+                    with run.micro_batch(fwd_chunk_id):
+                        return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
                 def backward_maybe_with_nosync(self, backward_type: Any, bwd_kwargs: dict,
                                                last_backward: bool = False) -> Any:
@@ -172,6 +173,7 @@ class PipelineRunner:
         self._eval_total = torch.zeros((), dtype=torch.float64, device=device)
         self._n = 1
         self._backward_started = False
+        self._training = False  # a training step's schedule is running (not an evaluation's)
         # called with the micro-batch's index before each chunk's forward of it (the engine's
         # ``before_micro_batch``, as its own micro-batch loop calls it without pipelining)
         self.before_micro_batch: Optional[Callable[[int], None]] = None
@@ -195,7 +197,7 @@ class PipelineRunner:
         stages = []
         for chunk in self.chunks:
             inputs, outputs = chunk_io(cfg, self.layout, chunk.chunk, self.cfg.train.micro_batch_size,
-                                       model.compute_dtype, vocab_rows)
+                                       model.compute_dtype, vocab_rows, model.sequence_first)
             stages.append(EngineStage.make(self, chunk, chunk.chunk, self.layout.chunks, self.device,
                                            input_args=inputs, output_args=outputs, group=self.groups.pp.pg,
                                            micro_batches=n))
@@ -254,10 +256,24 @@ class PipelineRunner:
         self._sums = torch.zeros(2, dtype=torch.float64, device=self.device)
         self._backward_started = False
         args, target = self._inputs(micro_batches)
-        self.schedule(n, train=True).step(*args, target=target, return_outputs=False)
+        self._training = True
+        try:
+            self.schedule(n, train=True).step(*args, target=target, return_outputs=False)
+        finally:
+            self._training = False
         if not self._backward_started:  # (a rank whose schedule ran no backward: none)
             self.before_backward()
         return self._sums
+
+    def micro_batch(self, index: int) -> Any:
+        """The model's context around the forward of micro-batch ``index`` of a training step
+        (TE: Megatron's ``is_first_microbatch``, ``True`` for each chunk's first micro-batch of
+        the step -- the schedule runs a chunk's forwards in micro-batch order -- so each weight
+        is cast once per step, after the optimizer step and the param gather; ``False`` after).
+        Evaluation forwards get nothing (``None``: cast every time, as without pipelining)."""
+        if not self._training:
+            return contextlib.nullcontext()
+        return self.model.micro_batch(first=index == 0)
 
     def before_backward(self) -> None:
         """Before this step's first backward on this rank: every pending param gather

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lptrain.model.build_context import BuildContext
+from lptrain.model.layout import merge_last_dims_like, sequence_first
 from lptrain.model.norm import RMSNorm
 from lptrain.model.recompute import RecomputePlan, run_checkpointed
 from lptrain.model.rope import apply_rotary
@@ -92,16 +93,23 @@ class SelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         g, qpg, hd = self.num_groups, self.q_per_group, self.head_dim
         qkv = self.linear_qkv(x).to(x.dtype)
-        b, s = qkv.shape[:2]  # (the whole sequence also when x is a sequence shard)
-        qkv = qkv.view(b, s, g, qpg + 2, hd)
-        q = qkv[:, :, :, :qpg].reshape(b, s, g * qpg, hd)  # head = g*qpg + j
-        k = qkv[:, :, :, qpg]  # [b, s, g, hd]
+        # split in storage order (sequence-first under TE's sequence parallelism: lptrain.model.
+        # layout), so the backward assembles the QKV gradient stored as TE's output is
+        stored = sequence_first(x)
+        t = qkv.transpose(0, 1) if stored else qkv  # (the whole sequence also when x is a shard)
+        d0, d1 = t.shape[:2]
+        t = t.view(d0, d1, g, qpg + 2, hd)
+        q = t[:, :, :, :qpg].reshape(d0, d1, g * qpg, hd)  # head = g*qpg + j
+        k = t[:, :, :, qpg]  # [b, s, g, hd] (or [s, b, ...] as stored)
+        v = t[:, :, :, qpg + 1]
+        if stored:
+            q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
         if self.q_layernorm is not None and self.k_layernorm is not None:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [b, heads, s, hd]
-        v = qkv[:, :, :, qpg + 1].transpose(1, 2)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, heads, s, hd]
         q = apply_rotary(q.float(), cos, sin).to(x.dtype)
         k = apply_rotary(k.float(), cos, sin).to(x.dtype)
         o = run_checkpointed(self.recompute_core, self.factory, self.core_attention, q, k, v)
-        o = o.transpose(1, 2).reshape(b, s, self.num_heads * hd).to(x.dtype)
+        # [b, s, heads * hd], stored as x is (sequence-first under TE's sequence parallelism)
+        o = merge_last_dims_like(o.transpose(1, 2), x).to(x.dtype)
         return self.linear_proj(o)

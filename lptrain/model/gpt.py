@@ -197,7 +197,13 @@ class GPTModel(nn.Module):
     coefficient-weighted MoE losses of all MoE layers`` and ``aux`` holding the detached
     parts for logging: ``lm_loss``, ``load_balancing_loss``, ``z_loss`` (sums over layers,
     already multiplied by their coefficients; zero for dense models).
+
+    ``sequence_first``: the layer stack stores its hidden states sequence-first
+    (:mod:`lptrain.model.layout`; set by the parallelize step under sequence parallelism on
+    TE); a pipeline stage then sends and receives them as ``[s, b, h]``.
     """
+
+    sequence_first: bool = False
 
     def __init__(self, ctx: BuildContext, compute_dtype: torch.dtype = torch.float32,
                  part: Optional[ModelPart] = None) -> None:

@@ -21,9 +21,11 @@ def swiglu(h: torch.Tensor) -> torch.Tensor:
 def activation(recompute: bool, h: torch.Tensor) -> torch.Tensor:
     """:func:`swiglu`, checkpointed when selective recompute covers ``mlp_act`` (its fp32
     copies are then recomputed in the backward instead of kept)."""
+    from lptrain.model.layout import rowwise_in_storage_order
     from lptrain.model.recompute import run_checkpointed
 
-    return run_checkpointed(recompute, None, swiglu, h)
+    # in storage order: the halves' gradient is then assembled stored as h is (lptrain.model.layout)
+    return run_checkpointed(recompute, None, rowwise_in_storage_order, swiglu, h)
 
 
 def recomputes_activation(ctx: BuildContext) -> bool:

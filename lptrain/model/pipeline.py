@@ -13,7 +13,8 @@ micro-batch goes through exactly the operations of the unpipelined model, in the
 order, and its loss is :meth:`~GPTModel.loss` of the same operands.
 
 What travels between stages: the hidden states ``[b, s, h]`` (``s / TP`` rows under sequence
-parallelism) and, for a MoE model, the running totals of the auxiliary losses
+parallelism; stored ``[s / TP, b, h]`` on TE, as the layer stack keeps them:
+:mod:`lptrain.model.layout`) and, for a MoE model, the running totals of the auxiliary losses
 (``load_balancing_loss``, ``z_loss``) the unpipelined forward threads through its layers: the
 graph of the pipelined model is the unpipelined graph cut at the stage boundaries, so every
 gradient (those of the auxiliary losses included) is the same sum of the same terms.
@@ -101,6 +102,8 @@ class PipelineChunk(nn.Module):
                 totals = {k: x.new_zeros((), dtype=torch.float32) for k in AUX_KEYS}
             else:
                 x, *aux = inputs
+                if model.sequence_first:  # received [s, b, h]: the stack's [b, s, h] view
+                    x = x.transpose(0, 1)
                 totals = (dict(zip(AUX_KEYS, aux, strict=True)) if self.carries_aux else
                           {k: x.new_zeros((), dtype=torch.float32) for k in AUX_KEYS})
             x, totals = model.run_layers(self.layers, x, totals, self.seq_length)
@@ -108,26 +111,30 @@ class PipelineChunk(nn.Module):
                 if self.before_tied_head is not None and model.output_layer is None:
                     self.before_tied_head()
                 x = model.logits(x)
+            elif model.sequence_first:
+                x = x.transpose(0, 1).contiguous()  # sent [s, b, h] (no copy: stored so)
         if not self.carries_aux:
             return x
         return (x, *(totals[k] for k in AUX_KEYS))
 
 
 def chunk_io(cfg: ModelConfig, layout: PipelineLayout, chunk: int, micro_batch: int,
-             dtype: torch.dtype, vocab_rows: int) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+             dtype: torch.dtype, vocab_rows: int,
+             sequence_first: bool = False) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
     """Example ``(inputs, outputs)`` of model chunk ``chunk`` on the meta device: what a
     ``PipelineStage`` needs to allocate its receive buffers without running the model
     (static metadata: no forward is run to infer shapes). ``vocab_rows``: the logits' last
     dimension on this rank (the padded vocabulary, ``/ TP`` under tensor parallelism). A
-    context-parallel rank holds ``seq_length / CP`` tokens of each sequence."""
+    context-parallel rank holds ``seq_length / CP`` tokens of each sequence; the hidden
+    states travel ``[s, b, h]`` when the model stores them ``sequence_first``."""
     tp = max(1, cfg.tensor_model_parallel_size)
     seq = cfg.seq_length // max(1, cfg.context_parallel_size)
     rows = seq // tp if cfg.sequence_parallel and tp > 1 else seq
     meta = torch.device("meta")
 
     def hidden(requires_grad: bool) -> torch.Tensor:
-        return torch.empty(micro_batch, rows, cfg.hidden_size, dtype=dtype, device=meta,
-                           requires_grad=requires_grad)
+        shape = (rows, micro_batch) if sequence_first else (micro_batch, rows)
+        return torch.empty(*shape, cfg.hidden_size, dtype=dtype, device=meta, requires_grad=requires_grad)
 
     def aux(layers_before: int) -> tuple[torch.Tensor, ...]:
         if cfg.moe.num_experts == 0:

@@ -394,6 +394,15 @@ class LayerFactory:
         return align
 
     @property
+    def sequence_first_activations(self) -> bool:
+        """Whether the layer stack stores its activations sequence-first under sequence
+        parallelism (:mod:`lptrain.model.layout`): on TE, whose ``Linear`` gathers and
+        scatters the sequence along the first dimension of a contiguous ``[s, b, h]`` -- no
+        copy around it then. The emulated layers compute batch-major (their block casts'
+        bits depend on the row order) and stay batch-first."""
+        return self.backend == "te"
+
+    @property
     def recompute_early_stop(self) -> bool:
         """Whether ``torch.utils.checkpoint`` may stop a recompute once the backward's tensors
         are rebuilt (torch's default). Not on Transformer Engine: up to TE 2.11 a module's

@@ -352,10 +352,13 @@ def micro_batch(first: Optional[bool]) -> Iterator[None]:
 
 @functools.cache
 def _te_parallel_linear_cls() -> type:
-    """``te.pytorch.Linear`` for lptrain's batch-first activations: TE's sequence-parallel
-    gather and scatter run along the first dimension (Megatron-LM's ``[s, b, h]``), so a
-    sequence-parallel layer gets its input sequence-first and gives its output back
-    batch-first (made once)."""
+    """``te.pytorch.Linear`` taking lptrain's ``[b, s, h]`` activations: TE's sequence-parallel
+    gather and scatter run along the first dimension of a contiguous ``[s, b, h]`` input
+    (Megatron-LM's layout), which is how the layer stack stores its activations under
+    sequence parallelism on TE (:mod:`lptrain.model.layout`): the input's ``transpose(0, 1)``
+    is TE's contiguous ``[s, b, h]`` and TE's ``[s, b, h]`` output goes back as a view, no
+    copy either way (a batch-first input, which the model never gives it, is copied).
+    Also passes Megatron's ``is_first_microbatch`` (:func:`micro_batch`). Made once."""
     import transformer_engine.pytorch as te
 
     class TEParallelLinear(te.Linear):
@@ -364,8 +367,7 @@ def _te_parallel_linear_cls() -> type:
                 kw["is_first_microbatch"] = _FIRST_MICROBATCH.get()
             if not (getattr(self, "sequence_parallel", False) and inp.dim() == 3):
                 return super().forward(inp, *args, **kw)
-            out = super().forward(inp.transpose(0, 1).contiguous(), *args, **kw)
-            return out.transpose(0, 1).contiguous()
+            return super().forward(inp.transpose(0, 1).contiguous(), *args, **kw).transpose(0, 1)
 
     return TEParallelLinear
 

@@ -114,46 +114,54 @@ def _record(kind: str, whole: torch.Tensor, activation: bool = True) -> None:
         t.add(kind, whole, activation)
 
 
-def _leading(x: torch.Tensor, dim: int) -> bool:
-    """Whether ``dim`` is effectively the leading one (every dim before it has size 1): the
-    rank-ordered blocks of a flat collective are then slices along ``dim`` as they are."""
-    return all(n == 1 for n in x.shape[:dim])
+def stored_outermost(x: torch.Tensor, dim: int) -> bool:
+    """Whether ``x`` is stored with ``dim`` outermost: ``x.movedim(dim, 0)`` is contiguous
+    (sequence-first activations ``[s, b, h]`` seen as ``[b, s, h]``, or a ``dim`` every
+    earlier dimension of which has size 1). The rank-ordered blocks of a flat collective are
+    then slices along ``dim`` as they are: no copy."""
+    return x.movedim(dim, 0).is_contiguous()
 
 
-def all_gather_dim(x: torch.Tensor, group: Any, dim: int = SEQ_DIM) -> torch.Tensor:
-    """Every rank's ``x`` concatenated along ``dim`` in rank order (no autograd)."""
-    if _leading(x, dim):
-        shape = list(x.shape)
-        shape[dim] *= group.size
-        out = x.new_empty(shape)
+def all_gather_dim(x: torch.Tensor, group: Any, dim: int = SEQ_DIM, outermost: Optional[bool] = None) -> torch.Tensor:
+    """Every rank's ``x`` concatenated along ``dim`` in rank order (no autograd). The result is
+    stored with ``dim`` outermost when ``outermost`` (default: when ``x`` is stored so; then
+    no copy is made), else contiguous (one copy: the rank-major gather reordered)."""
+    outermost = stored_outermost(x, dim) if outermost is None else outermost
+    if outermost:
+        part = x.movedim(dim, 0).contiguous()
+        out = part.new_empty((group.size * part.shape[0], *part.shape[1:]))
         _record("all_gather", out)
-        all_gather_flat(out.view(-1), x.contiguous().view(-1), group=group.pg)
-        return out
-    parts = x.movedim(dim, 0).contiguous()
-    out = parts.new_empty((group.size * parts.shape[0], *parts.shape[1:]))
+        all_gather_flat(out.view(-1), part.view(-1), group=group.pg)
+        return out.movedim(0, dim)
+    part = x.contiguous()
+    out = part.new_empty((group.size, *part.shape))
     _record("all_gather", out)
-    all_gather_flat(out, parts, group=group.pg)
-    return out.movedim(0, dim).contiguous()
+    all_gather_flat(out.view(-1), part.view(-1), group=group.pg)
+    return out.movedim(0, dim).flatten(dim, dim + 1)
 
 
-def reduce_scatter_dim(x: torch.Tensor, group: Any, dim: int = SEQ_DIM) -> torch.Tensor:
-    """This rank's equal slice along ``dim`` of the SUM of every rank's ``x`` (no autograd)."""
+def reduce_scatter_dim(x: torch.Tensor, group: Any, dim: int = SEQ_DIM,
+                       outermost: Optional[bool] = None) -> torch.Tensor:
+    """This rank's equal slice along ``dim`` of the SUM of every rank's ``x`` (no autograd),
+    stored with ``dim`` outermost when ``outermost`` (default: when ``x`` is stored so), else
+    contiguous; one copy at most (none when ``x`` is stored as the result is). The same
+    elements are summed in the same rank order either way."""
     if x.shape[dim] % group.size:
         raise ValueError(f"dimension {dim} of size {x.shape[dim]} does not split over "
                          f"{group.size} tensor-parallel ranks")
-    if _leading(x, dim):
-        shape = list(x.shape)
-        shape[dim] //= group.size
-        whole = x.contiguous()
-        out = x.new_empty(shape)
+    outermost = stored_outermost(x, dim) if outermost is None else outermost
+    if outermost:
+        whole = x.movedim(dim, 0).contiguous()
+        out = whole.new_empty((whole.shape[0] // group.size, *whole.shape[1:]))
         _record("reduce_scatter", whole)
         reduce_scatter_flat(out.view(-1), whole.view(-1), group=group.pg)
-        return out
-    whole = x.movedim(dim, 0).contiguous()
-    out = whole.new_empty((whole.shape[0] // group.size, *whole.shape[1:]))
+        return out.movedim(0, dim)
+    # rank-major blocks [TP, ..., s / TP, ...]: each rank's slice lands contiguous
+    whole = x.unflatten(dim, (group.size, x.shape[dim] // group.size)).movedim(dim, 0).contiguous()
+    out = whole.new_empty(whole.shape[1:])
     _record("reduce_scatter", whole)
-    reduce_scatter_flat(out, whole, group=group.pg)
-    return out.movedim(0, dim).contiguous()
+    reduce_scatter_flat(out.view(-1), whole.view(-1), group=group.pg)
+    return out
 
 
 def all_reduce_sum(x: torch.Tensor, group: Any, activation: bool = True) -> torch.Tensor:
@@ -204,12 +212,13 @@ class _GatherSequence(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Any, dim: int) -> torch.Tensor:  # type: ignore[override]
-        ctx.group, ctx.dim = group, dim
-        return all_gather_dim(x, group, dim)
+        ctx.group, ctx.dim, ctx.outermost = group, dim, stored_outermost(x, dim)
+        return all_gather_dim(x, group, dim, ctx.outermost)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
-        return reduce_scatter_dim(g, ctx.group, ctx.dim), None, None
+        # (the grad is stored as the forward's input was)
+        return reduce_scatter_dim(g, ctx.group, ctx.dim, ctx.outermost), None, None
 
 
 class _ReduceScatterSequence(torch.autograd.Function):
@@ -217,12 +226,12 @@ class _ReduceScatterSequence(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Any, dim: int) -> torch.Tensor:  # type: ignore[override]
-        ctx.group, ctx.dim = group, dim
-        return reduce_scatter_dim(x, group, dim)
+        ctx.group, ctx.dim, ctx.outermost = group, dim, stored_outermost(x, dim)
+        return reduce_scatter_dim(x, group, dim, ctx.outermost)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
-        return all_gather_dim(g, ctx.group, ctx.dim), None, None
+        return all_gather_dim(g, ctx.group, ctx.dim, ctx.outermost), None, None
 
 
 class _GatherLastDim(torch.autograd.Function):

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from _virtual_cuda_cases import te_param_gather_cases
+from _virtual_cuda_cases import te_cases
 
 from lptrain.testing.dist import run_distributed
 
@@ -28,11 +28,28 @@ CASES = {
 }
 
 
-def test_te_fp8_param_gather_on_equals_off_at_dp2_and_per_rank_seeds(tmp_path: Path) -> None:
-    r0, r1 = run_distributed(te_param_gather_cases, 2, args=(CASES, str(tmp_path / "cache")),
-                             init_process_group=False, timeout_s=300)
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return run_distributed(te_cases, 2, args=(CASES, str(tmp_path_factory.mktemp("cache"))),
+                           init_process_group=False, timeout_s=600)
+
+
+def test_te_fp8_param_gather_on_equals_off_at_dp2_and_per_rank_seeds(results: list[dict]) -> None:
+    r0, r1 = results
     for fmt in ("tensorwise", "blockwise", "mxfp8"):
         assert r0[f"{fmt}_on"] == r0[f"{fmt}_off"], (fmt, r0[f"{fmt}_on"], r0[f"{fmt}_off"])
         assert r0[f"{fmt}_on"] == r1[f"{fmt}_on"]  # losses are global
     assert all(not r0[k] and not r1[k] for k in r0 if k.endswith("/violations"))
     assert r0["mxfp8_on/seed"] != r1["mxfp8_on/seed"]  # TE's SR draws differ per rank
+
+
+def test_each_te_weight_is_cast_once_per_step_under_pipeline_parallelism(results: list[dict]) -> None:
+    """Issue 48 finding 5 under PP 2: the schedule passes Megatron's ``is_first_microbatch``
+    per micro-batch (True for each stage's first, False after), so each bf16 weight is cast
+    once per step (4 micro-batches), not once per micro-batch as with ``None``."""
+    for r in results:
+        casts, linears = r["pp_casts"]["fixed"]
+        assert linears == 4 and casts == linears, r["pp_casts"]  # one layer per stage
+        casts, linears = r["pp_casts"]["unfixed"]
+        assert casts == 4 * linears, r["pp_casts"]
+        assert r["pp_casts"]["bitwise_as_before"], r["pp_casts"]  # losses, grad norms, params

@@ -20,16 +20,20 @@ import pytest
 from lptrain.testing.dist import run_distributed
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _tp_te_cases import te_vs_emulated  # noqa: E402
+from _tp_te_cases import battery  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
 LOSS_RTOL = 2e-3  # (see tests/dist/test_tp_training.py)
 
 
-def test_te_layers_get_tes_tensor_parallel_arguments_and_train_like_the_emulation(tmp_path: Path) -> None:
-    results = run_distributed(te_vs_emulated, 2, args=(str(tmp_path / "cache"),), init_process_group=False,
-                              timeout_s=300)
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return run_distributed(battery, 2, args=(str(tmp_path_factory.mktemp("cache")),), init_process_group=False,
+                           timeout_s=300)
+
+
+def test_te_layers_get_tes_tensor_parallel_arguments_and_train_like_the_emulation(results: list[dict]) -> None:
     for r in results:
         assert r["te_backend"].endswith("TE's own Python, kernels emulated"), r["te_backend"]
         assert r["violations"] == []
@@ -45,3 +49,18 @@ def test_te_layers_get_tes_tensor_parallel_arguments_and_train_like_the_emulatio
         for te, emu in zip(r["te"], r["emulated"], strict=True):
             assert te == pytest.approx(emu, rel=LOSS_RTOL)
     assert results[0]["te"] == results[1]["te"]
+
+
+def test_sequence_parallel_te_layers_copy_no_activation_for_more_than_one_sequence(results: list[dict]) -> None:
+    """Issue 48 finding 6: TE's sequence-parallel ``Linear`` takes ``[s, b, h]``; the layer
+    stack stores its activations that way on TE (lptrain.model.layout), so a layer's forward
+    and the backward copy no more activations at micro-batch 2 than at 1 (where the two
+    storages coincide). Batch-first, as before, every TE linear of the layer copied its input
+    (and the old wrapper its output too): 8 copies per layer forward."""
+    for r in results:
+        c = r["copies"]
+        (fwd1, bwd1), (fwd2, bwd2) = c["mb1"], c["mb2"]
+        assert fwd2 == fwd1, c  # inside the layer
+        assert bwd2 <= bwd1 + 1, c  # the head's sequence gather (one per model, not per layer)
+        assert c["before_fix_mb2"][0] == fwd1 + 8, c  # the fix patched away: input and output of 4 linears
+        assert c["bitwise_as_before"], c  # the same loss and gradients, bit for bit

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from lptrain.model.build_context import BuildContext
+from lptrain.model.layout import stored_like
 from lptrain.model.mlp import ffn_hidden_size
 from lptrain.model.moe.dispatcher import DispatchState, combine, dispatch
 from lptrain.model.moe.experts import GroupedMLP, SequentialMLP
@@ -79,6 +80,8 @@ class MoELayer(nn.Module):
         return group
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        stored = x
+        x = x.contiguous()  # tokens batch-major (a copy where x is stored sequence-first)
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         routing = self.router(x)
@@ -97,7 +100,7 @@ class MoELayer(nn.Module):
                     self.metric_load_balancing_loss = self.metric_load_balancing_loss + lb
                 self.metric_forwards += 1
         losses = {"load_balancing_loss": routing.aux_loss, "z_loss": routing.z_loss}
-        return out.to(x.dtype).view(shape), losses
+        return stored_like(out.to(x.dtype).view(shape), stored), losses
 
     def reset_metrics(self) -> None:
         """Clear the per-step accumulators: this rank's tokens per global expert ``[E]`` fp64,

@@ -115,8 +115,12 @@ def parallelize(model: GPTModel, group: ProcessGroup, sequence_parallel: bool) -
     cfg = model.cfg
     padded = padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, tp)
     model.padded_vocab_size = padded
+    # the layer stack's activations stored sequence-first where the factory's sequence-parallel
+    # layers take [s, b, h] (TE's Linear: lptrain.model.layout); batch-first otherwise
+    sequence_first = sequence_parallel and bool(getattr(model.factory, "sequence_first_activations", False))
     if model.embedding is not None:  # (a pipeline stage without the table holds none)
-        model.embedding = VocabParallelEmbedding(model.embedding, padded, group, sequence_parallel)
+        model.embedding = VocabParallelEmbedding(model.embedding, padded, group, sequence_parallel,
+                                                 sequence_first)
     if model.output_layer is not None:
         model.output_layer = VocabParallelOutputHead(model.output_layer, padded, group, sequence_parallel)
     else:
@@ -139,6 +143,7 @@ def parallelize(model: GPTModel, group: ProcessGroup, sequence_parallel: bool) -
                     setattr(parent, attr, TPRMSNorm(child, group))
     model.tensor_parallel_group = group
     model.sequence_parallel = sequence_parallel
+    model.sequence_first = sequence_first
 
 
 def whole_parameter_count(model: nn.Module) -> int:

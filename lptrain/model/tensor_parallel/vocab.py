@@ -56,7 +56,8 @@ def _vocab_shard(whole: torch.Tensor, rows: int, group: Any) -> torch.Tensor:
 class VocabParallelEmbedding(TokenEmbedding):
     """This rank's ``[V / TP, h]`` rows of the token embedding (see the module doc)."""
 
-    def __init__(self, whole: TokenEmbedding, padded_rows: int, group: Any, sequence_parallel: bool) -> None:
+    def __init__(self, whole: TokenEmbedding, padded_rows: int, group: Any, sequence_parallel: bool,
+                 sequence_first: bool = False) -> None:
         per = padded_rows // group.size
         nn.Embedding.__init__(self, per, whole.embedding_dim, dtype=whole.weight.dtype,
                               device=whole.weight.device)
@@ -65,6 +66,7 @@ class VocabParallelEmbedding(TokenEmbedding):
                 self.weight.copy_(_vocab_shard(whole.weight.data, padded_rows, group))
         self.group = group
         self.sequence_parallel = sequence_parallel
+        self.sequence_first = sequence_first  # the shard stored sequence-first (lptrain.model.layout)
         self.vocab_start = group.rank * per
         self.weight.tp_shard = TPShard(ShardLayout(dim=0), group, canonical_size=whole.num_embeddings)
         self.weight.tensor_model_parallel = True
@@ -75,12 +77,16 @@ class VocabParallelEmbedding(TokenEmbedding):
         out = F.embedding(local.masked_fill(outside, 0), self.weight.to(dtype))
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
+            if self.sequence_first:  # the one copy: the scatter then leaves each shard in place
+                out = out.transpose(0, 1).contiguous().transpose(0, 1)
             return reduce_scatter_sequence(out, self.group)
         return reduce_from_tp(out, self.group)
 
 
 def _head_input(x: torch.Tensor, group: Any, sequence_parallel: bool) -> torch.Tensor:
-    return gather_sequence(x, group) if sequence_parallel else copy_to_tp(x, group)
+    """The whole final hidden states, batch-first (the loss's token order): gathered along the
+    sequence in the shards' storage (no copy when stored sequence-first), then one copy."""
+    return gather_sequence(x, group).contiguous() if sequence_parallel else copy_to_tp(x, group)
 
 
 class VocabParallelOutputHead(OutputHead):
