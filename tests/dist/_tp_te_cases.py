@@ -35,10 +35,24 @@ def te_vs_emulated(rank: int, world: int, cache: str, extra: Sequence[str] = ())
             r = train_steps("tiny_cpu.yaml", [*BASE, f"data.cache_dir={cache}", f"precision.backend={backend}",
                                               *extra], steps=3, before_step=record if backend == "te" else None)
             out[backend] = r["losses"]
+            out[f"{backend}_norms"] = r["grad_norms"]
         out["violations"] = list(vc.violations)
         out["te_backend"] = vc.te_backend
     out["layers"] = seen
     return out
+
+
+def pipelined_te(rank: int, world: int, cache: str, steps: int = 2) -> dict[str, Any]:
+    """PP 2 x TP 2 + SP on TE's own Python, as :func:`te_vs_emulated`'s TE run otherwise: the
+    hidden states cross the stage boundary stored sequence-first (lptrain.model.layout), and
+    each stage's TE linears get ``is_first_microbatch`` per micro-batch."""
+    from lptrain.testing.fake_gpu import virtual_gpu
+    from lptrain.testing.parity import train_steps
+
+    with virtual_gpu("sm100", te=True):
+        r = train_steps("tiny_cpu.yaml", [*BASE, f"data.cache_dir={cache}", "precision.backend=te",
+                                          "model.pipeline_model_parallel_size=2"], steps=steps)
+    return {"losses": r["losses"], "grad_norms": r["grad_norms"]}
 
 
 def _ranks(pg: Any) -> Any:

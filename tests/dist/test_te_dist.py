@@ -7,7 +7,6 @@ forward); and TE's stochastic-rounding generator (CUDA's) seeded differently per
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 from _virtual_cuda_cases import te_cases
