@@ -24,11 +24,6 @@ def sequence_first(x: torch.Tensor) -> bool:
     return x.dim() >= 3 and not x.is_contiguous() and x.transpose(0, 1).is_contiguous()
 
 
-def storage_order(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as stored: ``[s, b, ...]`` (a view) when :func:`sequence_first`, else ``x``."""
-    return x.transpose(0, 1) if sequence_first(x) else x
-
-
 def merge_last_dims_like(o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``o [b, s, *rest]`` with its trailing dimensions merged (``[b, s, prod(rest)]``), stored
     as ``x`` is: one copy either way (the attention's ``[b, s, heads, d]`` output)."""

@@ -2,11 +2,11 @@
 weights gathered as bytes -- each rank casts its master shard with TE's
 ``cast_master_weights_to_fp8`` after one MAX all-reduce of the amaxes -- and MXFP8 through the
 reused grad buffer, each bitwise equal to gathering nothing (bf16 params quantized in the
-forward); and TE's stochastic-rounding generator (CUDA's) seeded differently per rank.
+forward); TE's stochastic-rounding generator (CUDA's) seeded differently per rank; and, at
+PP 2, each TE weight cast once per step (the schedule's ``is_first_microbatch``).
 """
 
 from __future__ import annotations
-
 
 import pytest
 from _virtual_cuda_cases import te_cases
