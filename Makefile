@@ -40,8 +40,12 @@ run: install
 # of 10-40 s) are built once, not once per worker that took one of its tests.
 TEST_WORKERS ?= 2
 
+# Bytecode is written (PYTHONDONTWRITEBYTECODE cleared): the suite starts a few hundred
+# processes (ranks, CLI subprocesses) that would each compile lptrain from source again, and each
+# worker would re-run pytest's assertion rewriting of every test module.
 test: install
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m compileall -q -j 2 lptrain tests
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope
 
 lint: install
 	$(BIN)/ruff check lptrain tests bench

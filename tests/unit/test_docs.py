@@ -30,6 +30,8 @@ def _repo_text_files() -> list[Path]:
         dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS and not d.endswith(".egg-info")]
         for name in filenames:
             path = Path(dirpath) / name
+            if name == ".git":  # a git worktree's pointer to its repository: not project content
+                continue
             if path.is_file() and not path.is_symlink() and path.stat().st_size < 2_000_000:
                 out.append(path)
     return out
