@@ -37,7 +37,9 @@ run: install
 
 # Two pytest-xdist workers by default (CI has 2 cores); TEST_WORKERS=0 runs in one process.
 # loadscope keeps a module on one worker, so its module-scoped fixtures (multi-rank batteries
-# of 10-40 s) are built once, not once per worker that took one of its tests.
+# of 10-180 s) are built once, not once per worker that took one of its tests; in collection
+# order (--no-loadscope-reorder), so tests/dist's long batteries start first and the many short
+# unit tests fill the end (ordered by test count, the batteries came last: a 3-minute tail).
 TEST_WORKERS ?= 2
 
 # Bytecode is written (PYTHONDONTWRITEBYTECODE cleared): the suite starts a few hundred
@@ -45,7 +47,7 @@ TEST_WORKERS ?= 2
 # worker would re-run pytest's assertion rewriting of every test module.
 test: install
 	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m compileall -q -j 2 lptrain tests
-	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 
 lint: install
 	$(BIN)/ruff check lptrain tests bench
