@@ -194,6 +194,7 @@ def dry_run(cfg: LPTrainConfig, world: Optional[World] = None) -> DryRunReport:
     import torch
 
     from lptrain.data.loader import build_streams
+    from lptrain.distributed.launch_env import use_one_cuda_work_queue
     from lptrain.model.build import build_model
     from lptrain.model.process_group import SINGLE_RANK, ShapeOnlyGroup
     from lptrain.model.tensor_parallel import whole_parameter_count
@@ -217,6 +218,7 @@ def dry_run(cfg: LPTrainConfig, world: Optional[World] = None) -> DryRunReport:
             stack.enter_context(virtual_gpu(world.target, te=cfg.precision.backend == "te",
                                             te_version=world.te_version))
         tp = build_cfg.model.tensor_model_parallel_size
+        use_one_cuda_work_queue(tp)  # as the run's engine does (TE's TP layers warn without it)
         with torch.device("meta"):  # (tensor parallel: rank 0's shards, shapes only)
             model = build_model(build_cfg, tensor_parallel_group=ShapeOnlyGroup(tp) if tp > 1 else SINGLE_RANK)
         params = whole_parameter_count(model)

@@ -17,6 +17,15 @@ import os
 import torch
 
 
+def use_one_cuda_work_queue(tensor_parallel_size: int) -> None:
+    """Under tensor parallelism, ``CUDA_DEVICE_MAX_CONNECTIONS=1``: one hardware queue, so a
+    TP/SP collective launched before a GEMM runs before it and overlaps the next (Megatron's
+    launch scripts set it; TE's TP layers warn without it). Read when the CUDA context is
+    created, so called before the first CUDA call; an explicit value wins."""
+    if tensor_parallel_size > 1:
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+
+
 def world_from_env() -> tuple[int, int, int]:
     """``(rank, world_size, local_rank)`` from the launcher's environment (0, 1, 0 without)."""
     return (

@@ -321,8 +321,6 @@ def te_linear(in_features: int, out_features: int, *, bias: bool = False,
     ``sequence_parallel`` -- TE holds the shard and runs the layer's collectives."""
     if parallel_mode is None:
         return _te_module(_te_parallel_linear_cls(), in_features, out_features, bias=bias, layer=layer)
-    if tp_size > 1:  # TE's overlap of its TP collectives needs one CUDA work queue (it warns)
-        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     return _te_module(_te_parallel_linear_cls(), in_features, out_features, bias=bias, layer=layer,
                       parallel_mode=parallel_mode, tp_group=getattr(tp_group, "pg", tp_group),
                       tp_size=tp_size, sequence_parallel=sequence_parallel)

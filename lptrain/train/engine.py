@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
@@ -85,17 +84,16 @@ class TrainEngine(EngineCheckpointState):
         from lptrain.catalog.pipeline import layout_for
         from lptrain.distributed.ddp import DataParallel
         from lptrain.distributed.groups import build_groups
-        from lptrain.distributed.launch_env import init_process_group_from_env
+        from lptrain.distributed.launch_env import (
+            init_process_group_from_env,
+            use_one_cuda_work_queue,
+        )
         from lptrain.distributed.layout import plan_run_layout, run_param_specs
         from lptrain.model.build import resolve_device
         from lptrain.optim.chained import build_optimizer, state_precision
 
         self.cfg = cfg
-        if cfg.model.tensor_model_parallel_size > 1:
-            # One hardware queue, so a TP/SP collective launched before a GEMM runs before it and
-            # overlaps the next (Megatron's launch scripts set it; TE warns without it). Read when
-            # the CUDA context is created: set before the first CUDA call; an explicit value wins.
-            os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+        use_one_cuda_work_queue(cfg.model.tensor_model_parallel_size)
         # (resolved again after joining: joining selects this rank's CUDA device)
         init_process_group_from_env(resolve_device(cfg), 60.0 * cfg.dist.distributed_timeout_minutes)
         moe, pp = cfg.model.moe, max(1, cfg.model.pipeline_model_parallel_size)
