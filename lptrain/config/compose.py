@@ -444,11 +444,20 @@ def load(
 def merge_layers(layers: Sequence[_Layer]) -> LPTrainConfig:
     """The typed config of ``layers`` merged in order over the schema defaults (each layer
     checked against the schema first); :class:`ConfigError` on any unreadable value."""
-    merged = copy.deepcopy(_base())
     for layer in layers:
         _validate(layer.data, LPTrainConfig, "", layer)
+    merged = copy.deepcopy(_base())
+    try:  # the common case: the layers folded into one mapping, one merge into the schema
+        merged = OmegaConf.unsafe_merge(merged, _folded([layer.data for layer in layers]))
+    except OmegaConfBaseException:  # merged again layer by layer, to name the layer at fault
+        merged = copy.deepcopy(_base())
+    else:
+        layers = ()
+    for layer in layers:
         try:
-            merged = OmegaConf.merge(merged, layer.data)
+            # in place: ``merged`` is this call's own copy, and a layer's plain mapping is
+            # turned into fresh nodes first (``merge`` deep-copied the whole tree per layer)
+            merged = OmegaConf.unsafe_merge(merged, layer.data)
         except OmegaConfBaseException as e:
             key = getattr(e, "full_key", None) or ""
             where = _where(layer.source, layer.lines, key)
@@ -463,6 +472,23 @@ def merge_layers(layers: Sequence[_Layer]) -> LPTrainConfig:
     assert isinstance(cfg, LPTrainConfig)
     _check_resolved_types(cfg)
     return cfg
+
+
+def _folded(mappings: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The mappings merged in order as OmegaConf merges them: a mapping into a mapping key
+    by key, anything else (a value, a list, ``None``) replacing what was there."""
+    out: dict[str, Any] = {}
+    for m in mappings:
+        _fold_into(out, m)
+    return out
+
+
+def _fold_into(dst: dict[str, Any], src: dict[str, Any]) -> None:
+    for k, v in src.items():
+        if isinstance(v, dict) and isinstance(dst.get(k), dict):
+            _fold_into(dst[k], v)
+        else:
+            dst[k] = copy.deepcopy(v) if isinstance(v, (dict, list)) else v
 
 
 def _check_resolved_types(cfg: Any, prefix: str = "") -> None:

@@ -9,6 +9,7 @@ busy for minutes). Every refusal is a :class:`ConfigError` naming the file and l
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any, Optional
 
@@ -149,6 +150,14 @@ def _decode(raw: bytes, path: Path) -> str:
         ) from None
 
 
+# Parsed files by (path, bytes): a process composing many configs (the planner, the rule
+# battery, a test suite) reads the same recipes and fragments again and again; YAML parsing
+# and the duplicate-key walk were most of a compose. Keyed by content, so an edited file is
+# parsed again; only files that parsed cleanly are kept.
+_PARSED: dict[tuple[str, bytes], tuple[dict[str, Any], dict[str, int]]] = {}
+_PARSED_MAX = 512
+
+
 def read_yaml(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
     """Parse one YAML file into (mapping, dotted key -> line); syntax errors name the line.
 
@@ -162,6 +171,9 @@ def read_yaml(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
     if len(raw) > MAX_YAML_CHARS:
         raise ConfigError(f"{path}: {len(raw)} bytes; a recipe or fragment is read up to "
                           f"{MAX_YAML_CHARS} bytes", fix="split it into fragments, or shorten its values")
+    hit = _PARSED.get((str(path), raw))
+    if hit is not None:  # the same bytes parse the same: a copy, callers may mutate it
+        return copy.deepcopy(hit[0]), dict(hit[1])
     text = _decode(raw, path)
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
@@ -192,4 +204,7 @@ def read_yaml(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
     if node is not None:
         _check_duplicates(node, "", path)
         _line_map(node, "", lines)
+    if len(_PARSED) >= _PARSED_MAX:
+        _PARSED.clear()
+    _PARSED[(str(path), raw)] = (copy.deepcopy(data), dict(lines))
     return data, lines

@@ -26,6 +26,7 @@ The cache folder is ``data.cache_dir`` when set, else ``$LPTRAIN_CACHE_DIR``, el
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -56,8 +57,14 @@ def default_cache_dir() -> Path:
 
 
 def stdlib_files(max_bytes: int = DEFAULT_MAX_BYTES) -> list[Path]:
-    """The capped, sorted list of standard-library sources of this interpreter."""
-    root = Path(sysconfig.get_paths()["stdlib"])
+    """The capped, sorted list of standard-library sources of this interpreter (walked once
+    per process and cap: every run and evaluation of a process asks again)."""
+    return list(_stdlib_files(str(Path(sysconfig.get_paths()["stdlib"])), max_bytes))
+
+
+@functools.lru_cache(maxsize=8)
+def _stdlib_files(stdlib: str, max_bytes: int) -> tuple[Path, ...]:
+    root = Path(stdlib)
     found: list[tuple[str, Path, int]] = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in _EXCLUDED_DIRS)
@@ -77,7 +84,7 @@ def stdlib_files(max_bytes: int = DEFAULT_MAX_BYTES) -> list[Path]:
         total += size
     if not out:
         raise DataError(f"no Python sources found under the standard library at {root}")
-    return out
+    return tuple(out)
 
 
 def _identity(name: str, files: list[Path], tokenizer_sha: str) -> dict[str, Any]:

@@ -6,8 +6,8 @@ a rank that reduces over the wrong group or a sampler that hands two ranks the s
 :func:`run_distributed` is the one way the test suites do that:
 
 * each rank is a fresh process with one torch thread (the CI machine has 2 cores shared by
-  several workers), forked from a ``forkserver`` that has imported torch and lptrain once and
-  done nothing else (no OpenMP pool, no process group, no test state: what ``spawn`` gives,
+  several workers), forked from a ``forkserver`` that has imported torch and lptrain once
+  (:data:`_PRELOAD`) and done nothing else (no OpenMP pool, no process group, no test state: what ``spawn`` gives,
   without paying the ~3 s torch import per rank; ``spawn`` where there is no forkserver);
 * rendezvous is ``env://`` on 127.0.0.1 with a free TCP port; ``MASTER_ADDR``,
   ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` are set
@@ -208,8 +208,14 @@ def _stop(procs: Sequence[Any], dump_stacks: bool) -> None:
             p.join(5.0)
 
 
-# imported once by the forkserver, before any rank is forked from it
-_PRELOAD = ["torch", "torch.distributed", "lptrain.train.engine", "lptrain.testing.dist"]
+# Imported once by the forkserver, before any rank is forked from it: torch and what nearly
+# every rank imports anyway. ``torch._dynamo`` (with sympy, about 1.5 s on the CI machine) is
+# imported by the first ``torch.optim.Optimizer`` a rank builds (torch wraps its methods in
+# ``_disable_dynamo``); ``torch.distributed.tensor`` by the first parameter made under a device
+# context. Import-only: none of these starts a thread or touches a process group.
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.distributed.tensor",
+            "torch.distributed.pipelining", "omegaconf", "lptrain.train.engine", "lptrain.testing.dist",
+            "lptrain.testing.parity", "lptrain.config.compose", "lptrain.model.build", "lptrain.data"]
 
 
 def _rank_context() -> Any:
