@@ -106,7 +106,14 @@ def _grad_norm_figure(plt: Any, recs: list[dict[str, Any]]) -> Any:
         ax.plot(*zip(*gn, strict=True), label="grad norm (before clipping)")
     ax.set_xlabel("step")
     ax.set_ylabel("global grad norm")
-    ax.set_yscale("log" if gn and min(v for _, v in gn) > 0 else "linear")
+    if gn and min(v for _, v in gn) > 0:
+        from matplotlib.ticker import LogFormatter
+
+        ax.set_yscale("log")
+        # plain tick labels ("0.5", "2"): the default 10^x labels go through mathtext, whose
+        # parser took longer to build than the rest of a run's plots together
+        ax.yaxis.set_major_formatter(LogFormatter())
+        ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.5)))
     ax.legend()
     ax.grid(alpha=0.3)
     return fig
