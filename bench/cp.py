@@ -22,7 +22,6 @@
 from __future__ import annotations
 
 import argparse
-import time
 from typing import Any
 
 from harness import Figure, Ratio, add_args, report, rounds
@@ -94,7 +93,6 @@ def _bytes(e: Any, it: Any, micro: int) -> tuple[int, int]:
 
 
 def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
-    import torch.distributed as dist
 
     from lptrain.model.context_parallel import attention
     from lptrain.testing.parity import patched
@@ -114,21 +112,7 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
             ring(s)
 
     fns["p2p compute only"] = compute_only
-    r = rounds(args, _ratios())
-    step = 1
-    while True:
-        step += 1
-        times = {}
-        for name, fn in fns.items():
-            for _ in range(r.settle):
-                fn(step)
-            dist.barrier()
-            t0 = time.perf_counter()
-            fn(step)
-            dist.barrier()
-            times[name] = time.perf_counter() - t0
-        if step > 3 and r.add_max_over_ranks(times):
-            break
+    r = rounds(args, _ratios()).run_across_ranks(fns, first_step=2)  # (step 1: the set-up's)
     return {"series": r.series, "traffic": traffic}
 
 

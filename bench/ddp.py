@@ -42,7 +42,6 @@ divided by the data-parallel size).
 from __future__ import annotations
 
 import argparse
-import time
 from typing import Any
 
 from harness import Ratio, add_args, report, rounds
@@ -172,21 +171,7 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     fns["torch DDP"] = torch_step
     fns["torch DDP, overlap off"] = torch_flat_step
     fns[MASTERS] = lambda s: masters_step([next(masters_it) for _ in range(n)])
-    r = rounds(args, _ratios())
-    step = 0
-    while True:
-        step += 1
-        times = {}
-        for name, fn in fns.items():
-            for _ in range(r.settle):  # untimed: this variant's caches (harness.add_args)
-                fn(step)
-            torch.distributed.barrier()
-            t0 = time.perf_counter()
-            fn(step)
-            torch.distributed.barrier()
-            times[name] = time.perf_counter() - t0
-        if step > 3 and r.add_max_over_ranks(times):  # 3 warm-up steps
-            break
+    r = rounds(args, _ratios()).run_across_ranks(fns)
     memory = {}
     for name, e in engines.items():
         held = sum(sum(b.nbytes().values()) for b in e.ddp.buffers)

@@ -167,6 +167,29 @@ class Rounds:
             self.add(times)
         return self
 
+    def run_across_ranks(self, fns: Mapping[str, Callable[[int], Any]], warmup_steps: int = 3,
+                         first_step: int = 1) -> Rounds:
+        """:meth:`run` for a distributed bench whose fns take the step number (from
+        ``first_step``): every fn's timed call sits between barriers (the slowest rank's time
+        is the step's), after its ``settle`` untimed calls; rounds are recorded from step
+        ``warmup_steps + 1`` on."""
+        import torch.distributed as dist
+
+        step = first_step - 1
+        while True:
+            step += 1
+            times = {}
+            for name, fn in fns.items():
+                for _ in range(self.settle):  # untimed: this fn's caches (add_args)
+                    fn(step)
+                dist.barrier()
+                t0 = time.perf_counter()
+                fn(step)
+                dist.barrier()
+                times[name] = time.perf_counter() - t0
+            if step > warmup_steps and self.add_max_over_ranks(times):
+                return self
+
     def add_max_over_ranks(self, times: Mapping[str, float]) -> bool:
         """:meth:`add` for a distributed bench, returning whether to stop: each series gets the
         slowest rank's time of this round (the slowest rank gates a step), so every rank

@@ -22,7 +22,6 @@
 from __future__ import annotations
 
 import argparse
-import time
 from typing import Any
 
 from harness import Figure, Ratio, add_args, report, rounds
@@ -90,21 +89,7 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
                                   e.train_step([next(it) for _ in range(n)], s)) for name in VARIANTS}
     fns["tp collective"] = tp_collective
     fns["raw collectives"] = raw_collectives
-    r = rounds(args, _ratios())
-    step = 1
-    while True:
-        step += 1
-        times = {}
-        for name, fn in fns.items():
-            for _ in range(r.settle):
-                fn(step)
-            dist.barrier()
-            t0 = time.perf_counter()
-            fn(step)
-            dist.barrier()
-            times[name] = time.perf_counter() - t0
-        if step > 3 and r.add_max_over_ranks(times):
-            break
+    r = rounds(args, _ratios()).run_across_ranks(fns, first_step=2)  # (step 1: the set-up's)
     return {"series": r.series, "traffic": traffic}
 
 

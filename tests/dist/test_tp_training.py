@@ -33,6 +33,7 @@ import torch
 from lptrain.testing.dist import run_distributed
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _hf_reexport import assert_reexport_at_one_rank_is_identical  # noqa: E402
 from _tp_train_cases import (  # noqa: E402
     CKPT_STEPS,
     DP_RECIPES,
@@ -184,29 +185,8 @@ def test_checkpoint_holds_the_single_rank_shapes(runs: dict[str, Any]) -> None:
 def test_hf_export_of_a_tp_run_equals_the_tp1_export(runs: dict[str, Any], tmp_path: Path) -> None:
     """The TP 2 run's checkpoint, loaded by a TP 1 engine and saved again, exports to the same
     Hugging Face folder byte for byte: the export does not depend on the TP size it came from."""
-    from lptrain.checkpoint import find_checkpoints, load_checkpoint, save_checkpoint
-    from lptrain.config import World, compose, derive
-    from lptrain.config.render import config_yaml
-    from lptrain.interop.hf_export import export_hf
-    from lptrain.testing.parity import first_difference
-    from lptrain.train.engine import TrainEngine
-
-    src = find_checkpoints(runs["root"] / "tp2_straight" / "ckpt").valid[0]
-    state, _ = load_checkpoint(src, rank=0, world_size=1)
-    cfg = derive(compose("tiny_cpu.yaml", [*SMALL, f"checkpoint.save={tmp_path}/ckpt"]), World.detect())
-    engine = TrainEngine(cfg)
-    engine.load_checkpoint_state(state)
-    with engine.params_synced():
-        again = engine.checkpoint_state()
-    assert first_difference(again["global"]["model"], state["global"]["model"]) is None
-    resaved = save_checkpoint(tmp_path / "ckpt", CKPT_STEPS, again, {"iteration": CKPT_STEPS}, config_yaml(cfg),
-                              rank=0, world_size=1, keep_latest=2)
-    export_hf(src, tmp_path / "hf_tp2")
-    export_hf(resaved, tmp_path / "hf_tp1")
-    files = sorted(p.name for p in (tmp_path / "hf_tp2").iterdir())
-    assert files == sorted(p.name for p in (tmp_path / "hf_tp1").iterdir()) and "model.safetensors" in files
-    for name in files:
-        assert (tmp_path / "hf_tp2" / name).read_bytes() == (tmp_path / "hf_tp1" / name).read_bytes(), name
+    assert_reexport_at_one_rank_is_identical(runs["root"] / "tp2_straight" / "ckpt", "tiny_cpu.yaml", SMALL, CKPT_STEPS,
+                                             tmp_path)
 
 
 def test_tp2_really_splits(runs: dict[str, Any]) -> None:
