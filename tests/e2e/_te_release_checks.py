@@ -131,6 +131,19 @@ def engine_steps() -> dict[str, Any]:
     return out
 
 
+def adam() -> list[str]:
+    """TE's own FusedAdam against the emulation (lptrain.testing.adam_parity): on TE <= 2.13
+    the kernels take fp32 moments only, and TE's Python unscales bf16 moments before them."""
+    from lptrain.config import World, compose, derive
+    from lptrain.testing import adam_parity
+    from lptrain.testing.fake_gpu import virtual_gpu
+
+    cfg = derive(compose("tiny_cpu.yaml", ["optimizer.use_precision_aware_optimizer=true",
+                                           "ddp.use_distributed_optimizer=true"]), World(dp=1))
+    with virtual_gpu("sm90", te=True):
+        return adam_parity.mismatches(cfg.optimizer)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="probe,engine")
@@ -145,6 +158,8 @@ def main() -> None:
             result["engine"] = engine_steps()
         if "grouped" in args.only:
             result["grouped"] = grouped_masters()
+        if "adam" in args.only:
+            result["adam"] = adam()
     except Exception:  # the caller shows it
         result["exception"] = traceback.format_exc()
     print("RESULT " + json.dumps(result))

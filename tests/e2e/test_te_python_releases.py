@@ -4,7 +4,8 @@ release: TE registers global state at import, so one release per process).
 Every other TE-backend test runs the newest installed release in-process; this module runs
 tests/e2e/_te_release_checks.py on a subset of ``make install``'s matrix:
 
-* 2.8.0, the oldest lptrain supports: ``*TensorBase`` storage classes, ``fp8_autocast``;
+* 2.8.0, the oldest lptrain supports: ``*TensorBase`` storage classes, ``fp8_autocast``,
+  ``FusedAdam`` before its kernels took bf16 moments (2.14);
 * 2.12.0: storage without ``.shape``, ``Float8BlockwiseQTensor`` refusing inner-dimension
   reshapes (the blockwise byte param gather must never reshape);
 * 2.18.0: the last release whose storage has no ``.shape``, and whose
@@ -34,7 +35,7 @@ SCRIPT = Path(__file__).with_name("_te_release_checks.py")
 # one subprocess per release imports torch and TE's Python (about 5 s quiet, much more on a
 # loaded machine) and runs its checks
 pytestmark = pytest.mark.timeout(900)
-RELEASES = {"2.8.0": "probe", "2.12.0": "probe,engine", "2.18.0": "probe,grouped"}
+RELEASES = {"2.8.0": "probe,adam", "2.12.0": "probe,engine", "2.18.0": "probe,grouped"}
 
 
 def _run(release: str, only: str) -> dict[str, Any]:
@@ -78,6 +79,16 @@ def test_engine_steps_on_the_release(release: tuple[str, dict]) -> None:
         pytest.skip(f"TE {name}: probe checks only")
     for recipe, losses in result["engine"].items():
         assert len(losses) == 2 and all(x == x for x in losses), (recipe, losses)
+
+
+def test_te_fused_adam_steps_bitwise_as_the_emulation(release: tuple[str, dict]) -> None:
+    """TE's own FusedAdam on the release against lptrain's emulation, bitwise, in every
+    stored format lptrain configures (tests/unit/optim/test_precision_aware_optimizer.py runs
+    the newest release)."""
+    name, result = release
+    if "adam" not in result:
+        pytest.skip(f"TE {name}: no FusedAdam check")
+    assert result["adam"] == []
 
 
 def test_grouped_masters_start_from_the_members_init_values(release: tuple[str, dict]) -> None:
