@@ -111,16 +111,21 @@ def test_a_crafted_dcp_byte_item_is_refused(tmp_path: Path, monkeypatch: pytest.
 
 def test_te_extra_state_is_checked_before_te_unpickles_it(tmp_path: Path) -> None:
     """Transformer Engine's ``set_extra_state`` unpickles its byte tensor itself: the state a
-    TE module writes (its recipe, scales and amax histories) passes the check, a crafted one
-    is refused before TE sees it."""
-    from lptrain.testing.te_standin import installed
+    TE module writes (TE's own ``Linear`` after a delayed-scaling forward, newest release on
+    the virtual GPU: its recipe, scales and amax histories) passes the check, a crafted one is
+    refused before TE sees it."""
+    from lptrain.precision import te_adapter
+    from lptrain.testing.fake_gpu import virtual_gpu
 
-    with installed():
+    with virtual_gpu("sm90", te=True):
         from transformer_engine.common.recipe import DelayedScaling
 
-        good = {"recipe": DelayedScaling(), "extra_fp8_variables": {"num_gemms": 1},
-                "scale_fwd": torch.ones(3), "amax_history_fwd": torch.zeros(4, 3)}
-        restricted.check_te_extra_state(torch.frombuffer(bytearray(pickle.dumps(good)), dtype=torch.uint8), "m")
+        lin = te_adapter.te_linear(32, 32)
+        with te_adapter.te_autocast(DelayedScaling(amax_history_len=4)):
+            lin(torch.randn(32, 32, device="cuda", dtype=torch.bfloat16).requires_grad_())
+        good = lin.get_extra_state()
+    assert pickle.loads(good.numpy().tobytes())["amax_history_fwd"].shape[0] == 4  # the module's real state
+    restricted.check_te_extra_state(good, "m")
     sentinel = tmp_path / "ran"
     bad = torch.frombuffer(bytearray(pickle.dumps({"recipe": _Payload(sentinel)})), dtype=torch.uint8)
     with pytest.raises(CheckpointError, match=r"m \(Transformer Engine extra state\): refused: it names posix\.system"):
