@@ -437,7 +437,7 @@ def keep_init(param: torch.Tensor, value: torch.Tensor) -> None:
 def forget_te_classes() -> None:
     """Drop the classes built on the imported TE's modules (the GroupedLinear and parallel
     Linear subclasses), so the next use builds them on whatever ``transformer_engine`` imports
-    then (the stand-in TE swaps versions this way)."""
+    then (``lptrain.testing.te_python.installed`` clears them around a run)."""
     _te_grouped_linear_cls.cache_clear()
     _te_parallel_linear_cls.cache_clear()
 
