@@ -204,9 +204,12 @@ def test_every_version_gate_is_tes_first_release_of_the_feature() -> None:
 def test_te_extra_state_as_lptrain_checkpoints_it(recipe: str) -> None:
     """TE's own ``get_extra_state`` (newest release, on a CPU): empty until the module has run
     FP8, then the pickled recipe for every recipe (the manifest: every release), plus the
-    delayed-scaling tensors for a delayed one; ``set_extra_state`` round-trips it."""
+    delayed-scaling tensors for a delayed one; ``set_extra_state`` round-trips it, and
+    lptrain's restricted checkpoint reader lets it through (it names only TE's recipe
+    classes and tensors: ``lptrain.checkpoint.restricted.check_te_extra_state``)."""
     import pickle
 
+    from lptrain.checkpoint import restricted
     from lptrain.testing import te_python
     from lptrain.testing.fake_gpu import virtual_gpu
 
@@ -223,6 +226,7 @@ def test_te_extra_state_as_lptrain_checkpoints_it(recipe: str) -> None:
         with ctx:
             lin(torch.randn(32, 64, device="cuda", dtype=torch.bfloat16))
         raw = lin.get_extra_state()
+        restricted.check_te_extra_state(raw, "m")
         if recipe != "DelayedScaling" and tuple(int(x) for x in str(te_python.version()).split(".")[:2]) >= (2, 20):
             assert raw.numel() == 0  # from 2.20 a stateless recipe saves nothing (_extra_state.py)
             return
