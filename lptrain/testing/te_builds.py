@@ -44,7 +44,8 @@ def refusals(overrides: list[str], world: World) -> list[str]:
 
 def builds(overrides: list[str], target: str) -> bool:
     """Whether lptrain's TE adapter builds the recipe of ``overrides`` and a ``Linear`` on a
-    virtual ``target`` GPU, and TE runs the Linear's forward and backward under it. False
+    virtual ``target`` GPU, and TE runs the Linear's forward under it (where TE checks the
+    recipe against the GPU). False
     when the adapter refuses the release (:class:`~lptrain.precision.te_adapter.
     BackendUnavailableError`); TE's own errors propagate (a rule accepted what TE refuses)."""
     cfg = compose(None, [TE, *overrides])
@@ -57,8 +58,7 @@ def builds(overrides: list[str], target: str) -> bool:
         x = torch.randn(32, 64, device="cuda", dtype=torch.bfloat16).requires_grad_()
         with te_adapter.te_autocast(recipe):
             y = lin(x)
-        y.float().sum().backward()
-        return bool(torch.isfinite(x.grad).all())
+        return bool(torch.isfinite(y).all())
 
 
 def trains_experts() -> bool:

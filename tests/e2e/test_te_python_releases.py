@@ -11,9 +11,10 @@ tests/e2e/_te_release_checks.py on a subset of ``make install``'s matrix:
 * 2.18.0: the last release whose storage has no ``.shape``, and whose
   ``make_grouped_weights`` drops the members' kept init values (lptrain carries them over).
 
-On each, the rules' TE version table is held to what the release runs: every recipe on its
-GPU, blockwise on Blackwell (TE refuses it before 2.9), a single grouped expert weight that
-trains (2.19+); the newest release in-process: tests/unit/config/test_te_versions.py.
+On 2.8.0 (the first NVFP4, blockwise still Hopper-only) and 2.18.0 (the last with untrained
+single grouped weights) the rules' TE version table is held to what the release runs: every
+recipe on its GPU, blockwise on Blackwell, a single grouped expert weight that trains (2.19+);
+the newest release in-process: tests/unit/config/test_te_versions.py.
 
 Issue 48 finding 1: TE's modules set ``internal=True`` on their quantizers in forward, and
 the statistics probe's copy kept it, so the copy returned a storage object: no ``.shape``
@@ -39,7 +40,7 @@ SCRIPT = Path(__file__).with_name("_te_release_checks.py")
 # one subprocess per release imports torch and TE's Python (about 5 s quiet, much more on a
 # loaded machine) and runs its checks
 pytestmark = pytest.mark.timeout(900)
-RELEASES = {"2.8.0": "probe,adam,versions", "2.12.0": "probe,engine,versions", "2.18.0": "probe,grouped,versions"}
+RELEASES = {"2.8.0": "probe,adam,versions", "2.12.0": "probe,engine", "2.18.0": "probe,grouped,versions"}
 
 
 def _run(release: str, only: str) -> dict[str, Any]:
@@ -113,6 +114,8 @@ def _minor(release: str) -> str:
 
 def test_rules_accept_each_recipe_exactly_when_the_release_runs_it(release: tuple[str, dict]) -> None:
     name, result = release
+    if "versions" not in result:
+        pytest.skip(f"TE {name}: no version-table check")
     runs = result["versions"]
     for recipe, overrides in te_builds.RECIPES.items():
         refused = te_builds.refusals(overrides, te_builds.world(te_builds.GPU[recipe], _minor(name)))
@@ -128,6 +131,8 @@ def test_rules_accept_single_grouped_weight_exactly_when_the_release_trains_it(
     from lptrain.config.rulesets import precision as rules_precision
 
     name, result = release
+    if "versions" not in result:
+        pytest.skip(f"TE {name}: no version-table check")
     w = te_builds.world("sm100", _minor(name), cuda="13.3")
     trains = result["versions"]["trains_experts"]
     assert (te_builds.refusals(te_builds.SINGLE_GROUPED_WEIGHT, w) == []) == trains

@@ -2,7 +2,7 @@
 
 The rules accept a ``backend=te`` config exactly when lptrain's TE adapter builds it on TE's
 own Python (kernels emulated) and TE runs its GEMM modules: the newest installed release here,
-2.8.0, 2.12.0 and 2.18.0 in their subprocesses (tests/e2e/test_te_python_releases.py, which
+2.8.0 and 2.18.0 in their subprocesses (tests/e2e/test_te_python_releases.py, which
 also holds the single-grouped-weight gate to TE 2.18's untrained experts). Releases without a
 published wheel in ``make install``'s matrix are held to TE's source instead: every version
 gate is the release TE's tagged source introduces the feature in
