@@ -17,14 +17,14 @@ the public path lptrain imports them from):
   its bases and the non-TE bases it ends in (``torch.Tensor``, ``torch.nn.Module``, ...),
   *flattened* over its TE bases, so a member is listed where Python would find it;
 * each function's parameters, and whether each module path exists and what it exports;
-* a few behaviours the stand-in TE reproduces per release, as predicates on the source
+* a few behaviours lptrain depends on per release, as predicates on the source
   (``FEATURES``): whether ``prepare_forward`` restores the recompute state in a ``finally``,
   whether quantized tensors are traceable wrapper subclasses, ...
 
 Each fact is stored with the releases it holds for, as ranges (``"2.8-2.13,2.15"``), so the
 file stays small and a diff between two generations reads as "what changed in TE". The tests
-in ``tests/unit/precision/test_te_manifest.py`` hold lptrain's stand-in TE, its TE-facing calls
-and its version gates to this file.
+in ``tests/unit/precision/test_te_manifest.py`` hold lptrain's TE-facing calls and its version
+gates to this file.
 """
 
 from __future__ import annotations

@@ -186,8 +186,9 @@ def dry_run(cfg: LPTrainConfig, world: Optional[World] = None) -> DryRunReport:
 
     The fake GPU step (:func:`lptrain.testing.fake_gpu.fake_gpu_steps`) trains two steps of
     the recipe at tiny shapes on a virtual GPU of the target that enforces CUDA's device rules
-    -- through the emulated backend, or the stand-in Transformer Engine when the recipe uses
-    TE and TE is not installed -- with the recipe's tensor and pipeline parallelism at 2 on 2
+    -- through the emulated backend, or Transformer Engine's own Python with its kernels
+    emulated (:mod:`lptrain.testing.te_python`) when the recipe uses TE and TE is not
+    installed -- with the recipe's tensor and pipeline parallelism at 2 on 2
     or 4 gloo ranks, so a code path that would crash on a GPU fails here, before the job gets
     one; its report names the parallel paths it ran and the ones it did not.
     """

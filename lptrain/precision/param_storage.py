@@ -25,6 +25,8 @@ new format changes nothing outside lptrain/precision.
 * ``load_from_staging(p, staged)``: after a gather, make ``p`` hold ``staged`` (a no-op for an
   aliased plain param; the column-wise copy rebuilt for byte-gathered params; a
   requantization -- both orientations -- for the others).
+* ``storage_views(p)``: the raw buffers ``p`` holds, by name (what a bitwise snapshot copies;
+  a quantized param's bytes and scales, not a dequantized value).
 
 Transformer Engine's tensor classes answer through :mod:`lptrain.precision.te_storage`,
 registered here the first time a tensor from ``transformer_engine`` arrives (so importing
@@ -256,6 +258,21 @@ def storage_bytes(p: torch.Tensor) -> int:
 @storage_bytes.register
 def _(p: QuantizedTensor) -> int:
     return p.nbytes()
+
+
+@singledispatch
+def storage_views(p: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Every raw buffer ``p`` holds, by name, as views (a plain param: its values; a quantized
+    one: its data and scales as stored, never a dequantized copy). What a bitwise snapshot
+    copies (``lptrain.testing.parity``)."""
+    if _registers_te(p):
+        return storage_views(p)
+    return {"value": p.detach()}
+
+
+@storage_views.register
+def _(p: QuantizedTensor) -> dict[str, torch.Tensor]:
+    return p.storage_views()
 
 
 @singledispatch

@@ -437,7 +437,7 @@ def keep_init(param: torch.Tensor, value: torch.Tensor) -> None:
 def forget_te_classes() -> None:
     """Drop the classes built on the imported TE's modules (the GroupedLinear and parallel
     Linear subclasses), so the next use builds them on whatever ``transformer_engine`` imports
-    then (the stand-in TE swaps versions this way)."""
+    then (``lptrain.testing.te_python.installed`` clears them around a run)."""
     _te_grouped_linear_cls.cache_clear()
     _te_parallel_linear_cls.cache_clear()
 
@@ -526,16 +526,7 @@ def _guarded_fused_adam_cls() -> type:
 
 def te_fused_adam(groups: list[dict[str, Any]], **kwargs: Any) -> torch.optim.Optimizer:
     """TE's FusedAdam over ``groups`` with Megatron's keyword arguments (``lptrain.optim.
-    precision_aware.fused_adam``), guarded against the all-zero FP8 state. A TE without
-    ``pytorch.optimizers`` (every release lptrain supports has it) is lptrain's stand-in: the
-    fake GPU step of ``pretrain --dry-run`` then steps with the emulation of the class."""
-    try:
-        real = importlib.util.find_spec("transformer_engine.pytorch.optimizers") is not None
-    except (ImportError, ValueError):  # transformer_engine.pytorch is a module: the stand-in
-        real = False
-    if not real:
-        from lptrain.precision.fused_adam import EmulatedFusedAdam
-        return EmulatedFusedAdam(groups, **kwargs)
+    precision_aware.fused_adam``), guarded against the all-zero FP8 state."""
     return _guarded_fused_adam_cls()(groups, **kwargs)
 
 

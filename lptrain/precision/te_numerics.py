@@ -48,8 +48,8 @@ _E4M3_LIMIT, _E5M2_LIMIT, _E2M1_LIMIT = (rounding_limit(448.0, 0.125), rounding_
 
 
 def _fp8_max(fp8_dtype: Any) -> float:
-    """The clamp limit of TE's ``_fp8_dtype`` (``tex.DType.kFloat8E4M3``/``E5M2``; the
-    stand-in's is lptrain's format object)."""
+    """The clamp limit of TE's ``_fp8_dtype`` (``tex.DType.kFloat8E4M3``/``E5M2``, or
+    lptrain's format object)."""
     name = getattr(fp8_dtype, "name", None) or str(fp8_dtype)
     return _E5M2_LIMIT if "E5M2" in name.upper() else _E4M3_LIMIT
 

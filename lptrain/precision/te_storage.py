@@ -113,6 +113,7 @@ def register() -> bool:
             S.stage_bytes.register(cls, stage_bytes)
             S.grouped_members.register(cls, grouped_members)
             S.storage_bytes.register(cls, storage_bytes)
+            S.storage_views.register(cls, storage_views)
             S.release_storage.register(cls, release_storage)
             S.restore_storage.register(cls, restore_storage)
             if cls is grouped:
@@ -204,6 +205,18 @@ def storage_bytes(p: Any) -> int:
             seen.add(id(t))
             total += t.numel() * t.element_size()
     return total
+
+
+def storage_views(p: Any) -> dict[str, torch.Tensor]:
+    """A TE tensor's storage buffers by attribute name (each distinct buffer once). Never
+    ``p.detach().clone()``: for a ``GroupedTensor`` that is TE's default dispatch, which
+    dequantizes every member and stacks them (a high-precision copy, not the bytes)."""
+    out: dict[str, torch.Tensor] = {}
+    for name in _STORAGE:
+        t = getattr(p, name, None)
+        if isinstance(t, torch.Tensor) and t.numel() and all(t is not v for v in out.values()):
+            out[name] = t.detach()
+    return out
 
 
 def grouped_members(p: Any) -> list[torch.Tensor]:

@@ -15,14 +15,15 @@ from typing import Any, Optional
 
 import torch
 
+from lptrain.precision import param_storage
 from lptrain.precision.tensors import QuantizedTensor
 
 
 def _param_snapshot(p: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Exact contents: a plain param's values, or every raw buffer of a quantized one."""
-    if isinstance(p, QuantizedTensor):
-        return {k: v.clone() for k, v in p.storage_views().items()}
-    return {"value": p.detach().clone()}
+    """Exact contents: a plain param's values, or every raw buffer of a quantized one,
+    lptrain's or Transformer Engine's (``param_storage.storage_views``; a TE grouped weight's
+    ``detach().clone()`` would be TE's dequantize-and-stack dispatch, not its bytes)."""
+    return {k: v.clone() for k, v in param_storage.storage_views(p).items()}
 
 
 def canonical_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -3,8 +3,8 @@
 
 The manifest stores, per class and function lptrain reaches, each member with the TE releases
 it exists in, as ranges (``"2.8-2.13,2.15"``). These helpers answer "does TE's ``X`` have
-``y`` at release ``v``?" and "from which release on does it?", which the stand-in-surface,
-TE-call and version-gate tests ask.
+``y`` at release ``v``?" and "from which release on does it?", which the TE-call and
+version-gate tests ask.
 """
 
 from __future__ import annotations

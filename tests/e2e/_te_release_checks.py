@@ -131,6 +131,33 @@ def engine_steps() -> dict[str, Any]:
     return out
 
 
+def adam() -> list[str]:
+    """TE's own FusedAdam against the emulation (lptrain.testing.adam_parity): on TE <= 2.13
+    the kernels take fp32 moments only, and TE's Python unscales bf16 moments before them."""
+    from lptrain.config import World, compose, derive
+    from lptrain.testing import adam_parity
+    from lptrain.testing.fake_gpu import virtual_gpu
+
+    cfg = derive(compose("tiny_cpu.yaml", ["optimizer.use_precision_aware_optimizer=true",
+                                           "ddp.use_distributed_optimizer=true"]), World(dp=1))
+    with virtual_gpu("sm90", te=True):
+        return adam_parity.mismatches(cfg.optimizer)
+
+
+def versions() -> dict[str, Any]:
+    """What the release runs of each recipe on its GPU, of blockwise on Blackwell (TE's own
+    error where it refuses), and whether a single grouped expert weight trains
+    (lptrain.testing.te_builds): the caller holds the rules' TE version table to it."""
+    from lptrain.testing import te_builds
+
+    try:
+        blockwise_sm100: Any = te_builds.builds(te_builds.RECIPES["blockwise"], "sm100")
+    except Exception as e:  # TE's own refusal
+        blockwise_sm100 = f"{type(e).__name__}: {e}"
+    return {"builds": {name: te_builds.builds(ov, te_builds.GPU[name]) for name, ov in te_builds.RECIPES.items()},
+            "blockwise_sm100": blockwise_sm100, "trains_experts": te_builds.trains_experts()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="probe,engine")
@@ -145,6 +172,10 @@ def main() -> None:
             result["engine"] = engine_steps()
         if "grouped" in args.only:
             result["grouped"] = grouped_masters()
+        if "adam" in args.only:
+            result["adam"] = adam()
+        if "versions" in args.only:
+            result["versions"] = versions()
     except Exception:  # the caller shows it
         result["exception"] = traceback.format_exc()
     print("RESULT " + json.dumps(result))

@@ -9,7 +9,7 @@ from TE's tensors.
 * **Host syncs.** On the virtual GPU (``lptrain.testing.virtual_cuda`` counts every host
   read of a device value): a step without statistics after a step with them syncs exactly
   like the step before it, and the step with them adds exactly one device-to-host copy.
-* **TE.** Through the stand-in TE on the virtual GPU, the probe reads TE's tensors: the
+* **TE.** Through TE's own Python on the virtual GPU, the probe reads TE's tensors: the
   run is bitwise the run without it, and its statistics equal the emulated backend's.
 """
 
@@ -117,7 +117,7 @@ def test_one_device_read_per_interval_and_none_between(recipe: str, te: bool, ca
                          ids=["mxfp8", "delayed", "nvfp4-sr"])
 def test_te_probe_changes_nothing_and_reads_what_the_emulation_records(
         recipe: str, target: str, cache: Path) -> None:
-    """Steps on the TE backend (stand-in TE, virtual GPU) with and without the probe are
+    """Steps on the TE backend (TE's own Python, virtual GPU) with and without the probe are
     bitwise the same run -- delayed scaling's amax history and NVFP4's stochastic rounding
     on the CUDA generator included. For MXFP8 the TE run is also bitwise the emulated
     backend's on the same device, and the probe's figures, read from TE's tensors through

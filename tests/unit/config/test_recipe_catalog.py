@@ -99,9 +99,11 @@ def test_a_catalog_entry_is_a_recipe_everywhere_config_reads_recipes() -> None:
 
 def test_every_entry_names_the_classes_that_run_it() -> None:
     """Each entry's emulated recipe class exists and takes its alignments from the entry, and
-    its TE recipe class exists in the stand-in Transformer Engine (TE's class names)."""
+    its TE recipe class is in ``transformer_engine.common.recipe`` at every TE release from the
+    entry's ``min_te`` on (TE's source: tests/data/te_api.json; that ``min_te`` is its first
+    release is tests/unit/precision/test_te_manifest.py's)."""
     from lptrain.precision.recipes import RECIPES
-    from lptrain.testing.te_standin import recipe as te_recipes
+    from lptrain.testing import te_manifest as M
 
     assert list(RECIPES) == [s.name for s in catalog.RECIPES]
     for spec in catalog.RECIPES:
@@ -109,7 +111,9 @@ def test_every_entry_names_the_classes_that_run_it() -> None:
         assert cls.__name__ == spec.emulated_recipe_class
         assert (cls.alignment, cls.grouped_alignment) == (spec.alignment, spec.grouped_alignment)
         assert cls.has_delayed_state == spec.amax_history
-        assert hasattr(te_recipes, spec.te_recipe_class), spec.te_recipe_class
+        path = f"transformer_engine.common.recipe.{spec.te_recipe_class}"
+        since = [v for v in M.versions() if M.version_tuple(v) >= M.version_tuple(spec.min_te)]
+        assert since and all(M.class_present(path, v) for v in since), (spec.name, path)
 
 
 def test_precision_fragments_state_the_catalogs_te_minimum() -> None:

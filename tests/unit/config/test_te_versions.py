@@ -1,8 +1,12 @@
-"""The TE version table of the rule catalog against a stand-in TE of each listed version.
+"""The TE version table of the rule catalog against Transformer Engine's own Python.
 
-For every listed TE release (``lptrain.testing.te_standin.VERSIONS``) and every recipe / feature: the rules
-accept a ``backend=te`` config exactly when lptrain's TE adapter can build it against that
-release's Python surface (recipe classes, GroupedLinear arguments, environment gating). The
+The rules accept a ``backend=te`` config exactly when lptrain's TE adapter builds it on TE's
+own Python (kernels emulated) and TE runs its GEMM modules: the newest installed release here,
+2.8.0 and 2.18.0 in their subprocesses (tests/e2e/test_te_python_releases.py, which
+also holds the single-grouped-weight gate to TE 2.18's untrained experts). Releases without a
+published wheel in ``make install``'s matrix are held to TE's source instead: every version
+gate is the release TE's tagged source introduces the feature in
+(tests/unit/precision/test_te_manifest.py), the recipe classes' first releases included. The
 hardware facts (MXFP8 on sm120, blockwise on Blackwell and its CUDA minimum) are checked
 against the values read from TE's sources (``_compute_*_support`` in quantization.py).
 """
@@ -19,113 +23,58 @@ from lptrain.config import World, check, compose
 from lptrain.config.rulesets.precision import auto_backend
 from lptrain.config.world import parse_version
 from lptrain.precision import te_adapter
-from lptrain.testing import te_standin as _fake_te
+from lptrain.testing import te_builds, te_python
+from lptrain.testing import te_manifest as M
+from lptrain.testing.fake_gpu import virtual_gpu
 
-TE = "precision.backend=te"
-RECIPES = {
-    "delayed": ["precision.fp8_format=hybrid", "precision.fp8_recipe=delayed"],
-    "tensorwise": ["precision.fp8_format=hybrid", "precision.fp8_recipe=tensorwise"],
-    "blockwise": ["precision.fp8_format=e4m3", "precision.fp8_recipe=blockwise"],
-    "mxfp8": ["precision.fp8_format=e4m3", "precision.fp8_recipe=mxfp8"],
-    "nvfp4": ["precision.fp4_format=e2m1"],
-}
-# A GPU each recipe runs on (blockwise: Hopper, where TE 2.3+ runs it).
-GPU = {"delayed": "sm90", "tensorwise": "sm90", "blockwise": "sm90", "mxfp8": "sm100", "nvfp4": "sm100"}
-SGW = ["model.moe.num_experts=4", "model.moe.grouped_gemm=true", "model.moe.single_grouped_weight=true",
-       *RECIPES["mxfp8"]]
+TE = te_builds.TE
+RECIPES = te_builds.RECIPES
+SGW = te_builds.SINGLE_GROUPED_WEIGHT
+_world = te_builds.world
+_te_rules = te_builds.refusals
 
 
-def _world(target: str, te: str, cuda: str = "12.9") -> World:
-    return World(target=target, te_version=te, cuda=True, cuda_version=cuda)
+def _newest() -> str:
+    """major.minor of the release the in-process tests run (the newest installed)."""
+    return ".".join(str(te_python.default_release()).split(".")[:2])
 
 
-def _te_rules(overrides: list[str], world: World) -> list[str]:
-    return [v.rule for v in check(compose(None, [TE, *overrides]), world)
-            if v.rule.startswith("PREC-TE") or v.rule in ("PREC-MXFP8-SM120", "PREC-BLOCKWISE-CUDA")]
-
-
-def _builds(overrides: list[str], version: str) -> bool:
-    """Whether the adapter builds the recipe and its GEMM modules against stand-in TE ``version``."""
-    cfg = compose(None, [TE, *overrides])
-    with _fake_te.installed(version):
-        try:
-            te_adapter.te_recipe(cfg.precision)
-            te_adapter.te_linear(64, 32, name="fc")
-            moe = cfg.model.moe
-            if moe.num_experts:
-                m = te_adapter.te_grouped_linear(moe.num_experts, 64, 32, name="experts",
-                                                 single_grouped_weight=moe.single_grouped_weight)
-                m(torch.zeros(8, 64), [2, 2, 2, 2])
-        except te_adapter.BackendUnavailableError:
-            return False
-    return True
-
-
-@pytest.mark.parametrize("version", _fake_te.VERSIONS)
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
-def test_rules_accept_a_recipe_exactly_when_that_te_builds_it(recipe: str, version: str) -> None:
-    overrides = RECIPES[recipe]
-    refused = _te_rules(overrides, _world(GPU[recipe], version))
+def test_rules_accept_a_recipe_exactly_when_that_te_builds_it(recipe: str) -> None:
+    refused = _te_rules(RECIPES[recipe], _world(te_builds.GPU[recipe], _newest()))
     assert refused in ([], ["PREC-TE-VERSION"]), refused
-    assert (refused == []) == _builds(overrides, version), (recipe, version, refused)
+    assert (refused == []) == te_builds.builds(RECIPES[recipe], te_builds.GPU[recipe]), (recipe, refused)
 
 
-def _trains_experts(version: str) -> bool:
-    """Whether a single grouped expert weight built against stand-in TE ``version`` gets a
-    weight gradient from a backward (TE 2.14-2.18 run its GEMMs on the members, made with
-    ``requires_grad=False``: the grouped parameter never gets one)."""
-    with _fake_te.installed(version):
-        try:
-            m = te_adapter.te_grouped_linear(4, 64, 32, single_grouped_weight=True)
-        except te_adapter.BackendUnavailableError:
-            return False
-        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(0)).requires_grad_()
-        m(x, [2, 2, 2, 2]).sum().backward()
-    grad = m.weight.grad
-    return grad is not None and bool(grad.abs().sum() > 0)
+def test_rules_accept_single_grouped_weight_exactly_when_that_te_trains_it() -> None:
+    refused = _te_rules(SGW, _world("sm100", _newest(), cuda="13.3"))
+    assert (refused == []) == te_builds.trains_experts(), refused
+    for version in M.versions():  # the table: TE 2.19 first runs the GEMMs on the grouped parameter
+        refused = _te_rules(SGW, _world("sm100", version, cuda="13.3"))
+        assert (refused == []) == (parse_version(version) >= (2, 19)), version
 
 
-@pytest.mark.parametrize("version", _fake_te.VERSIONS)
-def test_rules_accept_single_grouped_weight_exactly_when_that_te_trains_it(version: str) -> None:
-    refused = _te_rules(SGW, _world("sm100", version, cuda="13.3"))
-    assert (refused == []) == _trains_experts(version), (version, refused)
-    assert (refused == []) == (parse_version(version) >= (2, 19))
-
-
-def test_single_grouped_weight_gate_regression(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Finding 3: with the gate lptrain had (2.14), TE 2.18 is accepted and its experts train
-    on nothing. The gate at 2.19 is what keeps the predicate above true."""
-    from lptrain.config.rulesets import precision as rules_precision
-
-    assert not _trains_experts("2.18")
-    assert _te_rules(SGW, _world("sm100", "2.18", cuda="13.3")) == ["PREC-TE-VERSION"]
-    monkeypatch.setattr(rules_precision, "SINGLE_GROUPED_WEIGHT_MIN_TE", "2.14")
-    assert _te_rules(SGW, _world("sm100", "2.18", cuda="13.3")) == []  # accepted, trains nothing
-
-
-def test_catalog_minima_are_tes_release_history() -> None:
-    """First releases with each recipe class (stand-in: read from TE's v2.x tags)."""
-    first = {}
-    for recipe, overrides in RECIPES.items():
-        first[recipe] = next(v for v in _fake_te.VERSIONS if _builds(overrides, v))
-    assert first == {"delayed": "2.2", "tensorwise": "2.2", "blockwise": "2.3", "mxfp8": "2.2",
-                     "nvfp4": "2.8"}
-
-
-def test_tensorwise_power_2_choice_read_on_every_release() -> None:
-    """``use_power_2_scales`` exists from 2.8 only; older TE keeps it in the QParams."""
+def test_tensorwise_power_2_choice_and_epsilon_reach_the_qparams() -> None:
+    """TE keeps ``use_power_2_scales`` on ``Float8CurrentScaling`` from 2.8 (older releases:
+    in the QParams, which the adapter reads when the attribute is absent); the adapter keeps
+    the choice and adds ``amax_epsilon`` through the QParams (assigning them takes effect)."""
     cfg = compose(None, [TE, *RECIPES["tensorwise"], "precision.amax_epsilon=1e-12"])
-    for version in ("2.2", "2.7", "2.8", "2.19"):
-        with _fake_te.installed(version):
-            r = te_adapter.te_recipe(cfg.precision)
-        q = r.fp8_quant_bwd_grad
-        assert (q.power_2_scale, q.amax_epsilon) == (False, 1e-12), version
+    with virtual_gpu("sm90", te=True):
+        r = te_adapter.te_recipe(cfg.precision)
+        for q in (r.fp8_quant_fwd_inp, r.fp8_quant_fwd_weight, r.fp8_quant_bwd_grad):
+            assert (q.power_2_scale, q.amax_epsilon) == (r.use_power_2_scales, 1e-12)
 
 
-def test_nvfp4_on_te_before_2_8_is_a_clear_error() -> None:
+def test_nvfp4_on_te_before_2_8_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TE before 2.8 has no ``NVFP4BlockScaling`` (no such release is installed: the class is
+    taken off the newest release's recipe module)."""
     cfg = compose(None, [TE, *RECIPES["nvfp4"]])
-    with _fake_te.installed("2.7"), pytest.raises(te_adapter.BackendUnavailableError, match=r">= 2\.8"):
-        te_adapter.te_recipe(cfg.precision)
+    with virtual_gpu("sm100", te=True):
+        import transformer_engine.common.recipe as ter
+
+        monkeypatch.delattr(ter, "NVFP4BlockScaling")
+        with pytest.raises(te_adapter.BackendUnavailableError, match=r">= 2\.8"):
+            te_adapter.te_recipe(cfg.precision)
 
 
 def test_blockwise_on_blackwell_needs_te_2_9() -> None:
@@ -164,7 +113,7 @@ def test_auto_never_derives_a_te_config_the_rules_refuse() -> None:
     """``backend=auto`` resolves to te only where ``backend=te`` would pass every rule."""
     configs = {r: (compose(None, o), compose(None, [TE, *o])) for r, o in RECIPES.items()}
     for target in ("sm89", "sm90", "sm100", "sm120"):
-        for version in _fake_te.VERSIONS:
+        for version in M.versions():
             world = _world(target, version)
             for recipe, (cfg, te_cfg) in configs.items():
                 te_ok = not [v for v in check(te_cfg, world) if v.severity == "error"]
@@ -172,9 +121,12 @@ def test_auto_never_derives_a_te_config_the_rules_refuse() -> None:
 
 
 def test_single_param_env_is_set_only_while_constructing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TE (2.15+) turns ``single_grouped_weight`` off with a warning unless
+    ``NVTE_GROUPED_LINEAR_SINGLE_PARAM`` > 0 at construction; the adapter sets it for the
+    constructor only."""
     monkeypatch.setenv(te_adapter.SINGLE_PARAM_ENV, "0")
-    with _fake_te.installed("2.15"), warnings.catch_warnings():
-        warnings.simplefilter("error")  # TE's fall-back warning would fail the test
+    with virtual_gpu("sm100", te=True), warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*NVTE_GROUPED_LINEAR_SINGLE_PARAM.*")  # TE's fall-back
         m = te_adapter.te_grouped_linear(4, 64, 32, single_grouped_weight=True)
     assert m.single_grouped_weight and tuple(m.weight.shape) == (4, 32, 64)
     assert os.environ[te_adapter.SINGLE_PARAM_ENV] == "0"  # restored
@@ -183,37 +135,52 @@ def test_single_param_env_is_set_only_while_constructing(monkeypatch: pytest.Mon
 def test_te_that_falls_back_to_per_expert_weights_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(te_adapter.SINGLE_PARAM_ENV, raising=False)
     monkeypatch.setattr(te_adapter, "_single_param_env", lambda enabled: _nullctx())
-    with _fake_te.installed("2.15"), warnings.catch_warnings():
+    with virtual_gpu("sm100", te=True), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with pytest.raises(te_adapter.BackendUnavailableError, match="single_grouped_weight"):
             te_adapter.te_grouped_linear(4, 64, 32, single_grouped_weight=True)
 
 
-def test_te_2_19_single_weight_gets_grouped_tensor_path_and_tensor_splits() -> None:
-    with _fake_te.installed("2.19"):
+def test_te_single_weight_gets_grouped_tensor_path_and_tensor_splits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """From 2.19 a single grouped weight runs TE's grouped-tensor path, which takes CUDA
+    ``m_splits``: the adapter hands TE's forward a device int64 tensor."""
+    with virtual_gpu("sm100", te=True):
+        import transformer_engine.pytorch as te
+
+        seen = []
+        real = te.GroupedLinear.forward
+        monkeypatch.setattr(te.GroupedLinear, "forward",
+                            lambda self, inp, m_splits, *a, **kw: seen.append(m_splits) or real(self, inp, m_splits, *a, **kw))
         m = te_adapter.te_grouped_linear(4, 64, 32, single_grouped_weight=True)
         assert m.use_grouped_tensor and m.single_grouped_weight
-        m(torch.zeros(8, 64), [1, 3, 0, 4])
-    assert isinstance(m._lptrain_last_m_splits, torch.Tensor) and m._lptrain_last_m_splits.dtype == torch.int64
-    assert m._lptrain_last_m_splits.tolist() == [1, 3, 0, 4]
+        m(torch.zeros(8, 64, device="cuda", dtype=m.weight.dtype), [1, 3, 0, 4])
+        (splits,) = seen
+        assert isinstance(splits, torch.Tensor) and splits.dtype == torch.int64 and splits.is_cuda
+    assert splits.tolist() == [1, 3, 0, 4]
 
 
-@pytest.mark.parametrize(("version", "new_api"), [("2.8", False), ("2.9", True)])
-def test_autocast_and_model_init_spellings(version: str, new_api: bool) -> None:
-    with _fake_te.installed(version) as mods:
-        r, group = object(), object()
-        with te_adapter.te_autocast(r, True, group), te_adapter.te_model_init(r):
+def test_autocast_and_model_init_spellings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TE 2.9+ spells them ``autocast`` / ``quantized_model_init`` (the ``fp8_*`` spellings of
+    2.8 run in its subprocess: tests/e2e/test_te_python_releases.py); the adapter passes the
+    recipe, the amax reduction group and keeps the high-precision init values."""
+    with virtual_gpu("sm90", te=True):
+        import transformer_engine.pytorch as te
+
+        calls: list[tuple[str, dict]] = []
+        for name in ("autocast", "quantized_model_init", "fp8_autocast", "fp8_model_init"):
+            real = getattr(te, name)
+            monkeypatch.setattr(te, name, lambda *a, _n=name, _f=real, **kw: calls.append((_n, kw)) or _f(*a, **kw))
+        r = te_adapter.te_recipe(compose(None, [TE, *RECIPES["delayed"]]).precision)
+        with te_adapter.te_autocast(r, True, None), te_adapter.te_model_init(r):
             pass
-        calls = mods["transformer_engine.pytorch"]._lptrain_calls
-    names = [c[0] for c in calls]
-    assert names == (["autocast", "quantized_model_init"] if new_api else ["fp8_autocast", "fp8_model_init"])
-    assert calls[0][1] == {"enabled": True, "recipe": r, "group": group}
-    assert calls[1][1] == {"recipe": r, "preserve": True}
+    assert [c[0] for c in calls] == ["autocast", "quantized_model_init"]
+    assert calls[0][1] == {"enabled": True, "recipe": r, "amax_reduction_group": None}
+    assert calls[1][1]["recipe"] is r and calls[1][1]["preserve_high_precision_init_val"] is True
 
 
 def test_te_version_reads_the_imported_package() -> None:
-    with _fake_te.installed("2.15"):
-        assert te_adapter.te_version() == (2, 15, 0)
+    with virtual_gpu("sm90", te=True):
+        assert te_adapter.te_version() == tuple(int(x) for x in str(te_python.version()).split(".")[:3])
 
 
 def _nullctx():

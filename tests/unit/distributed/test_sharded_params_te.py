@@ -1,5 +1,5 @@
-"""Sharded params (``optim_grads_params``) on Transformer Engine's tensors, through the
-stand-in TE on a virtual GPU (one rank: the release / regather / requantize cycle of every
+"""Sharded params (``optim_grads_params``) on Transformer Engine's tensors, through TE's
+own Python on a virtual GPU (one rank: the release / regather / requantize cycle of every
 bucket still runs twice per step).
 
 The quantized primary weights' data bytes are freed between uses and refilled from the

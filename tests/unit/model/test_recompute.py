@@ -14,7 +14,7 @@ meets a stateful recipe): delayed/full-uniform, tensorwise/full-block, blockwise
 core_attn+mlp_act, mxfp8 with FP8 primary weights/selective mlp (GEMMs inside), nvfp4/
 full-uniform in chunks of 2, bf16/selective mlp on a MoE model.
 
-Transformer Engine (the stand-in TE on a virtual GPU): the TE backend recomputes under TE's
+Transformer Engine (TE's own Python on a virtual GPU): the TE backend recomputes under TE's
 own recompute phase (``te_adapter.te_recompute_contexts``: TE's checkpoint contexts); full
 recompute equals none bitwise for delayed scaling and MXFP8, and with the phase handling
 monkeypatched away (every module believes it runs a first forward) delayed scaling diverges.

@@ -10,17 +10,13 @@ test_optimizer_state_memory.py``.
 
 from __future__ import annotations
 
-import importlib.machinery
-import sys
-import types
-from typing import ClassVar
-
 import pytest
 import torch
 
 from lptrain.config import World, check, compose, derive
 from lptrain.optim.precision_aware import StatePrecision, fused_adam, state_precision
-from lptrain.precision.fused_adam import EmulatedFusedAdam
+from lptrain.testing import adam_parity
+from lptrain.testing.fake_gpu import virtual_gpu
 
 BASE = ["data.builtin_max_mb=1", "logging.progress=false", "model.seq_length=32",
         "train.micro_batch_size=2", "train.global_batch_size=2"]
@@ -37,36 +33,6 @@ def _batch(cfg) -> list[dict[str, torch.Tensor]]:
     tok = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_length + 1),
                         generator=torch.Generator().manual_seed(5))
     return [{"tokens": tok[:, :-1], "labels": tok[:, 1:]}]
-
-
-def test_remainders_hold_the_fp32_masters_bits() -> None:
-    """TE holding fp32 masters of bf16 params, with and without remainders, one step from the
-    same init: the masters are bitwise equal (the remainder and the bf16 param are the same
-    32 bits), and the bf16 params differ exactly where the master's low half is a tie
-    (0x8000) under an even high half: TE's split rounds those away from zero, the fp32 path to
-    even. Over a run the two part at the first such tie (bench/optim_state.py)."""
-    runs = {}
-    for rem in (True, False):
-        e = _engine([*PAO, f"optimizer.store_param_remainders={str(rem).lower()}"])
-        child = e.optimizer.children[0]
-        assert child.params_are_masters  # bf16 GEMMs: TE holds the masters
-        e.train_step(_batch(e.cfg), 1)
-        opt = child.optimizers[0]
-        runs[rem] = {pc.name: (opt.master_value(pc.master).clone(), pc.master.detach().clone())
-                     for pc in child.pieces}
-        if rem:
-            st = opt.state[child.pieces[0].master]["master_param"]
-            assert st.dtype == torch.int16  # 2 bytes per element, not 4
-    ties = 0
-    for name, (master, param) in runs[True].items():
-        master32, param32 = runs[False][name]
-        assert torch.equal(master.view(torch.int32), master32.view(torch.int32)), name
-        bits = master.contiguous().view(torch.int32)
-        tie_even = ((bits & 0xFFFF) == 0x8000) & (((bits >> 16) & 1) == 0)
-        differs = param.view(torch.int16) != param32.view(torch.int16)
-        assert torch.equal(differs, tie_even.view(param.shape)), name
-        ties += int(tie_even.sum())
-    assert ties == 0 or ties < 100  # (rare: about one element in 2^17)
 
 
 def test_who_holds_the_masters() -> None:
@@ -107,80 +73,92 @@ def test_bf16_moments_need_te_2_3_on_the_te_backend() -> None:
     assert not [v for v in check(cfg, new) if v.rule == "PREC-TE-VERSION"]
 
 
-class _FakeQuantizer:
-    def __init__(self) -> None:
-        self.scale = torch.ones(1)
+def _cfg(*overrides: str):
+    return derive(compose("tiny_cpu.yaml", [*PAO, *overrides]), World(dp=1))
 
 
-class _FakeFloat8:
-    """What the guard touches of TE's Float8Tensor: its quantizer's scale and ``copy_``."""
+def test_te_fused_adam_steps_bitwise_as_the_emulation() -> None:
+    """TE's own FusedAdam (its Python, the ``multi_tensor_adam*`` kernels emulated) and the
+    emulated backend's, built by ``fused_adam`` from the same params and grads, agree bit for
+    bit after three steps in every stored format lptrain configures (remainders, fp32 / fp16
+    masters, fp8 / fp16 / bf16 moments -- fused into the kernel from TE 2.14 --, bf16 grads,
+    fp32 params), each reaching the kernel TE picks for it; the kernels refuse what TE's host
+    code refuses."""
+    with virtual_gpu("sm90", te=True):
+        import transformer_engine_torch as tex
 
-    def __init__(self) -> None:
-        self._quantizer = _FakeQuantizer()
-        self.copied: torch.Tensor | None = None
-
-    def copy_(self, x: torch.Tensor) -> None:
-        self.copied = x * self._quantizer.scale  # TE's cast: x times the quantizer scale
-
-
-class _FakeFusedAdam(EmulatedFusedAdam):
-    """Stands in for TE's class: records the constructor's keywords; ``_apply_scale`` as TE's
-    (which sets the quantizer scale to 1 / scale)."""
-
-    kwargs: ClassVar[dict] = {}
-
-    def __init__(self, params, **kwargs) -> None:
-        _FakeFusedAdam.kwargs = kwargs
-        super().__init__(params, **kwargs)
-
-    def _apply_scale(self, state_name, unscaled_state, scaled_state, scale) -> None:
-        scaled_state._quantizer.scale.copy_(1 / scale)
-        scaled_state.copy_(unscaled_state)
+        assert adam_parity.mismatches(_cfg().optimizer) == []
+        p = torch.zeros(4, device="cuda")
+        with pytest.raises(RuntimeError, match="First and second moment"):
+            tex.multi_tensor_adam(2048, torch.zeros(1, dtype=torch.int32), [[p], [p], [p], [p.bfloat16()]],
+                                  1e-3, 0.9, 0.95, 1e-8, 1, 1, 1, 0.0)
 
 
-def test_te_backend_builds_fused_adam_megatrons_way(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``fused_adam`` with the TE backend builds TE's FusedAdam (here a stand-in module) with
-    Megatron's arguments (``megatron/core/optimizer/__init__.py``), and the adapter's guard
-    keeps an all-zero FP8 state finite where TE's ``_apply_scale`` would divide by zero."""
-    import lptrain.precision.te_adapter as adapter
+def test_remainders_hold_the_fp32_masters_bits() -> None:
+    """TE's FusedAdam holding fp32 masters of bf16 params, with and without remainders, from
+    the same init: the masters are bitwise equal after three steps (the remainder and the bf16
+    param are the same 32 bits, 2 bytes of state per element instead of 4). The bf16 params
+    differ exactly where the master's low half is a tie (0x8000) under an even high half: the
+    remainder split rounds those away from zero, the fp32 path's cast to even (shown on masters
+    made of ties, stepped with lr 0 so the kernels only write the params back). Over a run the
+    two part at the first such tie (bench/optim_state.py)."""
+    from lptrain.optim.precision_aware import master_value
+    from lptrain.precision.te_adapter import te_load_master
 
-    te_opt = types.ModuleType("transformer_engine.pytorch.optimizers")
-    te_opt.__spec__ = importlib.machinery.ModuleSpec(te_opt.__name__, None)
-    te_opt.FusedAdam = _FakeFusedAdam  # type: ignore[attr-defined]
-    te_f8 = types.ModuleType("transformer_engine.pytorch.tensor.float8_tensor")
-    te_f8.Float8Tensor = _FakeFloat8  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch.optimizers", te_opt)
-    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch.tensor.float8_tensor", te_f8)
-    adapter._guarded_fused_adam_cls.cache_clear()
-    try:
-        cfg = derive(compose("tiny_cpu.yaml", [*PAO, "optimizer.exp_avg_dtype=fp8"]), World(dp=1))
+    cfg = _cfg().optimizer
+    runs = {}
+    with virtual_gpu("sm90", te=True):
+        for rem in (True, False):
+            sp = StatePrecision("fp32", "fp32", "fp32", "fp32", rem, True)
+            opt, params, _ = adam_parity.run(sp, cfg, "te")
+            if rem:
+                assert opt.state[params[0]]["master_param"].dtype == torch.int16
+            masters = [master_value(opt, p).clone() for p in params]
+            high = torch.randint(-2**15, 2**15, (512,), generator=torch.Generator().manual_seed(1), dtype=torch.int32)
+            high = high[(high & 0x7F80) != 0x7F80]  # finite masters
+            ties = ((high << 16) | 0x8000).view(torch.float32).cuda()
+            tie = torch.zeros(ties.shape, dtype=torch.bfloat16, device="cuda")
+            opt.param_groups[0]["params"].append(tie)
+            te_load_master(opt, tie, ties)
+            tie.decoupled_grad = torch.zeros(ties.shape, device="cuda")  # type: ignore[attr-defined]
+            for g in opt.param_groups:
+                g["lr"] = 0.0
+            opt.step()
+            runs[rem] = (masters, tie.clone(), master_value(opt, tie).clone())
+    for a, b in zip(runs[True][0], runs[False][0], strict=True):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    for rem in (True, False):  # lr 0: every master as it was
+        assert torch.equal(runs[rem][2].cpu().view(torch.int32), ties.cpu().view(torch.int32))
+    even = high & 1 == 0
+    differs = runs[True][1].cpu().view(torch.int16) != runs[False][1].cpu().view(torch.int16)
+    assert torch.equal(differs, even) and even.any() and (~even).any()
+
+
+def test_te_backend_builds_fused_adam_megatrons_way() -> None:
+    """``fused_adam`` with the TE backend builds TE's own FusedAdam with Megatron's arguments
+    (``megatron/core/optimizer/__init__.py``), and the adapter's guard keeps an all-zero FP8
+    state finite where TE's ``_apply_scale`` stores ``0 * (1 / 0) = NaN``."""
+    from transformer_engine.pytorch.optimizers import FusedAdam
+
+    with virtual_gpu("sm90", te=True):
+        cfg = _cfg("optimizer.exp_avg_dtype=fp8")
         sp = StatePrecision(**{**state_precision(cfg).__dict__, "backend": "te"})  # type: ignore[union-attr]
-        p = torch.zeros(4, dtype=torch.bfloat16)
+        p = torch.zeros(4, dtype=torch.bfloat16, device="cuda")
         opt = fused_adam([p], [], cfg.optimizer, sp)
-        assert isinstance(opt, _FakeFusedAdam)
+        assert isinstance(opt, FusedAdam)
         o = cfg.optimizer
-        assert _FakeFusedAdam.kwargs == dict(
-            lr=o.lr, weight_decay=o.weight_decay, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
-            adam_w_mode=True, exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.float32,
-            master_weights=True, use_decoupled_grad=True, master_weight_dtype=torch.float32,
-            store_param_remainders=True)
-        state, scale = _FakeFloat8(), torch.ones(1)
-        opt._apply_scale("exp_avg", torch.zeros(4), state, scale)
+        group = opt.param_groups[0]
+        assert (group["lr"], group["weight_decay"], group["betas"], group["eps"]) == (
+            o.lr, o.weight_decay, (o.adam_beta1, o.adam_beta2), o.adam_eps)
+        assert opt.param_groups[1]["weight_decay"] == 0.0
+        assert opt.adam_w_mode == 1 and opt.master_weights and opt.use_decoupled_grad and opt.store_param_remainders
+        assert opt.name_to_dtype_map == {"exp_avg": torch.uint8, "exp_avg_sq": torch.float32,
+                                         "master_param": torch.float32}
+        opt.initialize_state(p, True)
+        state = opt.state[p]["exp_avg"]
+        zero, scale = torch.zeros(4, device="cuda"), torch.ones(1, device="cuda")
+        opt._apply_scale("exp_avg", zero, state, scale)
         assert scale.item() == 0 and state._quantizer.scale.item() == 1.0
-        assert torch.equal(state.copied, torch.zeros(4))  # TE's own: 0 * inf = NaN
-        _FakeFusedAdam._apply_scale(opt, "exp_avg", torch.zeros(4), state, torch.zeros(1))
-        assert torch.isnan(state.copied).all()
-    finally:
-        adapter._guarded_fused_adam_cls.cache_clear()
-
-
-def test_the_stand_in_te_steps_with_the_emulation() -> None:
-    """Regression: lptrain's stand-in TE (the fake GPU step of ``pretrain --dry-run --target
-    sm100``) has no ``pytorch.optimizers``; the TE backend then builds the emulated FusedAdam
-    (it raised ModuleNotFoundError)."""
-    from lptrain.precision.te_adapter import te_fused_adam
-    from lptrain.testing import te_standin
-
-    with te_standin.installed():
-        opt = te_fused_adam([{"params": [torch.zeros(2)]}], exp_avg_dtype=torch.bfloat16)
-    assert type(opt) is EmulatedFusedAdam
+        assert torch.equal(state.dequantize().float(), zero)
+        FusedAdam._apply_scale(opt, "exp_avg", zero, state, scale)  # TE's own
+        assert torch.isnan(state.dequantize().float()).all()

@@ -163,3 +163,29 @@ def test_te_models_keep_their_init_values_through_the_build(monkeypatch: pytest.
             return [te_adapter._kept_init(p) is not None for p in quantized]
 
     assert all(kept())
+
+
+# ---- the parity snapshot of a grouped weight ----------------------------------------------------
+
+
+def test_the_parity_snapshot_copies_a_grouped_weights_bytes() -> None:
+    """``lptrain.testing.parity.train_steps`` on ``moe_mxfp8_cpu.yaml`` with the TE backend
+    raised RecursionError: its raw snapshot took ``p.detach().clone()`` of TE's single grouped
+    MXFP8 weight, which is not lptrain's ``QuantizedTensor``. TE's ``GroupedTensor`` dispatch
+    dequantizes and stacks its members for that (a bf16 copy, not the bytes the snapshot
+    promises); each member's dequantize moves itself to CUDA first when its buffers do not say
+    ``cuda``, which inside a dispatch handler on the virtual GPU they do not, and that move is
+    itself a dequantize. The snapshot now copies the storage's bytes and scales
+    (``param_storage.storage_views``), each a copy equal to TE's buffer."""
+    from lptrain.testing import parity
+
+    with virtual_gpu("sm100", te=True):
+        p = _grouped_mxfp8(_recorded_init([])).weight
+        snap = parity._param_snapshot(p)
+        assert {"rowwise_data", "scale_inv", "columnwise_data", "columnwise_scale_inv"} <= set(snap), sorted(snap)
+        for name, copy in snap.items():
+            raw = getattr(p, name)
+            assert torch.equal(copy, raw) and copy.dtype == raw.dtype, name
+            assert copy.untyped_storage().data_ptr() != raw.untyped_storage().data_ptr(), name
+        with pytest.raises(RecursionError):  # the snapshot before the fix
+            p.detach().clone()

@@ -1,7 +1,7 @@
 """The statistics read from Transformer Engine's quantized tensors equal the emulated ones.
 
-Two layouts per family: the stand-in TE's tensors (TE's class and attribute names over
-lptrain's compact buffers), and objects laid out as TE 2.x lays them out on a GPU -- MXFP8
+Two sources per family: TE's own quantizers and tensors (TE's Python, newest release, its
+cast kernels emulated), and objects laid out as TE 2.x lays them out on a GPU -- MXFP8
 and NVFP4 scale bytes padded to multiples of [128, 4], blockwise 1x128 scales stored
 transposed ``[K/128, M]`` with M padded to 4, 128x128 tiles with the inner dimension padded,
 ``_fp8_dtype`` as TE's ``tex.DType`` enum. The reader must give bitwise the emulated vector
@@ -24,7 +24,6 @@ from lptrain.precision.tensors import (
     MXFP8Quantizer,
     NVFP4Quantizer,
 )
-from lptrain.testing.te_standin import tensors as TE
 
 
 class DType(enum.Enum):  # TE's tex.DType members lptrain reads
@@ -53,13 +52,35 @@ def _emulated(x: torch.Tensor, qt: object) -> torch.Tensor:
     return S.quantized_stats(x, qt)
 
 
+def _te_quantizer(name: str) -> object:
+    """TE's own quantizer (newest release) that quantizes as ``QUANTIZERS[name]``."""
+    import transformer_engine.pytorch as te
+    import transformer_engine_torch as tex
+
+    e4m3, e5m2 = tex.DType.kFloat8E4M3, tex.DType.kFloat8E5M2
+    return {
+        "tensorwise": lambda: te.Float8CurrentScalingQuantizer(e4m3, "cuda", rowwise=True, columnwise=False),
+        "mxfp8": lambda: te.MXFP8Quantizer(e4m3, rowwise=True, columnwise=False),
+        "blockwise-1d": lambda: te.Float8BlockQuantizer(e5m2, rowwise=True, columnwise=False, block_scaling_dim=1),
+        "blockwise-2d": lambda: te.Float8BlockQuantizer(e4m3, rowwise=True, columnwise=False, block_scaling_dim=2),
+        "nvfp4": lambda: te.NVFP4Quantizer(rowwise=True, columnwise=False),
+    }[name]()
+
+
 @pytest.mark.parametrize("name", list(QUANTIZERS))
-def test_stand_in_te_tensors_read_like_the_emulated_ones(name: str) -> None:
-    x = _x()
-    q = QUANTIZERS[name]()
-    emu = q.quantize(x)
-    te = TE.wrap(emu, TE.quantizer_for(q))
-    vec = S.blocks_stats(te_stat_blocks(te, x), x.numel())
+def test_te_tensors_read_like_the_emulated_ones(name: str) -> None:
+    """TE's own quantizer and tensor class (its Python on the virtual GPU, the cast kernels
+    emulated), so TE's GPU layouts: padded MXFP8 / NVFP4 scales, GEMM-ready blockwise scales,
+    ``tex.DType``; M not a multiple of 4 or 128 where the format allows it."""
+    from lptrain.testing.fake_gpu import virtual_gpu
+
+    x = _x(m=96 if name in ("mxfp8", "nvfp4") else 90)
+    emu = QUANTIZERS[name]().quantize(x)
+    with virtual_gpu("sm100", te=True):
+        xc = x.cuda()
+        te = _te_quantizer(name)(xc)
+        assert type(te).__name__ == type(_gpu_layout(name, emu)).__name__  # the class the reader dispatches on
+        vec = S.blocks_stats(te_stat_blocks(te, xc), x.numel()).cpu()
     assert torch.equal(vec, _emulated(x, emu))
 
 
