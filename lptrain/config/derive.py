@@ -33,7 +33,7 @@ def derive(cfg: LPTrainConfig, world: World) -> LPTrainConfig:
     # precision.backend=auto: Transformer Engine only for a quantized recipe that TE supports
     # in this world, else emulated (plain PyTorch GEMMs when unquantized).
     if prec.backend == "auto":
-        from lptrain.config.rulesets.precision import auto_backend
+        from lptrain.config.rulesets.te_backend import auto_backend
 
         prec.backend = auto_backend(out, world)
     # precision.quantized_gemm=auto: torch's scaled GEMM where it has the recipe's kernel on

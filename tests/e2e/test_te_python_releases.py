@@ -128,7 +128,7 @@ def test_rules_accept_single_grouped_weight_exactly_when_the_release_trains_it(
         release: tuple[str, dict], monkeypatch: pytest.MonkeyPatch) -> None:
     """Round 2 finding 3 on 2.18: with the gate lptrain had (2.14) the rules accept it, and TE
     2.18 runs the experts' GEMMs on members that never give the grouped weight a gradient."""
-    from lptrain.config.rulesets import precision as rules_precision
+    from lptrain.config.rulesets import te_backend as rules_te
 
     name, result = release
     if "versions" not in result:
@@ -138,5 +138,5 @@ def test_rules_accept_single_grouped_weight_exactly_when_the_release_trains_it(
     assert (te_builds.refusals(te_builds.SINGLE_GROUPED_WEIGHT, w) == []) == trains
     if name == "2.18.0":
         assert not trains
-        monkeypatch.setattr(rules_precision, "SINGLE_GROUPED_WEIGHT_MIN_TE", "2.14")  # the old gate
+        monkeypatch.setattr(rules_te, "SINGLE_GROUPED_WEIGHT_MIN_TE", "2.14")  # the old gate
         assert te_builds.refusals(te_builds.SINGLE_GROUPED_WEIGHT, w) == []  # accepted, trains nothing

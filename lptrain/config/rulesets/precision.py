@@ -15,16 +15,23 @@ from lptrain.config.rules import (
     Rule,
     fp4_on,
     fp8_on,
-    get_key,
     is_mxfp8,
-    quant_recipe,
     quant_spec,
-    recipe_key,
     runs,
     sharded_optimizer,
 )
+from lptrain.config.rulesets.te_backend import (
+    backend_missing,
+    te_cuda_too_old,
+    te_device_cpu,
+    te_mxfp8_sm120,
+    te_only,
+    te_rht_needs_bf16,
+    te_sm_too_old,
+    te_too_old,
+)
 from lptrain.config.schema import LPTrainConfig
-from lptrain.config.world import World, parse_version
+from lptrain.config.world import World
 
 S = "Precision"
 
@@ -79,151 +86,6 @@ def _gemm_misaligned(c: LPTrainConfig, w: World) -> dict[str, Any]:
     detail = "; ".join(f"{layer}: {expr} = {value}" + (f" (needs a multiple of {a})" if a != align else "")
                        for layer, _, expr, value, a in bad)
     return {"keys": keys, "align": align, "recipe": recipe, "detail": detail}
-
-
-# Each ``_te_*`` check below answers "would Transformer Engine refuse this config in this
-# world?" regardless of precision.backend; the rules apply them to backend=te, and
-# :func:`auto_backend` uses the same checks to pick TE for backend=auto only when none fires.
-
-
-def _te_sm_too_old(c: LPTrainConfig, w: World) -> dict[str, Any]:
-    spec = quant_spec(c)
-    if not w.cuda or spec is None or w.sm >= spec.min_sm:
-        return {}
-    return {"keys": ("precision.backend", recipe_key(c)), "recipe": spec.name,
-            "need": f"sm{spec.min_sm}"}
-
-
-def _te_sm_excluded(c: LPTrainConfig, w: World) -> dict[str, Any]:
-    """The recipe in use is one TE refuses from some compute capability on, and ``w`` has it."""
-    spec = quant_spec(c)
-    if spec is None or not runs(c, spec) or spec.unsupported_from_sm is None:
-        return {}
-    if not (w.cuda and w.sm >= spec.unsupported_from_sm):
-        return {}
-    return {"keys": ("precision.backend", spec.keys.recipe_key)}
-
-
-def _te_mxfp8_sm120(c: LPTrainConfig, w: World) -> dict[str, Any]:
-    return _te_sm_excluded(c, w) if is_mxfp8(c) else {}
-
-
-def _te_cuda_too_old(c: LPTrainConfig, w: World) -> dict[str, Any]:
-    spec = quant_spec(c)
-    if spec is None or not runs(c, spec) or spec.min_cuda is None:
-        return {}
-    if not (w.cuda and w.cuda_version) or parse_version(w.cuda_version) >= parse_version(spec.min_cuda):
-        return {}
-    return {"keys": ("precision.backend", spec.keys.recipe_key), "need": spec.min_cuda,
-            "recipe": spec.name, "family": spec.family.upper()}
-
-
-def _te_version_needs(c: LPTrainConfig, w: World) -> list[tuple[str, str, str]]:
-    """``(key, reason, minimum)`` for every feature the TE version ``w.te_version`` lacks."""
-    if w.te_version is None:
-        return []
-    have = parse_version(w.te_version)
-    needs: list[tuple[str, str, str]] = []
-
-    def need(key: str, what: str, version: str) -> None:
-        if have < parse_version(version):
-            needs.append((key, f"{what} needs TE >= {version}", version))
-
-    need("precision.backend", "lptrain's TE backend", TE_MIN_VERSION)
-    o = c.optimizer
-    for key in STATE_KEYS:
-        if o.use_precision_aware_optimizer and get_key(c, key) == "bf16":
-            need(key, "bf16 Adam moments (FusedAdam exp_avg_dtype / exp_avg_sq_dtype=bf16)",
-                 BF16_MOMENTS_MIN_TE)
-    spec = quant_spec(c)
-    if spec is not None:
-        need(recipe_key(c), spec.name, spec.min_te)
-        for sm, version in spec.min_te_from_sm:
-            if w.sm >= sm:
-                need(spec.keys.recipe_key, f"{spec.name} on {w.target}", version)
-    moe = c.model.moe
-    if (spec is not None and spec.current_amax and c.precision.amax_epsilon > 0
-            and moe.num_experts > 0 and (moe.grouped_gemm or moe.single_grouped_weight)):
-        need("precision.amax_epsilon", "amax_epsilon in grouped expert GEMMs",
-             GROUPED_AMAX_EPSILON_MIN_TE)
-    if moe.single_grouped_weight:
-        need("model.moe.single_grouped_weight",
-             "single_grouped_weight (up to 2.18 TE's GEMMs use the grouped weight's members, which "
-             "get no gradient; or set model.moe.single_grouped_weight=false)",
-             SINGLE_GROUPED_WEIGHT_MIN_TE)
-    return needs
-
-
-def _te_rht_needs_bf16(c: LPTrainConfig, w: World) -> bool:
-    return fp4_on(c) and c.precision.nvfp4_rht and c.precision.params_dtype != "bf16"
-
-
-def _te_device_cpu(c: LPTrainConfig, w: World) -> bool:
-    return c.run.device == "cpu"
-
-
-def te_refusals(c: LPTrainConfig, w: World) -> list[str]:
-    """Why TE could not run ``c`` in ``w`` (empty: it can), whatever precision.backend says."""
-    out = []
-    if not w.cuda:
-        out.append("no CUDA device")
-    elif w.te_version is None:
-        out.append("Transformer Engine is not installed")
-    if _te_device_cpu(c, w):
-        out.append("run.device=cpu")
-    if _te_sm_too_old(c, w) or _te_sm_excluded(c, w):
-        out.append(f"{quant_recipe(c)} is not supported on {w.target}")
-    cuda = _te_cuda_too_old(c, w)
-    if cuda:
-        out.append(f"{cuda['recipe']} needs CUDA >= {cuda['need']}")
-    out.extend(n[1] for n in _te_version_needs(c, w))
-    from lptrain.config.rulesets.moe import te_grouped_path_refusal
-
-    grouped = te_grouped_path_refusal(c, w)
-    if grouped:
-        out.append(f"TE's grouped-tensor path for single_grouped_weight {grouped}")
-    if _te_rht_needs_bf16(c, w):
-        out.append("NVFP4 RHT needs bf16 activations")
-    return out
-
-
-def auto_backend(c: LPTrainConfig, w: World) -> str:
-    """What ``precision.backend=auto`` runs: ``te`` only for a quantized recipe that TE
-    supports here (GPU generation, CUDA and TE versions), else ``emulated`` -- which for an
-    unquantized run is plain PyTorch GEMMs (native bf16 on CUDA, fp32 on CPU)."""
-    if quant_recipe(c) is None or te_refusals(c, w):
-        return "emulated"
-    return "te"
-
-
-def _te_only(check: Any) -> Any:
-    """A rule predicate applying ``check`` to backend=te configs only."""
-
-    def when(c: LPTrainConfig, w: World) -> Any:
-        return check(c, w) if c.precision.backend == "te" else {}
-
-    return when
-
-
-def _te_too_old(c: LPTrainConfig, w: World) -> dict[str, Any]:
-    if c.precision.backend != "te":
-        return {}
-    needs = _te_version_needs(c, w)
-    if not needs:
-        return {}
-    best = max((n[2] for n in needs), key=parse_version)
-    keys = tuple(dict.fromkeys(("precision.backend", *(n[0] for n in needs))))
-    return {"keys": keys, "detail": "; ".join(n[1] for n in needs), "need": best}
-
-
-def _backend_missing(c: LPTrainConfig, w: World) -> dict[str, Any]:
-    if c.precision.backend != "te":
-        return {}
-    if not w.cuda:
-        return {"missing": "there is no CUDA device"}
-    if w.te_version is None:
-        return {"missing": "Transformer Engine is not installed"}
-    return {}
 
 
 def _delayed_in_use(c: LPTrainConfig) -> bool:
@@ -434,7 +296,7 @@ RULES = [
     ),
     Rule(
         id="PREC-TARGET-SUPPORT", severity="error",
-        keys=("precision.backend", "precision.fp8_recipe"), when=_te_only(_te_sm_too_old),
+        keys=("precision.backend", "precision.fp8_recipe"), when=te_only(te_sm_too_old),
         message="the Transformer Engine {recipe} recipe needs {need} or newer; the target is "
                 "{world.target}",
         fix="check for a newer target (--target {need}), pick a recipe this GPU supports, or set "
@@ -444,7 +306,7 @@ RULES = [
     ),
     Rule(
         id="PREC-MXFP8-SM120", severity="error", keys=("precision.backend", "precision.fp8_recipe"),
-        when=_te_only(_te_mxfp8_sm120),
+        when=te_only(te_mxfp8_sm120),
         message="Transformer Engine refuses MXFP8 on {world.target}: MXFP8 GEMMs are not supported "
                 "on compute capability 12.0+",
         fix="use precision.fp8_recipe=tensorwise (TE's default recipe there) or blockwise, or "
@@ -456,7 +318,7 @@ RULES = [
     ),
     Rule(
         id="PREC-BLOCKWISE-CUDA", severity="error",
-        keys=("precision.backend", "precision.fp8_recipe"), when=_te_only(_te_cuda_too_old),
+        keys=("precision.backend", "precision.fp8_recipe"), when=te_only(te_cuda_too_old),
         message="{recipe} {family} on Transformer Engine needs a CUDA >= {need} build; torch here "
                 "is built with CUDA {world.cuda_version}",
         fix="install a torch/Transformer Engine built for CUDA >= {need}, use "
@@ -469,7 +331,7 @@ RULES = [
         id="PREC-TE-VERSION", severity="error",
         keys=("precision.backend", "precision.fp8_recipe", "precision.amax_epsilon",
               "model.moe.single_grouped_weight", *STATE_KEYS),
-        when=_te_too_old, message="Transformer Engine {world.te_version} is too old: {detail}",
+        when=te_too_old, message="Transformer Engine {world.te_version} is too old: {detail}",
         fix="upgrade Transformer Engine to >= {need} (pip install -U "
             "'transformer_engine[pytorch]')",
         condition=f"backend=te: minimum Transformer Engine versions: {_min_te_text()}",
@@ -484,7 +346,7 @@ RULES = [
     Rule(
         id="PREC-NVFP4-RHT-BF16", severity="error",
         keys=("precision.backend", "precision.nvfp4_rht", "precision.params_dtype"),
-        when=_te_only(_te_rht_needs_bf16),
+        when=te_only(te_rht_needs_bf16),
         message="NVFP4 with RHT on Transformer Engine needs bf16 activations, but "
                 "params_dtype={cfg.precision.params_dtype} makes them {cfg.precision.params_dtype}",
         fix="set precision.params_dtype=bf16, or precision.nvfp4_rht=false",
@@ -495,14 +357,14 @@ RULES = [
     ),
     Rule(
         id="PREC-TE-NEEDS-CUDA-DEVICE", severity="error", keys=("precision.backend", "run.device"),
-        when=_te_only(_te_device_cpu),
+        when=te_only(te_device_cpu),
         message="precision.backend=te runs Transformer Engine layers on CUDA, but run.device=cpu",
         fix="set run.device=auto (or cuda), or precision.backend=emulated to run on the CPU",
         condition="backend=te and run.device=cpu", why="TE modules are CUDA-only", section=S,
     ),
     Rule(
         id="PREC-BACKEND-AVAILABLE", severity="error", keys=("precision.backend",),
-        when=_backend_missing, message="precision.backend=te but {missing} here",
+        when=backend_missing, message="precision.backend=te but {missing} here",
         fix="install it with `pip install -e .[te]` on a CUDA machine (keeps your torch), check "
             "for a cluster with --target sm90/sm100, or set precision.backend=emulated",
         condition="backend=te without CUDA or without an importable Transformer Engine", section=S,

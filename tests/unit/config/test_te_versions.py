@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from lptrain.config import World, check, compose
-from lptrain.config.rulesets.precision import auto_backend
+from lptrain.config.rulesets.te_backend import auto_backend
 from lptrain.config.world import parse_version
 from lptrain.precision import te_adapter
 from lptrain.testing import te_builds, te_python

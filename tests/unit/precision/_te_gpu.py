@@ -1,7 +1,7 @@
 """Shared pieces of the GPU tests (``test_te_*.py``): configs, skips per capability, compares.
 
 Skips come from the rule catalog itself: a case is skipped with the reasons
-``lptrain.config.rulesets.precision.te_refusals`` gives for this machine (GPU generation,
+``lptrain.config.rulesets.te_backend.te_refusals`` gives for this machine (GPU generation,
 CUDA and TE versions), so the tests skip exactly where ``validate-config`` would refuse,
 e.g. "mxfp8 is not supported on sm90" on a Hopper card.
 """
@@ -45,7 +45,7 @@ def prec(backend: str, name: str, **kw: Any) -> PrecisionConfig:
 
 def require_te_for(cfg: LPTrainConfig | PrecisionConfig) -> None:
     """Skip unless TE on this GPU supports ``cfg`` (reasons from the rule catalog)."""
-    from lptrain.config.rulesets.precision import te_refusals
+    from lptrain.config.rulesets.te_backend import te_refusals
     from lptrain.config.world import World
 
     if isinstance(cfg, PrecisionConfig):

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from lptrain.config import World, derive
-from lptrain.config.rulesets.precision import auto_backend
+from lptrain.config.rulesets.te_backend import auto_backend
 from lptrain.config.schema import LPTrainConfig, PrecisionConfig
 from lptrain.errors import DeviceError
 from lptrain.model.build import build_model, compute_dtype_for, resolve_device
