@@ -134,6 +134,20 @@ def test_zero_bubble_schedules_fill_the_bubble_with_w() -> None:
         schedule_order("1f1b", 4, 1, 8), _equal_costs(4, 1), 4).step
 
 
+@pytest.mark.parametrize(("f", "i", "w"), [(1.0, 1.0, 1.0), (1.0, 1.2, 0.6), (1.0, 1.5, 0.5)])
+@pytest.mark.parametrize("pp", [2, 4])
+def test_interleaved_zero_bubble_idles_as_the_zb_paper_counts(pp: int, f: float, i: float, w: float) -> None:
+    """torch's interleaved zero bubble at one chunk a rank is the ZB paper's ZB-H1 (its "ZB1P"),
+    whose idle time per rank is ``(p - 1)(F + I - W)`` (1F1B's ``(p - 1)(F + I + W)``): the
+    simulated order at I != W (what the bench measures: I is not B / 2) gives exactly that."""
+    m = 8
+    cost = {(c, k): {"F": f, "I": i, "W": w, "B": i + w}[k] for c in range(pp) for k in "FBIW"}
+    sim = simulate(schedule_order("interleaved_zero_bubble", pp, 1, m), cost, pp)
+    assert sim.step - m * (f + i + w) == pytest.approx((pp - 1) * (f + i - w))
+    one = simulate(schedule_order("1f1b", pp, 1, m), cost, pp)
+    assert one.step - m * (f + i + w) == pytest.approx((pp - 1) * (f + i + w))
+
+
 def test_in_flight_from_the_order_matches_megatrons_1f1b_count() -> None:
     lay = PipelineLayout(8, pp=4)
     order = schedule_order("1f1b", 4, 1, 8)
