@@ -242,21 +242,23 @@ def _counts(order: dict[int, list[Any]]) -> dict[tuple[int, str], int]:
 
 
 def _analytic_actions(actions: dict[tuple[int, str], float], ranks: list[tuple[float, float, float, float]],
-                      schedule: str, pp: int, v: int, m: int, p2p: float) -> Any:
+                      schedule: str, pp: int, v: int, m: int, p2p: float, held: bool = False) -> Any:
     """The analytic bubble at the measured loads of the whole actions: :func:`simulate` of
     torch's order, an action costing its (chunk, kind) step total over the number of such
     actions, plus its share of its rank's runtime work (the schedule's loop and its P2P posting,
     spread evenly over the rank's actions); each transfer arriving the measured one-way time
-    after its action (``link``: torch posts it asynchronously, the sender goes on)."""
+    after its action (``link``: torch posts it asynchronously, the sender goes on). ``held``:
+    as torch's runtime sends a paired forward's output, after the pair (lptrain sends it right
+    after the forward: :func:`lptrain.distributed.pipeline_orders.send_after_each_half`)."""
     from lptrain.catalog.pipeline import simulate
-    from lptrain.distributed.pipeline_orders import schedule_order
+    from lptrain.distributed.pipeline_orders import held_outputs, schedule_order
 
     order = schedule_order(schedule, pp, v, m)
     counts = _counts(order)
     rank_of = {a[0]: r for r, acts in order.items() for a in acts}
     share = {r: max(0.0, total - busy - waits) / len(order[r]) for r, (busy, _p, waits, total) in enumerate(ranks)}
     cost = {k: actions.get(k, 0.0) / n + share[rank_of[k[0]]] for k, n in counts.items()}
-    return simulate(order, cost, pp * v, link=p2p)
+    return simulate(order, cost, pp * v, link=p2p, held=held_outputs(schedule, pp, v, m) if held else None)
 
 
 def _rank_level(costs: dict[tuple[int, str], float], pp: int, v: int, m: int) -> float:
@@ -329,6 +331,7 @@ def _bubble_rows(series: dict[str, list[Any]], p2p: float) -> dict[str, dict[str
             # the rank is idle exactly while it waits on a transfer; the rest of the step is its work
             rows["idle"].append(statistics.fmean(waits / total for _b, _p, waits, total in whole))
             rows["idle_analytic"].append(_analytic_actions(actions, whole, schedule, 2, v, m, p2p).bubble)
+            rows["idle_held"].append(_analytic_actions(actions, whole, schedule, 2, v, m, p2p, held=True).bubble)
             rows["compute"].append(statistics.fmean(busy / total for busy, total in ranks))
             rows["stage"].append(statistics.fmean((a - c) / total for (c, total), (a, _p, _w, _t)
                                                   in zip(ranks, whole, strict=True)))
@@ -439,7 +442,10 @@ def main() -> None:
             f"({_med(r['runtime']) * step * 1e6 / actions:.0f} us an action), idle {_med(r['idle']):.0%}; "
             f"counting compute alone as work: bubble {_med(r['measured']):.3f} vs analytic + P2P "
             f"{_med(r['analytic']):.3f} ({_med(r['measured']) / _med(r['analytic']):.2f}x, the previous figure)"
-            + (f"; textbook {textbook:.3f}" if textbook is not None else ""))
+            + (f"; textbook {textbook:.3f}" if textbook is not None else "")
+            + (f"; analytic with torch's paired sends (a paired forward's output sent after the pair, "
+               f"as torch's runtime does; lptrain sends it after the forward) {_med(r['idle_held']):.3f}"
+               if _med(r["idle_held"]) != _med(r["idle_analytic"]) else ""))
     pp2 = [max(t for _b, t in ranks) for _c, ranks, *_w in two["series"]["step PP=2"]]
     pp1 = _pp1_step(len(pp2))
     figures.append(Figure("step: PP=2 (2 ranks) / PP=1 (1 rank)",
