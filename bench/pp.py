@@ -261,16 +261,6 @@ def _analytic_actions(actions: dict[tuple[int, str], float], ranks: list[tuple[f
     return simulate(order, cost, pp * v, link=p2p, held=held_outputs(schedule, pp, v, m) if held else None)
 
 
-def _rank_level(costs: dict[tuple[int, str], float], pp: int, v: int, m: int) -> float:
-    """The previous bench's analytic bubble: rank-level loads, spread evenly over a rank's
-    chunks (the slowest rank's ``m`` micro-batches plus the others' fill and drain; loop
-    layout: chunk ``c`` on rank ``c % pp``)."""
-    compute = [sum(t for (c, _k), t in costs.items() if c % pp == r) for r in range(pp)]
-    slowest = max(compute)
-    step = slowest + (sum(compute) - slowest) / (v * m)
-    return 1.0 - (sum(compute) / len(compute)) / step
-
-
 def _rounds(rank: int, world: int, args: argparse.Namespace, engines: dict[str, Any], judged: Any,
             timeline: _Timeline) -> dict[str, list[Any]]:
     """Rounds of one step per variant until the judged medians are tight or the cap passes;
@@ -322,8 +312,8 @@ def _rounds(rank: int, world: int, args: argparse.Namespace, engines: dict[str, 
 
 
 def _bubble_rows(series: dict[str, list[Any]], p2p: float) -> dict[str, dict[str, list[float]]]:
-    """Per PP 2 variant and round: measured bubble, analytic (+ P2P), analytic without P2P,
-    the previous bench's rank-level figure, the step."""
+    """Per PP 2 variant and round: the bubble (waiting) and its analytic figure (also with
+    torch's paired sends), the step's split, the previous compute-only figures, the step."""
     out: dict[str, dict[str, list[float]]] = {}
     for name, (_ov, schedule, m, v) in _variants().items():
         rows: dict[str, list[float]] = defaultdict(list)
@@ -337,11 +327,7 @@ def _bubble_rows(series: dict[str, list[Any]], p2p: float) -> dict[str, dict[str
                                                   in zip(ranks, whole, strict=True)))
             rows["runtime"].append(statistics.fmean((total - a - w) / total for a, _p, w, total in whole))
             rows["measured"].append(statistics.fmean(1.0 - busy / total for busy, total in ranks))
-            rows["waits"].append(rows["idle"][-1])
             rows["analytic"].append(_analytic(costs, schedule, 2, v, m, p2p).bubble)
-            rows["no_p2p"].append(_analytic(costs, schedule, 2, v, m, 0.0).bubble)
-            rows["rank_level"].append(_rank_level(costs, 2, v, m) + 2 * m * (2 * v - 1) * p2p
-                                      / max(t for _b, t in ranks))
             rows["step"].append(max(t for _b, t in ranks))
         out[name] = rows
     return out
