@@ -211,7 +211,8 @@ class Simulation:
 
 
 def simulate(orders: Mapping[int, Sequence[Action]], cost: Mapping[tuple[int, str], float],
-             num_chunks: int, link: float = 0.0, cores: Optional[int] = None, send: float = 0.0) -> Simulation:
+             num_chunks: int, link: float = 0.0, cores: Optional[int] = None, send: float = 0.0,
+             held: Optional[Mapping[Action, Action]] = None) -> Simulation:
     """Run each rank's ``orders`` in sequence, every action starting when its rank is free
     and its input exists: a forward after the previous chunk's forward of that micro-batch, a
     backward (B or I) after the next chunk's (the last chunk's after its own forward), a W
@@ -220,7 +221,9 @@ def simulate(orders: Mapping[int, Sequence[Action]], cost: Mapping[tuple[int, st
     sender ``send`` seconds after the action (a CPU transport's copy: idle for the bubble,
     busy for the rank). ``cores``: the ranks share that many cores (processor sharing: ``k``
     actions running at once each progress at ``min(1, cores / k)``); None gives every rank its
-    own (a GPU each). The analytic bubble of any schedule at any stage loads."""
+    own (a GPU each). ``held``: actions whose output leaves for another rank only once a later
+    action of theirs has run (a paired forward and backward: :func:`lptrain.distributed.
+    pipeline_orders.held_outputs`). The analytic bubble of any schedule at any stage loads."""
     rank_of = {a[0]: r for r, acts in orders.items() for a in acts}
     done: dict[tuple[int, str, int], float] = {}
     pos = {r: 0 for r in orders}
@@ -252,7 +255,12 @@ def simulate(orders: Mapping[int, Sequence[Action]], cost: Mapping[tuple[int, st
             return 0.0
         if dep not in done:
             return None
-        return done[dep] + (link + send if rank_of.get(dep[0]) != r else 0.0)
+        if rank_of.get(dep[0]) == r:
+            return done[dep]
+        release = (held or {}).get(dep, dep)
+        if release not in done:
+            return None
+        return max(done[dep], done[release]) + link + send
 
     now = 0.0
     while True:

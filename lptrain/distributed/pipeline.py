@@ -49,7 +49,7 @@ import torch.distributed as dist
 from lptrain.config.schema import LPTrainConfig
 from lptrain.distributed.ddp import DataParallel
 from lptrain.distributed.groups import ParallelGroups
-from lptrain.distributed.pipeline_orders import forward_only, schedule_class
+from lptrain.distributed.pipeline_orders import forward_only, schedule_class, send_after_each_half
 from lptrain.model.gpt import AUX_KEYS, GPTModel
 from lptrain.model.pipeline import PipelineChunk, chunk_io, pipeline_layout
 from lptrain.precision.deferred_wgrad import deferring
@@ -223,6 +223,9 @@ class PipelineRunner:
             cls = forward_only(cls)
         single = issubclass(cls, _pipelining().schedules.PipelineScheduleSingle)
         sched = cls(stages[0] if single else stages, n, loss_fn=loss_fn, scale_grads=False)
+        if getattr(sched, "pipeline_order_with_comms", None):
+            # a paired forward and backward sends the forward's output as soon as it exists
+            sched.pipeline_order_with_comms = send_after_each_half(sched.pipeline_order_with_comms)
         if train:
             self._schedules[key] = sched
         return sched

@@ -86,6 +86,25 @@ def _single_stage_order(rank: int, pp: int, m: int) -> list[Action]:
 
 def schedule_order(schedule: str, pp: int, vpp: int, micro_batches: int) -> dict[int, list[Action]]:
     """Every pipeline rank's actions in the order torch's ``schedule`` runs them (module doc)."""
+    return {r: _flatten(acts) for r, acts in _torch_order(schedule, pp, vpp, micro_batches).items()}
+
+
+def held_outputs(schedule: str, pp: int, vpp: int, micro_batches: int) -> dict[Action, Action]:
+    """The actions whose output torch's runtime sends only after a later one: in a paired
+    forward and backward (DualPipeV's ``OVERLAP_F_B``) the transfers of both run after the pair
+    (``_add_send_recv`` places the sends after the whole action), so the forward's output leaves
+    a backward later. Maps each such action to the one whose end releases it."""
+    out: dict[Action, Action] = {}
+    for acts in _torch_order(schedule, pp, vpp, micro_batches).values():
+        for a in acts:
+            subs = _flatten([a]) if a is not None and getattr(a, "sub_actions", None) else []
+            for s in subs[:-1]:
+                out[s] = subs[-1]
+    return out
+
+
+def _torch_order(schedule: str, pp: int, vpp: int, micro_batches: int) -> dict[int, list[Any]]:
+    """torch's per-rank compute actions (its ``_Action`` objects; paired ones unflattened)."""
     cls = schedule_class(schedule, pp, micro_batches)
     s = object.__new__(cls)
     s._n_microbatches = micro_batches
@@ -94,7 +113,13 @@ def schedule_order(schedule: str, pp: int, vpp: int, micro_batches: int) -> dict
     s.num_stages = pp * vpp
     s.n_local_stages = vpp
     if cls.__name__ in ("Schedule1F1B", "ScheduleGPipe"):
-        return {r: _single_stage_order(r, pp, micro_batches) for r in range(pp)}
+        from torch.distributed.pipelining.schedules import _Action
+
+        kinds = {"F": "FORWARD", "B": "FULL_BACKWARD"}
+        from torch.distributed.pipelining.schedules import _ComputationType as T
+
+        return {r: [_Action(c, getattr(T, kinds[k]), mb) for c, k, mb in _single_stage_order(r, pp, micro_batches)]
+                for r in range(pp)}
     rounds = max(1, micro_batches // pp)
     s.number_of_rounds = rounds
     s.microbatches_per_round = micro_batches // rounds
@@ -102,4 +127,44 @@ def schedule_order(schedule: str, pp: int, vpp: int, micro_batches: int) -> dict
     if cls.__name__ == "ScheduleInterleavedZeroBubble":
         s.pipeline_order = order
         order = s._add_bubbles_to_actions(pp * vpp)
-    return {r: _flatten(acts) for r, acts in order.items()}
+    return order
+
+
+def send_after_each_half(order_with_comms: dict[int, list[Any]]) -> dict[int, list[Any]]:
+    """torch's per-rank order with communication, each paired forward and backward
+    (``OVERLAP_F_B``) run as its two actions with each one's sends right after it. torch's
+    runtime runs a pair's halves one after the other anyway, but posts the transfers of both
+    after the pair (:func:`held_outputs`): the forward's output waited a whole backward before
+    leaving, and the next stage with it. Compute order and the per-peer order of the sends are
+    unchanged (the forward's sends came first before too), so the numbers are."""
+    from torch.distributed.pipelining.schedules import _ComputationType as T
+
+    sends = (T.SEND_F, T.SEND_B)
+
+    def sent_by(send: Any, half: Any) -> bool:
+        kind = T.FORWARD if send.computation_type == T.SEND_F else (T.FULL_BACKWARD, T.BACKWARD_INPUT)
+        return (send.stage_index == half.stage_index and send.microbatch_index == half.microbatch_index
+                and half.computation_type in (kind if isinstance(kind, tuple) else (kind,)))
+
+    out: dict[int, list[Any]] = {}
+    for rank, acts in order_with_comms.items():
+        new: list[Any] = []
+        i = 0
+        while i < len(acts):
+            a = acts[i]
+            halves = getattr(a, "sub_actions", None) if a is not None else None
+            if not halves:
+                new.append(a)
+                i += 1
+                continue
+            j = i + 1
+            while j < len(acts) and acts[j] is not None and acts[j].computation_type in sends:
+                j += 1
+            after = list(acts[i + 1:j])
+            for half in halves:
+                new.append(half)
+                new += [s for s in after if sent_by(s, half)]
+            new += [s for s in after if not any(sent_by(s, h) for h in halves)]
+            i = j
+        out[rank] = new
+    return out

@@ -21,16 +21,21 @@ RECIPES = ["tiny_cpu.yaml", "bf16_adamw_cpu.yaml", "fp8_blockwise_cpu.yaml", "fp
            "fp8_tensorwise_cpu.yaml", "moe_mxfp8_cpu.yaml", "mxfp8_adamw_cpu.yaml", "mxfp8_muon_cpu.yaml",
            "nvfp4_adamw_cpu.yaml"]
 STEPS = 6
-# 2 sequences of 64 tokens per micro-batch, 4 per step: 2 micro-batches per step at DP 1
+# 1 sequence of 64 tokens per micro-batch, 4 per step: 4 micro-batches per step at DP 1 (DualPipeV
+# needs 2 PP), 2 at DP 2 -- one batching for every schedule, so one PP 1 run per recipe serves
+# 1F1B, the zero-bubble schedules, DualPipeV and the uneven split
 SMALL = ["data.builtin_max_mb=1", "train.eval_iters=1", "logging.progress=false", "optimizer.warmup_iters=0",
-         "model.seq_length=64", "train.micro_batch_size=2", "train.global_batch_size=4"]
+         "model.seq_length=64", "train.micro_batch_size=1", "train.global_batch_size=4"]
+# 2 sequences per micro-batch (2 per step at DP 1, 1 at DP 2): the TP runs, and the runs with
+# fewer micro-batches than stages
+TWO_SEQ = ["train.micro_batch_size=2"]
 PP2 = ["model.pipeline_model_parallel_size=2"]
 # interleaving: 4 layers in 2 x 2 chunks (rank 0 holds layers 0 and 2, rank 1 layers 1 and 3)
 FOUR_LAYERS = ["model.num_layers=4"]
 VPP2 = [*PP2, "model.virtual_pipeline_model_parallel_size=2"]
 INTERLEAVED = ["tiny_cpu.yaml", "fp8_delayed_cpu.yaml", "moe_mxfp8_cpu.yaml", "mxfp8_muon_cpu.yaml",
                "nvfp4_adamw_cpu.yaml"]
-# PP 2 x DP 2 against DP 2 (1-sequence micro-batches: still 2 per step and rank); MoE at EP 2
+# PP 2 x DP 2 against DP 2 (2 micro-batches per step and rank); MoE at EP 2
 DP_CASES = {
     "tiny_cpu.yaml": [],
     "mxfp8_adamw_cpu.yaml": [],  # MXFP8 param gather through the reused grad buffer, ZeRO-1
@@ -39,30 +44,26 @@ DP_CASES = {
     "zero3": ["ddp.data_parallel_sharding_strategy=optim_grads_params", "ddp.overlap_grad_reduce=true",
               "ddp.overlap_param_gather=true", "ddp.bucket_size=20000"],
 }
-DP_SMALL = ["train.micro_batch_size=1"]
 # PP 2 x TP 2 (+ SP) against TP 2: the hidden states between stages are sequence shards
 TP_CASES = {"tiny_cpu.yaml": [], "moe_mxfp8_cpu.yaml": []}
-TP2 = ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"]
+TP2 = [*TWO_SEQ, "model.tensor_model_parallel_size=2", "model.sequence_parallel=true"]
 # One micro-batch per step at DP 2 (as the CPU recipes' own 8 / (4 x 2) at 4 ranks): fewer
 # than the stages, so the pipeline runs GPipe's order; every recipe, PP 2 x DP 2 against DP 2
 FEW = RECIPES
-# The zero-bubble schedules, each backward split into its I and W steps, at PP 2 against PP 1.
-# ZBV runs an uneven split of the 2 layers: chunk 0 the embedding alone, chunks 1 and 2 a layer
-# each, chunk 3 the loss alone (rank 0 runs the embedding and the loss, rank 1 both layers);
-# DualPipeV the same split asked as Megatron's embedding and loss counted as layers, with 4
-# micro-batches of 1 sequence (it needs 2 PP; against PP 1 runs of the same batching). Every
-# recipe under the interleaved zero bubble and ZBV, three under DualPipeV (the test-time
-# budget; the same GEMM deferral, a third order). A MoE model needs an MoE layer on every rank,
-# Muon a matrix: their ZBV runs split 4 layers evenly (against the 4-layer PP 1 run).
+# The zero-bubble schedules, each backward split into its I and W steps (DualPipeV: some of
+# them, the others whole, overlapped with a forward), at PP 2 against PP 1, every recipe. ZBV
+# runs an uneven split of the 2 layers: chunk 0 the embedding alone, chunks 1 and 2 a layer each,
+# chunk 3 the loss alone (rank 0 runs the embedding and the loss, rank 1 both layers); DualPipeV
+# the same split asked as Megatron's embedding and loss counted as layers. A MoE model needs an
+# MoE layer on every rank, Muon a matrix: their V runs split 4 layers evenly (against the
+# 4-layer PP 1 run).
 ZERO_BUBBLE = {
     "interleaved_zero_bubble": [*PP2, "model.pipeline_schedule=interleaved_zero_bubble"],
     "zbv_zero_bubble": [*PP2, "model.pipeline_schedule=zbv_zero_bubble",
                         "model.pipeline_model_parallel_layout=E|t|t|L"],
+    "dualpipev": [*PP2, "model.pipeline_schedule=dualpipev", "model.account_for_embedding_in_pipeline_split=true",
+                  "model.account_for_loss_in_pipeline_split=true"],
 }
-DUALPIPEV = [*PP2, "model.pipeline_schedule=dualpipev", "model.account_for_embedding_in_pipeline_split=true",
-             "model.account_for_loss_in_pipeline_split=true"]
-ONE_SEQ = ["train.micro_batch_size=1"]
-DUALPIPEV_RECIPES = ["fp8_delayed_cpu.yaml", "mxfp8_adamw_cpu.yaml", "nvfp4_adamw_cpu.yaml"]
 MOE = "moe_mxfp8_cpu.yaml"
 EVERY_STAGE_A_LAYER = (MOE, "mxfp8_muon_cpu.yaml")
 NUMERICS = "mxfp8_adamw_cpu.yaml"  # its zero-bubble runs also record the quantization statistics
@@ -82,6 +83,8 @@ TIED = ["model.tie_embeddings=true"]
 # NVFP4 on both layers (the recipe keeps the last one in BF16): stage 1 rounds stochastically
 NVFP4_ALL = ["precision.num_layers_at_end_in_bf16=0"]
 CKPT = "tiny_cpu.yaml"
+# the regressions' runs with their fix removed: they part from the fixed run within 2 steps
+FAULT_STEPS = 2
 CKPT_STEPS = 4  # the split runs stop after half (train.exit_interval) and resume
 
 
@@ -89,11 +92,17 @@ def recipe_of(case: str) -> str:
     return case if case.endswith(".yaml") else "tiny_cpu.yaml"
 
 
+def four_layers(recipe: str, schedule: str) -> bool:
+    """Whether ``schedule``'s PP 2 run of ``recipe`` splits 4 layers (and so compares with the
+    4-layer PP 1 run): the MoE and Muon V runs (rules PP-MOE-EVERY-STAGE, PP-MUON-EVERY-STAGE)."""
+    return recipe in EVERY_STAGE_A_LAYER and schedule != "interleaved_zero_bubble"
+
+
 def zero_bubble_case(recipe: str, schedule: str) -> list[str]:
     """The overrides of ``schedule``'s PP 2 run of ``recipe`` (the MoE and Muon V runs at 4
-    layers, evenly split: rules PP-MOE-EVERY-STAGE, PP-MUON-EVERY-STAGE)."""
+    layers, evenly split: :func:`four_layers`)."""
     ov = ZERO_BUBBLE[schedule]
-    if recipe in EVERY_STAGE_A_LAYER and schedule != "interleaved_zero_bubble":
+    if four_layers(recipe, schedule):
         return [*ov[:2], *FOUR_LAYERS]
     return ov
 
@@ -122,12 +131,11 @@ def run(recipe: str, extra: list[str], steps: int = STEPS, numerics: bool = Fals
 
 
 def pretrain_run(out: Path, *extra: str) -> dict[str, Any]:
-    """Run (or resume) :data:`CKPT` into ``out`` (1-sequence micro-batches: 4 per step at DP 1,
-    2 at DP 2); its summary."""
+    """Run (or resume) :data:`CKPT` into ``out``; its summary."""
     from lptrain.config import compose
     from lptrain.train import pretrain
 
-    ov = [*SMALL, *DP_SMALL, "logging.plots=false", "train.log_interval=null", f"train.train_iters={CKPT_STEPS}",
+    ov = [*SMALL, "logging.plots=false", "train.log_interval=null", f"train.train_iters={CKPT_STEPS}",
           f"checkpoint.save={out}/ckpt", *extra]
     return pretrain(compose(CKPT, ov), out)
 
@@ -235,20 +243,19 @@ def world2(rank: int, world: int, root: str) -> dict[str, Any]:
     out: dict[str, Any] = {
         "pp2": {r: run(r, PP2) for r in RECIPES},
         "interleaved": {r: run(r, [*FOUR_LAYERS, *VPP2]) for r in INTERLEAVED},
-        "dp2": {c: run(recipe_of(c), [*DP_SMALL, *ov]) for c, ov in DP_CASES.items()},
+        "dp2": {c: run(recipe_of(c), ov) for c, ov in DP_CASES.items()},
         "tp2": {c: run(c, [*TP2, *ov]) for c, ov in TP_CASES.items()},
-        "dp2_few": {r: run(r, []) for r in FEW},
+        "dp2_few": {r: run(r, TWO_SEQ) for r in FEW},
         "tied": run("tiny_cpu.yaml", [*TIED, *PP2]),
         "zero_bubble": {(r, s): run(r, zero_bubble_case(r, s), numerics=r == NUMERICS)
                         for r in RECIPES for s in ZERO_BUBBLE},
-        "dualpipev": {r: run(r, [*ONE_SEQ, *DUALPIPEV], numerics=r == NUMERICS) for r in DUALPIPEV_RECIPES},
         "uneven_1f1b": {r: run(r, UNEVEN_1F1B) for r in UNEVEN_1F1B_RECIPES},
     }
     with one_region_per_step():
-        out["delayed_per_step"] = run("fp8_delayed_cpu.yaml", PP2)
+        out["delayed_per_step"] = run("fp8_delayed_cpu.yaml", PP2, steps=FAULT_STEPS)
     out["sr"] = run("nvfp4_adamw_cpu.yaml", [*NVFP4_ALL, *PP2])
     with streams_seeded_by_global_rank():
-        out["sr_global_rank"] = run("nvfp4_adamw_cpu.yaml", [*NVFP4_ALL, *PP2])
+        out["sr_global_rank"] = run("nvfp4_adamw_cpu.yaml", [*NVFP4_ALL, *PP2], steps=FAULT_STEPS)
     # train-eval-train (an evaluation through the schedule, a forced param sync) is bitwise
     plain = train_steps("fp8_delayed_cpu.yaml", [*SMALL, *PP2], steps=3)
     evald = train_steps("fp8_delayed_cpu.yaml", [*SMALL, *PP2], steps=3, eval_every=1, sync_after=[2])
@@ -295,14 +302,14 @@ def world4(rank: int, world: int, root: str) -> dict[str, Any]:
     """PP 2 x DP 2 and PP 2 x TP 2 against the DP 2 and TP 2 baselines (1F1B and zero-bubble
     schedules), the zero-bubble readiness regression, and the resumes across DP at PP 2."""
     base = Path(root)
-    out: dict[str, Any] = {"pp2dp2": {c: run(recipe_of(c), [*DP_SMALL, *ov, *PP2]) for c, ov in DP_CASES.items()},
+    out: dict[str, Any] = {"pp2dp2": {c: run(recipe_of(c), [*ov, *PP2]) for c, ov in DP_CASES.items()},
                            "pp2tp2": {c: run(c, [*TP2, *ov, *PP2]) for c, ov in TP_CASES.items()},
-                           "pp2dp2_few": {r: run(r, PP2) for r in FEW},
-                           "pp2dp2_zb": {c: run(recipe_of(c), [*DP_SMALL, *DP_CASES.get(c, OVERLAP), *ov])
+                           "pp2dp2_few": {r: run(r, [*TWO_SEQ, *PP2]) for r in FEW},
+                           "pp2dp2_zb": {c: run(recipe_of(c), [*DP_CASES.get(c, OVERLAP), *ov])
                                          for c, ov in DP_ZB_CASES.items()},
                            "pp2tp2_zb": {c: run(c, [*TP2, *TP_CASES[c], *ov]) for c, ov in TP_ZB_CASES.items()}}
     with readiness_at_the_input_step():
-        out["ready_at_i"] = run("tiny_cpu.yaml", [*DP_SMALL, *OVERLAP, *DP_ZB_CASES["overlap"]])
+        out["ready_at_i"] = run("tiny_cpu.yaml", [*OVERLAP, *DP_ZB_CASES["overlap"]], steps=FAULT_STEPS)
     half = f"train.exit_interval={CKPT_STEPS // 2}"
     pretrain_run(base / "pp2dp2_straight", *PP2)
     pretrain_run(base / "from_pp2", *PP2)  # the PP 2 half run, resumed at PP 2 x DP 2

@@ -2,8 +2,19 @@
 equal to the unpipelined run at the same data-parallel size.
 
 Worlds (``model.pipeline_model_parallel_size`` 1 or 2): this process runs PP 1 (one rank), one
-spawned 2-rank world PP 2 (and the DP 2 and TP 2 baselines), one 4-rank world PP 2 x DP 2 (every case of a size in one world). Each step is
-the same global batch of 4 sequences at every size, :data:`_pp_cases.STEPS` steps.
+spawned 2-rank world PP 2 (and the DP 2 and TP 2 baselines), one 4-rank world PP 2 x DP 2 (every
+case of a size in one world). Each step is the same global batch of 4 sequences at every size,
+:data:`_pp_cases.STEPS` steps.
+
+**What it costs, and what is not run.** The battery is the suite's largest fixture, so every
+comparison shares its baseline: one batching (4 micro-batches of one sequence at DP 1, what
+DualPipeV's ``2 PP`` needs) serves 1F1B, the three zero-bubble schedules and the uneven split, so
+one PP 1 run per recipe (and one at 4 layers for interleaving and the MoE and Muon V splits) is
+the baseline of all of them; the TP cases and the ones with fewer micro-batches than stages keep
+2-sequence micro-batches. Not run: a separate DualPipeV baseline (it was the same model at
+another batching), and the steps after the first :data:`_pp_cases.FAULT_STEPS` of the
+regressions' runs with their fix removed (each parts from the fixed run by its second step:
+a later difference proves nothing more; they are compared with the same steps of that run).
 
 **Bitwise, and why it can be.** Pipelining is a schedule: every micro-batch runs the
 operations of the unpipelined model on the same operands (the stages are cuts of one graph),
@@ -44,20 +55,18 @@ from _pp_cases import (
     CKPT_STEPS,
     DP_CASES,
     DP_ZB_CASES,
-    DUALPIPEV_RECIPES,
-    EVERY_STAGE_A_LAYER,
     FEW,
     FOUR_LAYERS,
     INTERLEAVED,
     NUMERICS,
     NVFP4_ALL,
-    ONE_SEQ,
     RECIPES,
     TIED,
     TP_CASES,
     TP_ZB_CASES,
     UNEVEN_1F1B_RECIPES,
     ZERO_BUBBLE,
+    four_layers,
     metrics,
     pretrain_run,
     recipe_of,
@@ -81,7 +90,6 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     torch.set_num_threads(1)  # as every spawned rank: tiny GEMMs, and the ranks share the cores
     try:
         pp1 = {r: run(r, [], numerics=r == NUMERICS) for r in RECIPES}
-        pp1_one_seq = {r: run(r, ONE_SEQ, numerics=r == NUMERICS) for r in DUALPIPEV_RECIPES}
         pp1_four = {r: run(r, FOUR_LAYERS) for r in INTERLEAVED}
         tied = run("tiny_cpu.yaml", TIED)
         sr = run("nvfp4_adamw_cpu.yaml", NVFP4_ALL)
@@ -97,8 +105,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         pretrain_run(root / "pp1_from_pp2dp2")
     finally:
         torch.set_num_threads(threads)
-    return {"root": root, "pp1": pp1, "pp1_four": pp1_four, "pp1_one_seq": pp1_one_seq, "tied": tied, "sr": sr,
-            "two": two, "four": four}
+    return {"root": root, "pp1": pp1, "pp1_four": pp1_four, "tied": tied, "sr": sr, "two": two, "four": four}
 
 
 def _joined(reports: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
@@ -109,6 +116,14 @@ def _joined(reports: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
             assert name not in out or torch.equal(out[name], t), name
             out[name] = t
     return out
+
+
+def _parts(run: dict[str, Any], want: dict[str, Any]) -> bool:
+    """Whether a run with a fix removed (:data:`_pp_cases.FAULT_STEPS` steps) parts from the
+    fixed run ``want`` within its steps (the losses compared over the same steps)."""
+    n = len(run["losses"])
+    assert 0 < n <= len(want["losses"])
+    return run["losses"] != want["losses"][:n]
 
 
 def _assert_bitwise(reports: list[dict[str, Any]], want: dict[str, Any], what: str) -> None:
@@ -175,35 +190,27 @@ def test_pp2_tp2_matches_tp2_bitwise(runs: dict[str, Any], recipe: str) -> None:
 def test_zero_bubble_schedules_match_pp1_bitwise(runs: dict[str, Any], recipe: str, schedule: str) -> None:
     """torch's zero-bubble schedules at PP 2, every backward split into an I step (the input
     gradients; the GEMMs queue their weight gradients with the micro-batch's quantized
-    operands) and a W step (the queue run, into ``main_grad``, in micro-batch order):
-    losses, grad norms and every fp32 master after 6 steps equal the one-rank run's, in every
-    CPU recipe -- delayed scaling, stochastic rounding and the MoE experts included. ZBV runs
-    the uneven V split ``E|t|t|L`` (rank 0 holds the embedding and the loss alone; MoE and Muon,
-    which need a layer on every rank, at 4 layers split evenly)."""
-    four = recipe in EVERY_STAGE_A_LAYER and schedule != "interleaved_zero_bubble"
-    want = runs["pp1_four" if four else "pp1"][recipe]
+    operands) and a W step (the queue run, into ``main_grad``, in micro-batch order), and
+    DualPipeV (some backwards split so, the others whole, overlapped with another micro-batch's
+    forward): losses, grad norms and every fp32 master after 6 steps equal the one-rank run's,
+    in every CPU recipe -- delayed scaling, stochastic rounding and the MoE experts included.
+    ZBV runs the uneven V split ``E|t|t|L`` (rank 0 holds the embedding and the loss alone),
+    DualPipeV the same split asked as Megatron's embedding and loss counted as layers (0 | 1 |
+    1 | 0 layers in a V); MoE and Muon, which need a layer on every rank, run the V schedules at
+    4 layers split evenly."""
+    want = runs["pp1_four" if four_layers(recipe, schedule) else "pp1"][recipe]
     _assert_bitwise([r["zero_bubble"][(recipe, schedule)] for r in runs["two"]], want, f"{recipe} {schedule}")
-
-
-@pytest.mark.parametrize("recipe", DUALPIPEV_RECIPES)
-def test_dualpipev_matches_pp1_bitwise(runs: dict[str, Any], recipe: str) -> None:
-    """DualPipeV at PP 2 (4 micro-batches of one sequence: it needs 2 PP) on the split Megatron's
-    embedding and loss counted as layers give (0 | 1 | 1 | 0 layers in a V): the PP 1 run of the
-    same batching, bitwise."""
-    _assert_bitwise([r["dualpipev"][recipe] for r in runs["two"]], runs["pp1_one_seq"][recipe], recipe)
 
 
 def test_numerics_records_follow_the_split(runs: dict[str, Any]) -> None:
     """The quantization statistics of every step (``logging.numerics_interval``) are the
     one-rank run's under every zero-bubble schedule and split: each stage records its own
     layers' operands (the grad operands in the I step) and the ranks' records merge by name."""
-    split = [r["zero_bubble"][(NUMERICS, s)] for s in ZERO_BUBBLE for r in runs["two"]]
-    for want, got in ((runs["pp1"][NUMERICS], split),
-                      (runs["pp1_one_seq"][NUMERICS], [r["dualpipev"][NUMERICS] for r in runs["two"]])):
-        records = want["numerics"]
-        assert len(records) == 6 and all(records) and any("grad" in str(k) for k in records[0])
-        for g in got:
-            assert g["numerics"] == records
+    records = runs["pp1"][NUMERICS]["numerics"]
+    assert len(records) == 6 and all(records) and any("grad" in str(k) for k in records[0])
+    for s in ZERO_BUBBLE:
+        for r in runs["two"]:
+            assert r["zero_bubble"][(NUMERICS, s)]["numerics"] == records, s
 
 
 @pytest.mark.parametrize("recipe", UNEVEN_1F1B_RECIPES)
@@ -244,7 +251,7 @@ def test_grad_ready_before_the_w_step_breaks_the_equality(runs: dict[str, Any]) 
     assert [r["pp2dp2_zb"]["overlap"]["losses"] for r in runs["four"]] == [want["losses"]] * 4  # (the fix)
     for r in runs["four"]:
         assert r["ready_at_i"]["losses"][0] == want["losses"][0]  # (the first step's forward)
-        assert r["ready_at_i"]["losses"] != want["losses"]
+        assert _parts(r["ready_at_i"], want)
 
 
 def test_delayed_scaling_advanced_per_step_breaks_the_equality(runs: dict[str, Any]) -> None:
@@ -256,7 +263,7 @@ def test_delayed_scaling_advanced_per_step_breaks_the_equality(runs: dict[str, A
     want = runs["pp1"]["fp8_delayed_cpu.yaml"]
     for r in runs["two"]:
         assert r["pp2"]["fp8_delayed_cpu.yaml"]["losses"] == want["losses"]  # (the fix)
-        assert r["delayed_per_step"]["losses"] != want["losses"]
+        assert _parts(r["delayed_per_step"], want)
 
 
 def test_sr_streams_seeded_by_global_rank_break_the_equality(runs: dict[str, Any]) -> None:
@@ -267,7 +274,7 @@ def test_sr_streams_seeded_by_global_rank_break_the_equality(runs: dict[str, Any
     want = runs["sr"]
     for r in runs["two"]:
         _assert_bitwise([x["sr"] for x in runs["two"]], want, "nvfp4, both layers")
-        assert r["sr_global_rank"]["losses"] != want["losses"]
+        assert _parts(r["sr_global_rank"], want)
 
 
 def test_train_eval_train_is_bitwise_under_pp(runs: dict[str, Any]) -> None:

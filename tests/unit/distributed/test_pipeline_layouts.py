@@ -12,7 +12,7 @@ import pytest
 
 from lptrain.catalog.pipeline import PipelineLayout, bubble_fraction, peak_in_flight, simulate
 from lptrain.catalog.pipeline_split import SplitError, SplitKeys, chunk_sizes, parse_layout
-from lptrain.distributed.pipeline_orders import schedule_order
+from lptrain.distributed.pipeline_orders import held_outputs, schedule_order
 
 
 def test_first_and_last_stage_counts_as_megatron_splits_them() -> None:
@@ -134,6 +134,20 @@ def test_zero_bubble_schedules_fill_the_bubble_with_w() -> None:
         schedule_order("1f1b", 4, 1, 8), _equal_costs(4, 1), 4).step
 
 
+@pytest.mark.parametrize(("f", "i", "w"), [(1.0, 1.0, 1.0), (1.0, 1.2, 0.6), (1.0, 1.5, 0.5)])
+@pytest.mark.parametrize("pp", [2, 4])
+def test_interleaved_zero_bubble_idles_as_the_zb_paper_counts(pp: int, f: float, i: float, w: float) -> None:
+    """torch's interleaved zero bubble at one chunk a rank is the ZB paper's ZB-H1 (its "ZB1P"),
+    whose idle time per rank is ``(p - 1)(F + I - W)`` (1F1B's ``(p - 1)(F + I + W)``): the
+    simulated order at I != W (what the bench measures: I is not B / 2) gives exactly that."""
+    m = 8
+    cost = {(c, k): {"F": f, "I": i, "W": w, "B": i + w}[k] for c in range(pp) for k in "FBIW"}
+    sim = simulate(schedule_order("interleaved_zero_bubble", pp, 1, m), cost, pp)
+    assert sim.step - m * (f + i + w) == pytest.approx((pp - 1) * (f + i - w))
+    one = simulate(schedule_order("1f1b", pp, 1, m), cost, pp)
+    assert one.step - m * (f + i + w) == pytest.approx((pp - 1) * (f + i + w))
+
+
 def test_in_flight_from_the_order_matches_megatrons_1f1b_count() -> None:
     lay = PipelineLayout(8, pp=4)
     order = schedule_order("1f1b", 4, 1, 8)
@@ -158,3 +172,54 @@ def test_memory_plan_follows_an_uneven_split() -> None:
     assert even.params == uneven.params  # (the same model, cut elsewhere)
     even_w, uneven_w = ({r.rank: r.bytes["weights"] for r in e.ranks} for e in (even, uneven))
     assert uneven_w[0] > even_w[0] and uneven_w[1] < even_w[1]
+
+
+def _dualpipev_plan(pp: int, m: int) -> dict:
+    """torch's DualPipeV order with its communication, as its runtime lowers it."""
+    from torch.distributed.pipelining.schedules import _add_send_recv
+
+    from lptrain.distributed.pipeline_orders import _torch_order
+
+    order = _torch_order("dualpipev", pp, 2, m)
+    return _add_send_recv({r: [a for a in acts if a is not None] for r, acts in order.items()},
+                          lambda s: s if s < pp else 2 * pp - 1 - s, 2 * pp)
+
+
+def test_a_paired_forward_sends_its_output_before_the_paired_backward() -> None:
+    """DualPipeV pairs a forward with a backward; torch's runtime runs the two in turn but
+    posts both halves' sends after the pair, so the forward's output waits a whole backward
+    (the next stage with it). lptrain's plan sends it right after the forward: the same
+    compute order and the same sends to each peer in the same order (so the same numbers)."""
+    from torch.distributed.pipelining.schedules import _ComputationType as T
+
+    from lptrain.distributed.pipeline_orders import send_after_each_half
+
+    plan = _dualpipev_plan(2, 8)
+    fixed = send_after_each_half(plan)
+    sends = (T.SEND_F, T.SEND_B)
+
+    def leaves(acts: list) -> list:
+        return [s for a in acts for s in (a.sub_actions or (a,))]
+
+    late = 0
+    for rank, acts in plan.items():
+        for is_send in (False, True):
+            assert ([str(a) for a in leaves(acts) if (a.computation_type in sends) == is_send]
+                    == [str(a) for a in fixed[rank] if (a.computation_type in sends) == is_send])
+        assert not any(a.sub_actions for a in fixed[rank])
+        for i, a in enumerate(fixed[rank]):
+            if a.computation_type == T.SEND_F:
+                assert str(fixed[rank][i - 1]) == f"{a.stage_index}F{a.microbatch_index}", (rank, i)
+        # torch's own plan: a paired forward's send comes after the pair, its backward run
+        for i, a in enumerate(acts):
+            if a.sub_actions and a.sub_actions[0].computation_type == T.FORWARD:
+                f = a.sub_actions[0]
+                late += any(b.computation_type == T.SEND_F and (b.stage_index, b.microbatch_index)
+                            == (f.stage_index, f.microbatch_index) for b in acts[i + 1:])
+    assert late > 0
+    # in the analytic model: torch's held sends idle more than lptrain's
+    order = schedule_order("dualpipev", 2, 2, 8)
+    cost = _equal_costs(4, 2)
+    held = held_outputs("dualpipev", 2, 2, 8)
+    assert held and not held_outputs("zbv_zero_bubble", 2, 2, 8)
+    assert simulate(order, cost, 4, held=held).bubble > simulate(order, cost, 4).bubble
