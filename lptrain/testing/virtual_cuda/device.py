@@ -58,14 +58,17 @@ class VirtualCuda(PlacementHandlers, Patches):
         stack = getattr(self._ambient, "stack", None)
         return stack[-1] if stack else None
 
-    @contextlib.contextmanager
-    def placed(self, where: str) -> Iterator[None]:
-        stack = self._ambient.__dict__.setdefault("stack", [])
-        stack.append(where)
+    def ambient_stack(self) -> list[str]:
+        """This thread's stack of placements (innermost last), which :meth:`ambient` reads."""
         try:
-            yield
-        finally:
-            stack.pop()
+            return self._ambient.stack
+        except AttributeError:
+            self._ambient.stack = []
+            return self._ambient.stack
+
+    def placed(self, where: str) -> _Placed:
+        """Context: Python-level calls inside place new tensors at ``where``."""
+        return _Placed(self.ambient_stack(), where)
 
     @contextlib.contextmanager
     def mode_active(self) -> Iterator[None]:
@@ -82,14 +85,10 @@ class VirtualCuda(PlacementHandlers, Patches):
             torch.overrides._pop_mode()
             autograd_pkg.has_torch_function = saved
 
-    @contextlib.contextmanager
-    def checks_paused(self) -> Iterator[None]:
-        """Suspend the rules (object collectives move their own pickles, as on NCCL)."""
-        self._checks_paused += 1
-        try:
-            yield
-        finally:
-            self._checks_paused -= 1
+    def checks_paused(self) -> _ChecksPaused:
+        """Context: the rules suspended (object collectives move their own pickles, as on
+        NCCL; a counted host sync reads its scalar)."""
+        return _ChecksPaused(self)
 
     # -- context -------------------------------------------------------------------------------
 
@@ -116,6 +115,36 @@ class VirtualCuda(PlacementHandlers, Patches):
             undo()
         self._undo = []
         VirtualCuda._active = None
+
+
+class _Placed:
+    """:meth:`VirtualCuda.placed` (a class, not a generator context: it is entered for
+    every Python-level torch call)."""
+
+    __slots__ = ("stack", "where")
+
+    def __init__(self, stack: list[str], where: str) -> None:
+        self.stack = stack
+        self.where = where
+
+    def __enter__(self) -> None:
+        self.stack.append(self.where)
+
+    def __exit__(self, *exc: object) -> None:
+        self.stack.pop()
+
+
+class _ChecksPaused:
+    __slots__ = ("vd",)
+
+    def __init__(self, vd: VirtualCuda) -> None:
+        self.vd = vd
+
+    def __enter__(self) -> None:
+        self.vd._checks_paused += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self.vd._checks_paused -= 1
 
 
 def active() -> Optional[VirtualCuda]:

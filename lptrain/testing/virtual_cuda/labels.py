@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import threading
 import traceback
-import weakref
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -33,13 +32,15 @@ class DeviceRuleError(AssertionError):
 
 
 DENSE = (torch.Tensor, torch.nn.Parameter)
+_Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
 
 
 def storage_of(t: torch.Tensor) -> Optional[Any]:
     """The storage object of a dense tensor; None for wrapper subclasses (whose storage
     object is a placeholder: lptrain's and TE's quantized tensors keep their bytes in inner
     tensors)."""
-    if type(t) in DENSE:
+    tp = type(t)
+    if tp is _Tensor or tp is _Parameter:
         return t.untyped_storage()
     try:  # (TE >= 2.20's QuantizedTensor makes an empty storage on its device: "cuda" here)
         st = t.untyped_storage()
@@ -50,25 +51,46 @@ def storage_of(t: torch.Tensor) -> Optional[Any]:
 
 
 def is_device(t: Any) -> bool:
-    """Whether ``t`` lives on the virtual device (its storage, or a wrapper, is labelled)."""
+    """Whether ``t`` lives on the virtual device (its storage, or a wrapper, is labelled).
+
+    Called for every tensor of every op: a dense tensor (the common case) costs one storage
+    lookup and one attribute read."""
+    tp = type(t)
+    if tp is _Tensor or tp is _Parameter:
+        return getattr(t.untyped_storage(), LABEL, None) is not None
     if not isinstance(t, torch.Tensor):
         return isinstance(t, DeviceGenerator)
     st = storage_of(t)
     if st is None:
         return bool(t.__dict__.get(LABEL, False))
-    return bool(getattr(st, LABEL, False))
+    return getattr(st, LABEL, None) is not None
+
+
+class _Allocation:
+    """The label of a device storage that counts towards the device's memory: it lives in
+    the storage object's ``__dict__``, which torch keeps exactly as long as the storage, so
+    its finalizer frees the bytes when the storage goes (a ``weakref.finalize`` per storage,
+    for the same effect, costs several times more on this hot path)."""
+
+    __slots__ = ("nbytes", "stats")
+
+    def __init__(self, stats: DeviceStats, nbytes: int) -> None:
+        self.stats = stats
+        self.nbytes = nbytes
+        stats.allocated(nbytes)
+
+    def __del__(self) -> None:
+        self.stats.freed(self.nbytes)
 
 
 def label(t: torch.Tensor, stats: Optional[DeviceStats] = None) -> torch.Tensor:
-    st = storage_of(t)
+    tp = type(t)
+    st = t.untyped_storage() if tp is _Tensor or tp is _Parameter else storage_of(t)
     if st is None:
         t.__dict__[LABEL] = True
         return t
-    if not getattr(st, LABEL, False):
-        setattr(st, LABEL, True)
-        if stats is not None:
-            stats.allocated(st.nbytes())
-            weakref.finalize(st, stats.freed, st.nbytes())
+    if getattr(st, LABEL, None) is None:
+        setattr(st, LABEL, True if stats is None else _Allocation(stats, st.nbytes()))
     return t
 
 
@@ -153,13 +175,39 @@ def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
 
 
 def label_all(out: Any, stats: DeviceStats) -> Any:
-    for t in tensors_in(out):
-        label(t, stats)
+    """Label every tensor in ``out`` (nested lists, tuples and dict values) device memory."""
+    if isinstance(out, torch.Tensor):
+        label(out, stats)
+    elif isinstance(out, (list, tuple)):
+        for x in out:
+            label_all(x, stats)
+    elif isinstance(out, dict):
+        for x in out.values():
+            label_all(x, stats)
     return out
 
 
+def _has_device(items: Any) -> bool:
+    for v in items:
+        tp = type(v)
+        if tp is _Tensor or tp is _Parameter:
+            if getattr(v.untyped_storage(), LABEL, None) is not None:
+                return True
+        elif isinstance(v, torch.Tensor):
+            if is_device(v):
+                return True
+        elif isinstance(v, (list, tuple)):
+            if _has_device(v):
+                return True
+        elif isinstance(v, dict) and _has_device(v.values()):
+            return True
+    return False
+
+
 def any_device(args: tuple, kwargs: dict) -> bool:
-    return any(is_device(t) for t in tensors_in((args, kwargs)))
+    """Whether any tensor of the call arguments is on the device (:func:`tensors_in`'s walk,
+    inlined and stopping at the first: asked of every Python-level torch call)."""
+    return _has_device(args) or (bool(kwargs) and _has_device(kwargs.values()))
 
 
 

@@ -54,25 +54,55 @@ class Placement(TorchFunctionMode):
     def __init__(self, device: VirtualCuda) -> None:
         super().__init__()
         self.vd = device
+        self._local = device._ambient  # (its ``stack``: see VirtualCuda.ambient_stack)
+        # func -> how this mode answers it: a handler of ``device.special``, _GETTER (a
+        # property read other than those: it places nothing) or _PLACE (a call that may
+        # create tensors); decided at its first call, one dict lookup afterwards
+        self._kinds: dict[Any, Any] = {}
+
+    def _kind(self, func: Any) -> Any:
+        kind = self.vd.special.get(func)
+        if kind is None:
+            kind = _GETTER if getattr(func, "__name__", "") == "__get__" else _PLACE
+        if len(self._kinds) < _MAX_KINDS:  # (bounded, should a caller pass fresh closures)
+            self._kinds[func] = kind
+        return kind
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
-        kwargs = dict(kwargs or {})
-        handler = self.vd.special.get(func)
-        if handler is not None:
-            return handler(func, args, kwargs)
-        if getattr(func, "__name__", "") == "__get__":  # a property read: places nothing
-            return func(*args, **kwargs)
+        try:
+            kind = self._kinds[func]
+        except KeyError:
+            kind = self._kind(func)
+        if kind is _GETTER:
+            return func(*args, **kwargs) if kwargs else func(*args)
+        if kind is not _PLACE:
+            return kind(func, args, dict(kwargs) if kwargs else {})
+        kwargs = kwargs or {}
         dev = kwargs.get(_FACTORY_DEVICE_KW)
-        if is_cuda_device(dev):
-            kwargs[_FACTORY_DEVICE_KW] = CPU
-            with self.vd.placed(DEVICE):
-                out = func(*args, **kwargs)
-            return label_all(out, self.vd.stats)
-        where = DEVICE if dev is None and any_device(args, kwargs) else HOST
-        with self.vd.placed(where):
+        try:
+            stack = self._local.stack
+        except AttributeError:  # this thread's first call
+            stack = self.vd.ambient_stack()
+        if dev is not None:
+            if is_cuda_device(dev):
+                kwargs = {**kwargs, _FACTORY_DEVICE_KW: CPU}
+                stack.append(DEVICE)
+                try:
+                    out = func(*args, **kwargs)
+                finally:
+                    stack.pop()
+                return label_all(out, self.vd.stats)
+            stack.append(HOST)
+        else:
+            stack.append(DEVICE if any_device(args, kwargs) else HOST)
+        try:
             return func(*args, **kwargs)
+        finally:
+            stack.pop()
 
 
+_GETTER, _PLACE = object(), object()
+_MAX_KINDS = 1 << 14
 
 
 class PlacementHandlers:
