@@ -19,7 +19,7 @@ RECIPES = ["tiny_cpu.yaml", "bf16_adamw_cpu.yaml", "fp8_blockwise_cpu.yaml", "fp
 # TP 2 x DP 2 against DP 2: every recipe (ZeRO-2/3 and the FP8/FP4 param gathers per TP rank
 # are ENGINE_VARIANTS besides: bitwise against their off switches)
 DP_RECIPES = RECIPES
-STEPS = 6
+STEPS = 10  # issue 44: the TP losses over 10 steps
 # 2 sequences of 64 tokens per micro-batch, 4 per step: one micro-batch per data-parallel rank
 # at DP 2, two at DP 1 (the same global batch, the same samples, at every size)
 SMALL = ["data.builtin_max_mb=1", "train.eval_iters=1", "logging.progress=false", "optimizer.warmup_iters=0",

@@ -1,4 +1,4 @@
-"""Training with tensor + sequence parallelism through the real engine: every CPU recipe, 6
+"""Training with tensor + sequence parallelism through the real engine: every CPU recipe, 10
 steps, against the runs without it; bitwise at a fixed TP size; checkpoints across TP sizes;
 Muon's TP modes; the Hugging Face export.
 
@@ -13,8 +13,8 @@ amplifies such differences: a BF16 parameter whose master crosses a rounding bou
 one BF16 ulp (2^-8 relative), an FP8/FP4 operand near a quantization boundary takes the other
 code, and NVFP4's stochastic rounding draws each rank's own bits (TP 2's grad shards are
 rounded with other draws than TP 1's whole grads: a different but equally likely rounding).
-Over 10 steps the losses measured here stayed within 3e-4 relative of each other (2.6e-4 at
-most, NVFP4; MXFP8 + Muon 1.4e-4; the fp32-only differences ~1e-7; the suite runs 6, which drift less); ``LOSS_RTOL = 2e-3``
+Over the 10 steps the losses measured here stayed within 3e-4 relative of each other (2.6e-4 at
+most, NVFP4; MXFP8 + Muon 1.4e-4; the fp32-only differences ~1e-7); ``LOSS_RTOL = 2e-3``
 leaves room for that drift and is five times below the ~1e-2 by which one step moves the
 loss here, the scale at which a missing shard, a gradient counted
 twice or a wrong data position shows (tests of those faults fail by far more).
