@@ -213,6 +213,21 @@ def readiness_at_the_input_step() -> Any:
         DeferredWgrads.defer = unpatched  # type: ignore[method-assign]
 
 
+def dualpipev_pairs_split() -> bool:
+    """Whether the DualPipeV schedule the runner built runs each paired forward and backward
+    as two actions, each with its sends right after it (``send_after_each_half``, wired in
+    ``PipelineRunner.schedule``): torch's own plan keeps the pairs (actions with sub-actions)
+    and posts the forward's output only after the paired backward. One step."""
+    from lptrain.testing.parity import train_steps
+
+    engines: list[Any] = []
+    train_steps("fp8_delayed_cpu.yaml", [*SMALL, *ZERO_BUBBLE["dualpipev"]], steps=1,
+                before_step=lambda engine, step: engines.append(engine))
+    orders = [s.pipeline_order_with_comms for s in engines[0].pipeline._schedules.values()]
+    return bool(orders) and all(not getattr(a, "sub_actions", None)
+                                for order in orders for acts in order.values() for a in acts if a is not None)
+
+
 def nonfinite_note(rank: int) -> str:
     """The error of a run whose second stage's final-norm gradient turns NaN at step 2 (a hook
     on rank 1 only): every rank stops with the same line, naming the rank, stage and tensor."""
@@ -265,6 +280,7 @@ def world2(rank: int, world: int, root: str) -> dict[str, Any]:
                           sync_after=[2])
     out["eval_v"] = (evald_v["losses"], evald_v["grad_norms"])
     out["nonfinite"] = nonfinite_note(rank)
+    out["dualpipev_pairs_split"] = dualpipev_pairs_split()
     # checkpoints at PP 2: straight, split (bitwise), a copy of the first half for the PP 1
     # and PP 2 x DP 2 resumes, and the resume of the parent's PP 1 save
     half = f"train.exit_interval={CKPT_STEPS // 2}"

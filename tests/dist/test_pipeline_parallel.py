@@ -202,6 +202,14 @@ def test_zero_bubble_schedules_match_pp1_bitwise(runs: dict[str, Any], recipe: s
     _assert_bitwise([r["zero_bubble"][(recipe, schedule)] for r in runs["two"]], want, f"{recipe} {schedule}")
 
 
+def test_dualpipev_sends_a_paired_forwards_output_before_its_backward(runs: dict[str, Any]) -> None:
+    """The runner's DualPipeV plan splits torch's paired forward-backward actions so that the
+    forward's output leaves before the paired backward runs (torch's runtime posted it after the
+    pair: the next stage waited a whole backward). Fails with the wiring in
+    ``PipelineRunner.schedule`` removed (torch's plan keeps the pairs)."""
+    assert all(r["dualpipev_pairs_split"] for r in runs["two"])
+
+
 def test_numerics_records_follow_the_split(runs: dict[str, Any]) -> None:
     """The quantization statistics of every step (``logging.numerics_interval``) are the
     one-rank run's under every zero-bubble schedule and split: each stage records its own
