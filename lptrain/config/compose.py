@@ -446,22 +446,10 @@ def merge_layers(layers: Sequence[_Layer]) -> LPTrainConfig:
     checked against the schema first); :class:`ConfigError` on any unreadable value."""
     for layer in layers:
         _validate(layer.data, LPTrainConfig, "", layer)
-    merged = copy.deepcopy(_base())
     try:  # the common case: the layers folded into one mapping, one merge into the schema
-        merged = OmegaConf.unsafe_merge(merged, _folded([layer.data for layer in layers]))
+        merged = OmegaConf.unsafe_merge(copy.deepcopy(_base()), _folded([layer.data for layer in layers]))
     except OmegaConfBaseException:  # merged again layer by layer, to name the layer at fault
-        merged = copy.deepcopy(_base())
-    else:
-        layers = ()
-    for layer in layers:
-        try:
-            # in place: ``merged`` is this call's own copy, and a layer's plain mapping is
-            # turned into fresh nodes first (``merge`` deep-copied the whole tree per layer)
-            merged = OmegaConf.unsafe_merge(merged, layer.data)
-        except OmegaConfBaseException as e:
-            key = getattr(e, "full_key", None) or ""
-            where = _where(layer.source, layer.lines, key)
-            raise ConfigError(f"{where}: {key + ': ' if key else ''}{_first_line(str(e))}") from None
+        merged = _merge_each(layers)
     try:
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
@@ -472,6 +460,22 @@ def merge_layers(layers: Sequence[_Layer]) -> LPTrainConfig:
     assert isinstance(cfg, LPTrainConfig)
     _check_resolved_types(cfg)
     return cfg
+
+
+def _merge_each(layers: Sequence[_Layer]) -> DictConfig:
+    """``layers`` merged one at a time over the schema defaults; :class:`ConfigError` naming
+    the first layer (file and line) whose values OmegaConf refuses."""
+    merged = copy.deepcopy(_base())
+    for layer in layers:
+        try:
+            # in place: ``merged`` is this call's own copy, and a layer's plain mapping is
+            # turned into fresh nodes first (``merge`` deep-copied the whole tree per layer)
+            merged = OmegaConf.unsafe_merge(merged, layer.data)
+        except OmegaConfBaseException as e:
+            key = getattr(e, "full_key", None) or ""
+            where = _where(layer.source, layer.lines, key)
+            raise ConfigError(f"{where}: {key + ': ' if key else ''}{_first_line(str(e))}") from None
+    return merged
 
 
 def _folded(mappings: Sequence[dict[str, Any]]) -> dict[str, Any]:

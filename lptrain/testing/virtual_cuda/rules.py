@@ -203,9 +203,7 @@ class DispatchRules(TorchDispatchMode):
             top, listed = _tensor_args(args, kwargs)
             self._check(func, top, listed, args, kwargs)
         elif op.takes_generator:  # (the generator rule alone)
-            gen = kwargs.get("generator")  # (torch.Generator's isinstance is a Python hook)
-            if gen is not None and isinstance(gen, torch.Generator) and not is_device(gen):
-                vd.violation("a random op on device tensors draws from a host generator", func, args)
+            self._check_generator(func, args, kwargs)
         if op.sync is not None:
             vd.stats.sync(op.sync)
         if op.takes_generator and kwargs.get("generator") is None:
@@ -231,8 +229,11 @@ class DispatchRules(TorchDispatchMode):
         for t in listed:
             if not is_device(t) and t.device.type != "meta":
                 self.vd.violation("an op mixes device and host tensors (tensor list)", func, args)
-        gen = kwargs.get("generator")
-        if isinstance(gen, torch.Generator) and not is_device(gen):
+        self._check_generator(func, args, kwargs)
+
+    def _check_generator(self, func: Any, args: tuple, kwargs: dict) -> None:
+        gen = kwargs.get("generator")  # (None first: torch.Generator's isinstance is a Python hook)
+        if gen is not None and isinstance(gen, torch.Generator) and not is_device(gen):
             self.vd.violation("a random op on device tensors draws from a host generator", func, args)
 
     def _transfer(self, func: Any, args: tuple, kwargs: dict) -> Any:
